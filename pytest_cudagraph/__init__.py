@@ -1,0 +1,47 @@
+"""pytest-cudagraph: prove CUDA-graph replay correct for any ``nn.Module``.
+
+The planning names import without torch; the torch-backed names
+(``GraphManager``, ``CaptureError``'s users) load on first use so that the
+pytest plugin keeps ``pytest --help`` fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import CaptureError
+from .plan import BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
+
+if TYPE_CHECKING:
+    from .context import current_descriptor
+    from .manager import Batch, GraphManager
+
+__all__ = [
+    "Batch",
+    "BatchDescriptor",
+    "CaptureConfig",
+    "CaptureError",
+    "CapturePlan",
+    "GraphManager",
+    "GraphMode",
+    "current_descriptor",
+]
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "GraphManager": ("pytest_cudagraph.manager", "GraphManager"),
+    "Batch": ("pytest_cudagraph.manager", "Batch"),
+    "current_descriptor": ("pytest_cudagraph.context", "current_descriptor"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module_name, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pytest_cudagraph' has no attribute {name!r}")

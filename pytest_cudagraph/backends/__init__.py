@@ -1,0 +1,7 @@
+"""Graph backends: real CUDA graphs, and a CPU emulation of their semantics."""
+
+from __future__ import annotations
+
+from .base import BACKEND_NAMES, Backend, CapturedGraph, make_backend
+
+__all__ = ["BACKEND_NAMES", "Backend", "CapturedGraph", "make_backend"]

@@ -1,0 +1,87 @@
+"""The small interface every graph backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .guard import CaptureGuard
+
+__all__ = ["BACKEND_NAMES", "Backend", "CapturedGraph", "make_backend"]
+
+BACKEND_NAMES = ("auto", "cuda", "emulate")
+
+
+class CapturedGraph(ABC):
+    """One captured graph: replaying it re-runs the recorded work in place."""
+
+    #: The forward's return value from the capture run. Its tensors live in
+    #: graph memory and are overwritten by every replay.
+    output: Any
+    #: Bytes of graph memory this capture added (pool growth).
+    nbytes: int
+
+    @abstractmethod
+    def replay(self) -> None: ...
+
+
+class Backend(ABC):
+    """Warm-up, capture into one shared pool, and release."""
+
+    name: str
+    device: torch.device
+
+    @abstractmethod
+    def warmup(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` eagerly as the warm-up before a capture."""
+
+    @abstractmethod
+    def capture(self, fn: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
+        """Capture ``fn`` into the shared pool, checking every op with ``guard``."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Forget the pool; the caller has dropped every graph in it."""
+
+    def synchronize(self) -> None:  # noqa: B027 - optional hook, a no-op on the CPU
+        """Wait for queued device work (a no-op on the CPU)."""
+
+
+def make_backend(name: str, device: torch.device | str | None) -> Backend:
+    """Build the backend ``name`` ('auto', 'cuda' or 'emulate') for ``device``."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")
+    dev = torch.device(device) if device is not None else None
+    if name == "auto":
+        if dev is not None:
+            name = "cuda" if dev.type == "cuda" else "emulate"
+        else:
+            name = "cuda" if torch.cuda.is_available() else "emulate"
+    if name == "cuda":
+        from .cuda import CudaBackend
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "backend='cuda' needs a CUDA device, and torch.cuda.is_available() is False "
+                "here; use backend='emulate' (CPU) or 'auto'"
+            )
+        if dev is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.type != "cuda":
+            raise ValueError(f"backend='cuda' needs a cuda device; got device={str(dev)!r}")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return CudaBackend(dev)
+    from .emulate import EmulateBackend
+
+    if dev is None:
+        dev = torch.device("cpu")
+    if dev.type != "cpu":
+        raise ValueError(
+            f"backend='emulate' runs on the CPU; got device={str(dev)!r}. "
+            "Use backend='cuda' for a GPU, or move the module to the CPU"
+        )
+    return EmulateBackend(dev)

@@ -1,0 +1,113 @@
+"""Real CUDA graphs: ``torch.cuda.CUDAGraph`` captured into one shared pool."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .base import Backend, CapturedGraph
+from .guard import CaptureGuard, GuardDispatchMode
+
+__all__ = ["CudaBackend", "CudaGraph"]
+
+
+class CudaGraph(CapturedGraph):
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: Any, nbytes: int) -> None:
+        self.graph = graph
+        self.output = output
+        self.nbytes = nbytes
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        return self._stream
+
+    def warmup(self, fn: Callable[[], Any]) -> Any:
+        # Warm up on the side stream the capture uses, as PyTorch advises:
+        # lazy initialisation (cuBLAS handles, workspaces) must not happen
+        # inside the capture.
+        with torch.cuda.device(self.device):
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.no_grad(), torch.cuda.stream(stream):
+                out = fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            return out
+
+    def capture(self, fn: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
+        with torch.cuda.device(self.device):
+            if self._pool is None:
+                # One pool for every graph of this manager: smaller graphs,
+                # captured after larger ones, reuse the larger ones' memory.
+                self._pool = torch.cuda.graph_pool_handle()
+            torch.cuda.synchronize(self.device)
+            # Return cached blocks first so that growth of reserved memory is
+            # the pool's growth for this graph alone.
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_reserved(self.device)
+            graph = torch.cuda.CUDAGraph()
+            first_error: BaseException | None = None
+            try:
+                with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream()):
+                    with guard.function_mode(), GuardDispatchMode(guard):
+                        try:
+                            output = fn()
+                        except BaseException as exc:
+                            first_error = exc
+                            raise
+            except BaseException as exc:
+                del graph
+                self._recover()
+                # Ending an invalidated capture raises its own, vaguer error;
+                # the error inside the forward is the one that says why.
+                if first_error is not None and first_error is not exc:
+                    raise first_error from exc
+                raise
+            torch.cuda.synchronize(self.device)
+            grown = torch.cuda.memory_reserved(self.device) - before
+        return CudaGraph(graph, output, max(grown, 0))
+
+    def _recover(self) -> None:
+        """Leave the device fit for another capture after a failed one.
+
+        When a capture is invalidated (a host sync the guard could not see,
+        say), ending it fails before the default generator leaves capture
+        mode, and every later random op then fails. An empty capture on the
+        same stream runs the generator's prologue and epilogue again.
+        """
+        try:
+            torch.cuda.synchronize(self.device)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
+                empty = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(empty, stream=self._side_stream()):
+                    pass
+            del empty
+        except RuntimeError:
+            pass  # the original error is what the caller needs to see
+
+    def release(self) -> None:
+        # Graphs that shared the old pool are gone; a later capture gets a
+        # fresh pool instead of reusing a handle whose last user died (which
+        # trips the allocator's "use_count > 0" assertion).
+        self._pool = None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)

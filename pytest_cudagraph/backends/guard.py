@@ -1,0 +1,212 @@
+"""Finding the operations that cannot live in a graph, and who called them.
+
+A CUDA graph records kernel launches. Anything that needs the host to see a
+value computed on the device (``.item()``, ``bool(tensor)``, an output whose
+size depends on data) or that moves data between host and device cannot be
+recorded. On a GPU such an op either fails deep inside the driver or, worse,
+is recorded with a value frozen at capture. The guard sees every op before it
+runs, so both backends can name the op and the submodule instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["CaptureGuard", "ModuleTracker", "Violation"]
+
+aten = torch.ops.aten
+
+# Ops whose output size depends on tensor values: the host must read the
+# device to size the result, which a graph cannot do.
+_DATA_DEPENDENT = {
+    aten.nonzero.default: "data-dependent output shape",
+    aten.masked_select.default: "data-dependent output shape",
+    aten._unique.default: "data-dependent output shape",
+    aten._unique2.default: "data-dependent output shape",
+    aten.unique_dim.default: "data-dependent output shape",
+    aten.unique_consecutive.default: "data-dependent output shape",
+    aten.bincount.default: "data-dependent output shape",
+    aten._local_scalar_dense.default: "host sync: reads a device value on the host",
+    aten.equal.default: "host sync: returns a Python bool",
+    aten.is_nonzero.default: "host sync: returns a Python bool",
+}
+
+# Python-level tensor methods that hand device data to the host.
+_HOST_METHODS: dict[Any, tuple[str, str]] = {
+    torch.Tensor.item: ("host sync", "Tensor.item()"),
+    torch.Tensor.tolist: ("device-to-host copy", "Tensor.tolist()"),
+    torch.Tensor.numpy: ("device-to-host copy", "Tensor.numpy()"),
+    torch.Tensor.cpu: ("device-to-host copy", "Tensor.cpu()"),
+    torch.Tensor.__bool__: ("host sync", "bool(tensor)"),
+    torch.Tensor.__int__: ("host sync", "int(tensor)"),
+    torch.Tensor.__float__: ("host sync", "float(tensor)"),
+    torch.Tensor.__index__: ("host sync", "tensor used as an index"),
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One op that cannot be captured."""
+
+    op: str
+    reason: str
+    module_path: str
+
+    def describe(self) -> str:
+        where = f"submodule '{self.module_path}'" if self.module_path else "the top-level module"
+        return f"{self.op} ({self.reason}) in {where}"
+
+
+class ModuleTracker:
+    """Keeps the dotted path of the submodule whose forward is running."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+        self._stack: list[str] = []
+
+    @property
+    def path(self) -> str:
+        return self._stack[-1] if self._stack else ""
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self._stack = []
+        handles = []
+        for name, sub in self._module.named_modules():
+            if not name:
+                continue
+
+            def pre(_m: Any, _a: Any, name: str = name) -> None:
+                self._stack.append(name)
+
+            def post(_m: Any, _a: Any, _o: Any) -> None:
+                if self._stack:
+                    self._stack.pop()
+
+            handles.append(sub.register_forward_pre_hook(pre))
+            handles.append(sub.register_forward_hook(post))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            self._stack = []
+
+
+def _is_bool_index(indices: Any) -> bool:
+    flat, _ = tree_flatten(indices)
+    return any(
+        isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in flat
+    )
+
+
+def check_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> tuple[str, str] | None:
+    """(op name, reason) when ``func`` cannot be captured on ``device``, else None."""
+    reason = _DATA_DEPENDENT.get(func)
+    if reason is not None:
+        return str(func), reason
+    packet = getattr(func, "overloadpacket", None)
+    if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_) and len(args) > 1:
+        if _is_bool_index(args[1]):
+            return str(func), "boolean-mask indexing: data-dependent output shape"
+    if packet is aten.repeat_interleave and func is not aten.repeat_interleave.self_int:
+        if kwargs.get("output_size") is None:
+            return str(func), "data-dependent output shape (pass output_size=)"
+    if device.type != "cpu":
+        # Transfers and host tensors only matter when the graph lives on a
+        # device: a CPU tensor read by a device kernel during capture is
+        # copied from pageable memory, which a graph cannot record.
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        on_host = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]
+        on_dev = [t for t in tensors if t.device.type == device.type]
+        if packet is aten._to_copy:
+            target = kwargs.get("device")
+            if target is not None and torch.device(target).type != tensors[0].device.type:
+                return str(func), "device-to-host copy" if torch.device(target).type == "cpu" else "host-to-device copy"
+        if on_host and on_dev:
+            return str(func), "CPU tensor on the CUDA path (host-device copy)"
+    return None
+
+
+class CaptureGuard:
+    """Checks every op while the module runs; raises or collects violations.
+
+    With ``collect=False`` (used during capture) the first violation raises
+    through ``on_violation`` before the op runs, so the device never sees it.
+    With ``collect=True`` every violation is listed and the op still runs
+    eagerly, so one pass finds them all.
+    """
+
+    def __init__(
+        self,
+        tracker: ModuleTracker,
+        device: torch.device,
+        *,
+        on_violation: Callable[[Violation], None] | None = None,
+    ) -> None:
+        self.tracker = tracker
+        self.device = device
+        self.on_violation = on_violation
+        self.violations: list[Violation] = []
+        self._in_host_method = 0
+
+    def report(self, op: str, reason: str) -> None:
+        violation = Violation(op=op, reason=reason, module_path=self.tracker.path)
+        if violation not in self.violations:
+            self.violations.append(violation)
+        if self.on_violation is not None:
+            self.on_violation(violation)
+
+    def check_dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._in_host_method:
+            return  # already reported under its Python name
+        found = check_op(func, args, kwargs, self.device)
+        if found is not None:
+            self.report(*found)
+
+    @contextlib.contextmanager
+    def function_mode(self) -> Iterator[None]:
+        with _HostMethodMode(self):
+            yield
+
+
+class _HostMethodMode(TorchFunctionMode):
+    def __init__(self, guard: CaptureGuard) -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        hit = _HOST_METHODS.get(func)
+        if hit is not None:
+            reason, name = hit
+            self.guard.report(name, reason)
+            # The aten op beneath (``_local_scalar_dense``) is the same event.
+            self.guard._in_host_method += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.guard._in_host_method -= 1
+        return func(*args, **kwargs)
+
+
+class GuardDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A dispatch mode that only checks (the CUDA backend's guard)."""
+
+    def __init__(self, guard: CaptureGuard) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.guard = guard
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.guard.check_dispatch(func, args, kwargs)
+        return func(*args, **kwargs)

@@ -1,0 +1,542 @@
+"""The graph manager: wrap a module, capture every descriptor, run real batches."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..backends.base import Backend, CapturedGraph, make_backend
+from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker, Violation
+from ..context import running
+from ..errors import CaptureError
+from ..plan import BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
+from .layout import InputSpec, PadValue, call_make_inputs, infer_layout
+
+__all__ = ["Batch", "GraphManager"]
+
+RowKind = Literal["tokens", "reqs", "whole"]
+
+
+class _Uncapturable(Exception):
+    def __init__(self, violation: Violation) -> None:
+        super().__init__(violation.describe())
+        self.violation = violation
+
+
+def _raise_violation(violation: Violation) -> None:
+    raise _Uncapturable(violation)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A real batch after validation: its shape and what dispatch needs."""
+
+    num_tokens: int
+    num_reqs: int
+    uniform_token_count: int | None = None
+    num_active_loras: int = 0
+    max_query_len: int | None = None
+    num_ubatches: int = 1
+
+
+@dataclass
+class _Entry:
+    """A captured descriptor: its graph, inputs and how to cut its outputs."""
+
+    graph: CapturedGraph
+    num_reqs: int  # request rows the graph was captured with
+    out_rows: list[RowKind]
+    capture_seconds: float
+
+
+class GraphManager:
+    """Captures a module as one graph per descriptor and replays real batches.
+
+    ``make_inputs(num_tokens, num_reqs) -> dict`` builds keyword inputs for
+    ``module.forward`` at any shape; the manager learns which inputs follow
+    tokens, requests or neither, and allocates static buffers at the largest
+    shape once. ``config`` is a ``CaptureConfig`` (or a mapping of its
+    keywords). ``backend`` is ``"cuda"``, ``"emulate"`` (CPU) or ``"auto"``.
+
+    Outputs of ``run`` are owned by the caller (copies of the real rows)
+    unless ``output_views=True``: then they are views of graph memory, valid
+    until the next ``run`` of any descriptor.
+
+    ``pad_values`` maps input names to the value padded rows get (default 0;
+    ``"edge"`` repeats the last real row). If ``module.forward`` takes an
+    ``is_padding`` argument that ``make_inputs`` does not give, the manager
+    passes a bool mask with True on padded token rows.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        make_inputs: Callable[[int, int], Mapping[str, Any]],
+        config: CaptureConfig | Mapping[str, Any],
+        *,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        pad_values: Mapping[str, PadValue] | None = None,
+        output_views: bool = False,
+        progress: bool | None = None,
+    ) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise ValueError(f"module must be a torch.nn.Module; got {type(module).__name__}")
+        if not callable(make_inputs):
+            raise ValueError("make_inputs must be a callable (num_tokens, num_reqs) -> dict of inputs")
+        if isinstance(config, Mapping):
+            config = CaptureConfig(**config)
+        if not isinstance(config, CaptureConfig):
+            raise ValueError(f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}")
+        self.module = module
+        self.config = config
+        self.plan = CapturePlan(config)
+        self.output_views = bool(output_views)
+        self.progress = progress
+        self._backend: Backend = make_backend(backend, device if device is not None else self._module_device())
+        self.device = self._backend.device
+        self._check_module_device()
+
+        self._make_inputs = make_inputs
+        self.max_tokens = config.largest_capture_size
+        self.max_reqs = min(self.max_tokens, config.max_num_reqs)
+        self._inputs = infer_layout(
+            make_inputs,
+            max_tokens=self.max_tokens,
+            max_reqs=self.max_reqs,
+            device=self.device,
+            pad_values=pad_values or {},
+        )
+        self._is_padding: torch.Tensor | None = None
+        if "is_padding" not in self._inputs and self._forward_takes("is_padding"):
+            self._is_padding = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.device)
+        self._entries: dict[BatchDescriptor, _Entry] = {}
+        self._tracker = ModuleTracker(module)
+        self.capture_seconds = 0.0
+
+    # -- set-up helpers -------------------------------------------------
+    def _module_device(self) -> torch.device | None:
+        for param in self.module.parameters():
+            return param.device
+        for buffer in self.module.buffers():
+            return buffer.device
+        return None
+
+    def _check_module_device(self) -> None:
+        tensors: list[tuple[str, torch.Tensor]] = [*self.module.named_parameters(), *self.module.named_buffers()]
+        for name, tensor in tensors:
+            if tensor.device != self.device and not (
+                tensor.device.type == self.device.type == "cpu"
+            ):
+                raise ValueError(
+                    f"module tensor '{name}' is on {tensor.device}, but the {self.backend} "
+                    f"backend runs on {self.device}; move the module with module.to('{self.device}')"
+                )
+
+    def _forward_takes(self, name: str) -> bool:
+        try:
+            params = inspect.signature(self.module.forward).parameters
+        except (TypeError, ValueError):
+            return False
+        return name in params
+
+    # -- inspection -----------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """The backend's name: 'cuda' or 'emulate'."""
+        return self._backend.name
+
+    @property
+    def input_specs(self) -> Mapping[str, InputSpec]:
+        """Each input's layout and static buffer."""
+        return dict(self._inputs)
+
+    @property
+    def static_inputs(self) -> dict[str, torch.Tensor]:
+        """The static input buffers, by name (their addresses never change)."""
+        buffers = {n: s.buffer for n, s in self._inputs.items() if s.buffer is not None}
+        if self._is_padding is not None:
+            buffers["is_padding"] = self._is_padding
+        return buffers
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._entries)
+
+    @property
+    def captured_descriptors(self) -> tuple[BatchDescriptor, ...]:
+        """Descriptors with a live graph, in capture order."""
+        return tuple(self._entries)
+
+    def graph(self, desc: BatchDescriptor) -> CapturedGraph:
+        """The captured graph of ``desc`` (KeyError if it has none)."""
+        return self._entries[desc].graph
+
+    @property
+    def graph_memory(self) -> dict[BatchDescriptor, int]:
+        """Bytes of graph memory each capture added."""
+        return {d: e.graph.nbytes for d, e in self._entries.items()}
+
+    # -- capture --------------------------------------------------------
+    def capture_reqs(self, desc: BatchDescriptor) -> int:
+        """Request rows a descriptor is captured with (PIECEWISE: as many as fit)."""
+        if desc.num_reqs is not None:
+            return desc.num_reqs
+        return min(desc.num_tokens, self.config.max_num_reqs)
+
+    def _views(self, num_tokens: int, num_reqs: int) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        for name, spec in self._inputs.items():
+            if spec.kind == "const":
+                kwargs[name] = spec.value
+            elif spec.kind == "fixed":
+                kwargs[name] = spec.buffer
+            else:
+                assert spec.buffer is not None
+                kwargs[name] = spec.buffer[: spec.rows(num_tokens, num_reqs)]
+        if self._is_padding is not None:
+            kwargs["is_padding"] = self._is_padding[:num_tokens]
+        return kwargs
+
+    def capture(self, descriptors: Iterable[BatchDescriptor] | None = None) -> None:
+        """Capture every descriptor of the plan (or those given), largest first.
+
+        Each descriptor is warmed up eagerly, then captured on the static
+        buffers into one pool shared by all graphs. On failure every graph is
+        released, ``CaptureError`` is raised, and the manager runs batches
+        eagerly until a later ``capture()`` succeeds.
+        """
+        order = list(self.plan.capture_order if descriptors is None else descriptors)
+        unknown = [d for d in order if d not in set(self.plan.descriptors)]
+        if unknown:
+            raise ValueError(f"descriptor {unknown[0]} is not in this manager's plan")
+        if self._entries:
+            self.release()
+        started = time.perf_counter()
+        try:
+            for desc in self._progress(order):
+                self._capture_one(desc)
+        except BaseException:
+            self.release()
+            raise
+        self.capture_seconds = time.perf_counter() - started
+
+    def _progress(self, order: list[BatchDescriptor]) -> Iterable[BatchDescriptor]:
+        show = self.progress
+        if show is None:
+            show = len(order) >= 16 and sys.stderr.isatty()
+        if not show:
+            return order
+        try:
+            from tqdm import tqdm
+        except ImportError:  # tqdm is a dependency, but progress is optional
+            return order
+        bar: Iterable[BatchDescriptor] = tqdm(order, desc=f"Capturing graphs ({self.backend})", unit="graph")
+        return bar
+
+    def _capture_one(self, desc: BatchDescriptor) -> None:
+        reqs = self.capture_reqs(desc)
+        # Capture on valid data of this very shape (indices in range, say):
+        # a prefix of the largest shape's inputs need not be valid.
+        sample = call_make_inputs(self._make_inputs, desc.num_tokens, reqs)
+        self.load_inputs(desc, sample, self.batch_of(sample, num_reqs=reqs))
+        kwargs = self._views(desc.num_tokens, reqs)
+
+        def forward() -> Any:
+            with running(desc):
+                return self.module(**kwargs)
+
+        def guarded_forward() -> Any:
+            # The warm-up is checked too: an op that cannot be captured is
+            # named before it runs, instead of failing inside torch.
+            with guard.function_mode(), GuardDispatchMode(guard):
+                return forward()
+
+        started = time.perf_counter()
+        guard = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation)
+        try:
+            with self._tracker.track():
+                self._backend.warmup(guarded_forward)
+                graph = self._backend.capture(forward, guard)
+        except _Uncapturable as exc:
+            v = exc.violation
+            raise CaptureError(
+                f"cannot capture {v.describe()} while capturing {desc} on the {self.backend} "
+                f"backend. A graph cannot read device values on the host or size outputs "
+                f"from data: keep shapes static and values on the device",
+                op=v.op, reason=v.reason, module_path=v.module_path, descriptor=desc, backend=self.backend,
+            ) from None
+        except CaptureError:
+            raise
+        except Exception as exc:
+            where = self._tracker.path
+            raise CaptureError(
+                f"capture of {desc} failed on the {self.backend} backend"
+                f"{f' in submodule {where!r}' if where else ''}: {type(exc).__name__}: {exc}",
+                module_path=where, descriptor=desc, backend=self.backend,
+            ) from exc
+        out_rows = self._row_kinds(graph.output, desc.num_tokens, reqs)
+        self._entries[desc] = _Entry(graph, reqs, out_rows, time.perf_counter() - started)
+
+    @staticmethod
+    def _row_kinds(output: Any, num_tokens: int, num_reqs: int) -> list[RowKind]:
+        # Per output leaf: cut it to the real tokens, the real requests, or
+        # return it whole. When tokens and requests are the same count, rows
+        # follow tokens, as hidden states do in inference engines.
+        kinds: list[RowKind] = []
+        for leaf in tree_flatten(output)[0]:
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+                kinds.append("whole")
+            elif leaf.shape[0] == num_tokens:
+                kinds.append("tokens")
+            elif leaf.shape[0] == num_reqs:
+                kinds.append("reqs")
+            else:
+                kinds.append("whole")
+        return kinds
+
+    def release(self) -> None:
+        """Drop every graph and the pool. Static buffers stay; capture() again works."""
+        self._entries.clear()
+        self._backend.release()
+
+    def __enter__(self) -> GraphManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    # -- running --------------------------------------------------------
+    def dispatch(
+        self,
+        *,
+        num_reqs: int,
+        num_tokens: int,
+        uniform_token_count: int | None = None,
+        num_active_loras: int = 0,
+        max_query_len: int | None = None,
+        num_ubatches: int = 1,
+    ) -> BatchDescriptor:
+        """The plan's answer, or ``NONE`` when that descriptor has no live graph."""
+        desc = self.plan.dispatch(
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            uniform_token_count=uniform_token_count,
+            num_active_loras=num_active_loras,
+            max_query_len=max_query_len,
+            num_ubatches=num_ubatches,
+        )
+        if desc.mode is GraphMode.NONE or desc in self._entries:
+            return desc
+        return BatchDescriptor(
+            mode=GraphMode.NONE,
+            num_tokens=num_tokens,
+            num_reqs=num_reqs,
+            num_active_loras=self.plan.effective_loras(num_active_loras),
+            num_ubatches=num_ubatches,
+        )
+
+    def run(self, **inputs: Any) -> Any:
+        """Run one real batch given as keyword inputs; see ``run_batch``."""
+        return self.run_batch(inputs)
+
+    def run_batch(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        num_reqs: int | None = None,
+        uniform_token_count: int | None = None,
+        num_active_loras: int = 0,
+        max_query_len: int | None = None,
+        num_ubatches: int = 1,
+    ) -> Any:
+        """Dispatch a real batch, replay its graph (or run eagerly), return real rows.
+
+        ``num_reqs`` defaults to what request-shaped inputs say, or to the
+        token count (capped at ``max_num_reqs``) when there are none.
+        """
+        batch = self.batch_of(
+            inputs,
+            num_reqs=num_reqs,
+            uniform_token_count=uniform_token_count,
+            num_active_loras=num_active_loras,
+            max_query_len=max_query_len,
+            num_ubatches=num_ubatches,
+        )
+        desc = self.dispatch(
+            num_reqs=batch.num_reqs,
+            num_tokens=batch.num_tokens,
+            uniform_token_count=batch.uniform_token_count,
+            num_active_loras=batch.num_active_loras,
+            max_query_len=batch.max_query_len,
+            num_ubatches=batch.num_ubatches,
+        )
+        if desc.mode is GraphMode.NONE:
+            return self._run_eager(inputs, batch, desc)
+        return self._replay(desc, inputs, batch)
+
+    def batch_of(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        num_reqs: int | None = None,
+        uniform_token_count: int | None = None,
+        num_active_loras: int = 0,
+        max_query_len: int | None = None,
+        num_ubatches: int = 1,
+    ) -> Batch:
+        """Validate ``inputs`` against the static buffers and read the batch shape."""
+        missing = [n for n, s in self._inputs.items() if n not in inputs and s.kind != "const"]
+        unknown = [n for n in inputs if n not in self._inputs]
+        if missing or unknown:
+            parts = []
+            if missing:
+                parts.append(f"missing input(s) {missing}")
+            if unknown:
+                parts.append(f"unknown input(s) {unknown}")
+            raise ValueError(f"{' and '.join(parts)}; the module's inputs are {list(self._inputs)}")
+        counts: dict[str, dict[int, str]] = {"tokens": {}, "reqs": {}}
+        for name, value in inputs.items():
+            spec = self._inputs[name]
+            if spec.kind == "const":
+                if value is not spec.value and value != spec.value:
+                    raise ValueError(
+                        f"input '{name}' is {value!r}, but the graphs froze it at {spec.value!r} "
+                        "during capture (a Python value is not read on replay); pass it as a tensor"
+                    )
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"input '{name}' must be {spec.expected()}; got {type(value).__name__}")
+            if value.dtype != spec.dtype:
+                raise ValueError(f"input '{name}' has dtype {value.dtype}; expected {spec.expected()}")
+            if value.device != self.device and not (value.device.type == self.device.type == "cpu"):
+                raise ValueError(
+                    f"input '{name}' is on {value.device}; the graphs read it from {self.device}: "
+                    f"move it with .to('{self.device}')"
+                )
+            assert spec.buffer is not None
+            if spec.kind == "fixed":
+                if value.shape != spec.buffer.shape:
+                    raise ValueError(
+                        f"input '{name}' has shape {tuple(value.shape)}; expected {spec.expected()}"
+                    )
+                continue
+            if value.dim() == 0 or tuple(value.shape[1:]) != spec.trailing:
+                raise ValueError(f"input '{name}' has shape {tuple(value.shape)}; expected {spec.expected()}")
+            count = value.shape[0] - spec.offset
+            counts[spec.kind].setdefault(count, name)
+        for kind, seen in counts.items():
+            if len(seen) > 1:
+                detail = ", ".join(f"'{n}' says {c}" for c, n in seen.items())
+                raise ValueError(f"inputs disagree on num_{kind}: {detail}")
+        if not counts["tokens"]:
+            raise ValueError("no input follows num_tokens, so the batch's token count is unknown")
+        num_tokens = next(iter(counts["tokens"]))
+        if counts["reqs"]:
+            from_inputs = next(iter(counts["reqs"]))
+            if num_reqs is not None and num_reqs != from_inputs:
+                raise ValueError(f"num_reqs={num_reqs} but request-shaped inputs hold {from_inputs} rows")
+            num_reqs = from_inputs
+        elif num_reqs is None:
+            num_reqs = min(num_tokens, self.config.max_num_reqs)
+        if num_tokens < 1:
+            raise ValueError(f"the batch has {num_tokens} tokens; a batch needs at least one")
+        if num_reqs > self.config.max_num_reqs:
+            raise ValueError(
+                f"the batch has {num_reqs} requests, above max_num_reqs={self.config.max_num_reqs}"
+            )
+        batch = Batch(num_tokens, num_reqs, uniform_token_count, num_active_loras, max_query_len, num_ubatches)
+        # Validates counts (num_reqs <= num_tokens, non-negative, ...).
+        self.plan.dispatch(
+            num_reqs=num_reqs, num_tokens=num_tokens, uniform_token_count=uniform_token_count,
+            num_active_loras=num_active_loras, max_query_len=max_query_len, num_ubatches=num_ubatches,
+        )
+        return batch
+
+    def _full_kwargs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        kwargs = dict(inputs)
+        for name, spec in self._inputs.items():
+            if spec.kind == "const" and name not in kwargs:
+                kwargs[name] = spec.value
+        return kwargs
+
+    def _run_eager(self, inputs: Mapping[str, Any], batch: Batch, desc: BatchDescriptor) -> Any:
+        kwargs = self._full_kwargs(inputs)
+        if self._is_padding is not None:
+            kwargs["is_padding"] = torch.zeros(batch.num_tokens, dtype=torch.bool, device=self.device)
+        with torch.no_grad(), running(desc):
+            return self.module(**kwargs)
+
+    def eager(self, **inputs: Any) -> Any:
+        """Run the module eagerly on a real batch, as ``run`` would without graphs."""
+        batch = self.batch_of(inputs)
+        desc = BatchDescriptor(mode=GraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=batch.num_reqs)
+        return self._run_eager(inputs, batch, desc)
+
+    def load_inputs(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> None:
+        """Copy a real batch into the static buffers and pad the rest of ``desc``'s rows."""
+        reqs = self._entries[desc].num_reqs if desc in self._entries else self.capture_reqs(desc)
+        with torch.no_grad():
+            for name, spec in self._inputs.items():
+                if spec.kind == "const":
+                    continue
+                buf = spec.buffer
+                assert buf is not None
+                value = inputs[name]
+                if spec.kind == "fixed":
+                    buf.copy_(value)
+                    continue
+                real = spec.rows(batch.num_tokens, batch.num_reqs)
+                rows = spec.rows(desc.num_tokens, reqs)
+                buf[:real].copy_(value)
+                if rows > real:
+                    if spec.pad == "edge":
+                        buf[real:rows].copy_(value[-1:].expand(rows - real, *spec.trailing))
+                    else:
+                        buf[real:rows].fill_(spec.pad)
+            if self._is_padding is not None:
+                self._is_padding[: batch.num_tokens].fill_(False)
+                self._is_padding[batch.num_tokens : desc.num_tokens].fill_(True)
+
+    def _replay(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> Any:
+        entry = self._entries[desc]
+        self.load_inputs(desc, inputs, batch)
+        entry.graph.replay()
+        return self.real_rows(desc, batch)
+
+    def real_rows(self, desc: BatchDescriptor, batch: Batch) -> Any:
+        """The last replay's outputs of ``desc``, cut to the batch's real rows."""
+        entry = self._entries[desc]
+        leaves, spec = tree_flatten(entry.graph.output)
+        cut = []
+        for leaf, kind in zip(leaves, entry.out_rows, strict=False):
+            if kind == "tokens":
+                leaf = leaf[: batch.num_tokens]
+            elif kind == "reqs":
+                leaf = leaf[: batch.num_reqs]
+            if isinstance(leaf, torch.Tensor) and not self.output_views:
+                leaf = leaf.clone()
+            cut.append(leaf)
+        return tree_unflatten(cut, spec)
+
+    def replay(self, desc: BatchDescriptor) -> Any:
+        """Replay ``desc``'s graph on whatever the static buffers hold; return its full output.
+
+        The output tensors are graph memory: the next replay overwrites them.
+        """
+        self._entries[desc].graph.replay()
+        return self._entries[desc].graph.output
+
+    def __repr__(self) -> str:
+        return (
+            f"GraphManager({type(self.module).__name__}, backend={self.backend!r}, "
+            f"device={str(self.device)!r}, {len(self.plan.descriptors)} descriptors, "
+            f"{len(self._entries)} captured)"
+        )

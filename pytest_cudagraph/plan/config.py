@@ -1,0 +1,144 @@
+"""What to capture: the user's graph configuration, validated once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .modes import GraphMode
+
+__all__ = ["CaptureConfig"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_tuple(name: str, values: Iterable[int] | int, *, minimum: int) -> tuple[int, ...]:
+    if _is_int(values):
+        values = (values,)  # type: ignore[assignment]
+    try:
+        items = tuple(values)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(
+            f"{name} must be a sequence of integers; got {values!r}"
+        ) from None
+    bad = [v for v in items if not _is_int(v) or v < minimum]
+    if bad:
+        raise ValueError(f"{name} must hold integers >= {minimum}; got {bad[0]!r} in {items!r}")
+    # Keep the order given (the capture order of LoRA cases follows it, as in
+    # vLLM) but drop repeats, which would only capture the same graph twice.
+    return tuple(dict.fromkeys(items))
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """The graphs to capture, with vLLM's meaning for each field.
+
+    Arguments are keyword-only. ``capture_sizes`` are the token counts graphs
+    are captured for; ``max_num_reqs`` is the most requests a batch may hold;
+    ``mode`` picks FULL / PIECEWISE / split decode-and-mixed routines;
+    ``decode_query_len`` is the tokens per request of a uniform decode batch
+    (1, or 1 + speculative tokens); ``lora_cases`` are the active-adapter
+    counts graphs are captured for (0: no LoRA); ``varlen_decode`` captures
+    decode graphs that take any mix of 1..``decode_query_len`` tokens per
+    request instead of exactly ``decode_query_len``; ``max_capture_size``
+    bounds uniform decode graphs (default: the largest capture size).
+    ``num_ubatches`` > 1 adds, for each FULL graph of at least
+    ``ubatch_min_tokens`` tokens whose tokens split evenly over its requests, a
+    twin captured for a batch split into that many microbatches (vLLM's DBO).
+    """
+
+    capture_sizes: tuple[int, ...]
+    max_num_reqs: int
+    mode: GraphMode = GraphMode.FULL
+    decode_query_len: int = 1
+    lora_cases: tuple[int, ...] = (0,)
+    varlen_decode: bool = False
+    max_capture_size: int | None = None
+    num_ubatches: int = 1
+    ubatch_min_tokens: int = 1
+    _sorted_sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __init__(
+        self,
+        *,
+        capture_sizes: Iterable[int],
+        max_num_reqs: int,
+        mode: GraphMode | str = GraphMode.FULL,
+        decode_query_len: int = 1,
+        lora_cases: Iterable[int] = (0,),
+        varlen_decode: bool = False,
+        max_capture_size: int | None = None,
+        num_ubatches: int = 1,
+        ubatch_min_tokens: int = 1,
+    ) -> None:
+        sizes = _int_tuple("capture_sizes", capture_sizes, minimum=1)
+        if not sizes:
+            raise ValueError("capture_sizes must name at least one token count, e.g. (1, 2, 4, 8)")
+        if not _is_int(max_num_reqs) or max_num_reqs < 1:
+            raise ValueError(f"max_num_reqs must be an integer >= 1; got {max_num_reqs!r}")
+        if not _is_int(decode_query_len) or decode_query_len < 1:
+            raise ValueError(
+                f"decode_query_len must be an integer >= 1 (1 + speculative tokens); "
+                f"got {decode_query_len!r}"
+            )
+        cases = _int_tuple("lora_cases", lora_cases, minimum=0)
+        if not cases:
+            raise ValueError("lora_cases must name at least one case; use (0,) for no LoRA")
+        if not isinstance(varlen_decode, bool):
+            raise ValueError(f"varlen_decode must be True or False; got {varlen_decode!r}")
+        largest = max(sizes)
+        if max_capture_size is None:
+            max_capture_size = largest
+        elif not _is_int(max_capture_size) or max_capture_size < largest:
+            raise ValueError(
+                f"max_capture_size must be an integer >= the largest capture size "
+                f"({largest}); got {max_capture_size!r}"
+            )
+        if not _is_int(num_ubatches) or num_ubatches < 1:
+            raise ValueError(f"num_ubatches must be an integer >= 1 (1: no microbatching); got {num_ubatches!r}")
+        if not _is_int(ubatch_min_tokens) or ubatch_min_tokens < 1:
+            raise ValueError(f"ubatch_min_tokens must be an integer >= 1; got {ubatch_min_tokens!r}")
+        set_ = object.__setattr__
+        set_(self, "capture_sizes", sizes)
+        set_(self, "max_num_reqs", max_num_reqs)
+        set_(self, "mode", GraphMode.parse(mode))
+        set_(self, "decode_query_len", decode_query_len)
+        set_(self, "lora_cases", cases)
+        set_(self, "varlen_decode", varlen_decode)
+        set_(self, "max_capture_size", max_capture_size)
+        set_(self, "num_ubatches", num_ubatches)
+        set_(self, "ubatch_min_tokens", ubatch_min_tokens)
+        set_(self, "_sorted_sizes", tuple(sorted(sizes)))
+
+    @property
+    def sorted_capture_sizes(self) -> tuple[int, ...]:
+        """Capture sizes, smallest first."""
+        return self._sorted_sizes
+
+    @property
+    def largest_capture_size(self) -> int:
+        return self._sorted_sizes[-1]
+
+    def replace(self, **changes: object) -> CaptureConfig:
+        """A copy with some fields changed (validated again)."""
+        fields = {
+            "capture_sizes": self.capture_sizes,
+            "max_num_reqs": self.max_num_reqs,
+            "mode": self.mode,
+            "decode_query_len": self.decode_query_len,
+            "lora_cases": self.lora_cases,
+            "varlen_decode": self.varlen_decode,
+            "max_capture_size": self.max_capture_size,
+            "num_ubatches": self.num_ubatches,
+            "ubatch_min_tokens": self.ubatch_min_tokens,
+        }
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise ValueError(f"unknown CaptureConfig field(s): {', '.join(sorted(unknown))}")
+        if "capture_sizes" in changes and "max_capture_size" not in changes:
+            # The bound followed the old sizes; let it follow the new ones.
+            fields["max_capture_size"] = None
+        fields.update(changes)
+        return CaptureConfig(**fields)  # type: ignore[arg-type]
