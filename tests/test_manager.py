@@ -433,3 +433,27 @@ def test_many_release_recapture_cycles_share_no_dead_pool():
         mgr.release()
     mgr.capture()
     assert len(mgr.captured_descriptors) == len(mgr.plan.descriptors)
+
+
+@pytest.mark.cuda
+def test_releasing_one_manager_leaves_another_correct():
+    # PyTorch drops a stream's cuBLAS workspace whenever a graph captured on
+    # that stream dies; a workspace shared across managers would then be
+    # handed to other tensors while live graphs still write to it.
+    dev = torch.device("cuda", 0)
+    keep_module = models.TransformerBlock().cuda().eval()
+    make_inputs = models.block_inputs(device="cuda", seed=3)
+    keep = make(keep_module, make_inputs, "cuda", dev, capture_sizes=(64, 128), max_num_reqs=64)
+    keep.capture()
+    for _ in range(3):
+        other = make(models.TransformerBlock().cuda().eval(), models.block_inputs(device="cuda"), "cuda", dev,
+                     capture_sizes=(64, 128), max_num_reqs=64)
+        other.capture()
+        other.release()
+        del other
+        filler = [torch.randn(1 << 20, device="cuda") for _ in range(8)]  # reuse freed memory
+        inputs = make_inputs(100, 7)
+        out = keep.run(**inputs)
+        ref = eager(keep_module, **inputs, is_padding=torch.zeros(100, dtype=torch.bool, device="cuda"))
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        del filler

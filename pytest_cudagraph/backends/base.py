@@ -34,6 +34,9 @@ class Backend(ABC):
     name: str
     device: torch.device
 
+    def begin(self) -> None:  # noqa: B027 - optional hook
+        """Called once before a sequence of captures."""
+
     @abstractmethod
     def warmup(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` eagerly as the warm-up before a capture."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -30,19 +31,38 @@ class CudaBackend(Backend):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pool: Any = None
-        self._stream: torch.cuda.Stream | None = None
+        # Separate streams for warm-up and capture. PyTorch caches one cuBLAS
+        # workspace per stream, and destroying *any* graph captured on a
+        # stream drops that stream's workspace. A workspace first allocated
+        # during capture comes from this manager's private pool, where no
+        # eager tensor can ever be handed its memory; one allocated by an
+        # eager warm-up on the same stream would not.
+        self._warmup_stream: torch.cuda.Stream | None = None
+        self._capture_stream: torch.cuda.Stream | None = None
 
-    def _side_stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
-        return self._stream
+    def _streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        if self._warmup_stream is None or self._capture_stream is None:
+            self._warmup_stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+            self._capture_stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        return self._warmup_stream, self._capture_stream
+
+    def begin(self) -> None:
+        # Graphs another manager left to the garbage collector die now, not
+        # in the middle of this capture sequence (torch.cuda.graph collects
+        # garbage on entry), and stale cuBLAS workspaces are dropped so the
+        # capture stream's workspace is allocated inside this pool.
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
 
     def warmup(self, fn: Callable[[], Any]) -> Any:
         # Warm up on the side stream the capture uses, as PyTorch advises:
         # lazy initialisation (cuBLAS handles, workspaces) must not happen
         # inside the capture.
         with torch.cuda.device(self.device):
-            stream = self._side_stream()
+            stream = self._streams()[0]
             stream.wait_stream(torch.cuda.current_stream())
             with torch.no_grad(), torch.cuda.stream(stream):
                 out = fn()
@@ -63,7 +83,7 @@ class CudaBackend(Backend):
             graph = torch.cuda.CUDAGraph()
             first_error: BaseException | None = None
             try:
-                with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream()):
+                with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, stream=self._streams()[1]):
                     with guard.function_mode(), GuardDispatchMode(guard):
                         try:
                             output = fn()
@@ -95,7 +115,7 @@ class CudaBackend(Backend):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
                 empty = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(empty, stream=self._side_stream()):
+                with torch.cuda.graph(empty, stream=self._streams()[1]):
                     pass
             del empty
         except RuntimeError:

@@ -221,6 +221,7 @@ class GraphManager:
             self.release()
         started = time.perf_counter()
         try:
+            self._backend.begin()
             for desc in self._progress(order):
                 self._capture_one(desc)
         except BaseException:
