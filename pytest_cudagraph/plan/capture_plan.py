@@ -271,7 +271,21 @@ class CapturePlan:
             and type(max_query_len) in _OPTIONAL_INT
         ):
             return hit
-        self._validate_batch(*key)
+        # Fast check of the common, valid case; anything else gets the slow
+        # validation, which raises with a message naming the field.
+        if not (
+            type(num_tokens) is int
+            and type(num_reqs) is int
+            and type(num_active_loras) is int
+            and type(num_ubatches) is int
+            and 0 <= num_reqs <= num_tokens
+            and (num_reqs > 0 or num_tokens == 0)
+            and num_active_loras >= 0
+            and num_ubatches >= 1
+            and (uniform_token_count is None or (type(uniform_token_count) is int and uniform_token_count >= 1))
+            and (max_query_len is None or (type(max_query_len) is int and max_query_len >= 1))
+        ):
+            self._validate_batch(*key)
         answer = self._lookup(*key)
         if len(self._memo) >= _MEMO_LIMIT:
             self._memo.clear()
@@ -313,13 +327,17 @@ class CapturePlan:
         loras = self.effective_loras(num_active_loras)
         if num_tokens > 0:
             for desc in self._candidates.get((num_tokens, loras), ()):
-                if desc.is_compatible(
-                    num_reqs=num_reqs,
-                    num_tokens=num_tokens,
-                    uniform_token_count=uniform_token_count,
-                    num_active_loras=loras,
-                    max_query_len=max_query_len,
-                    num_ubatches=num_ubatches,
+                # BatchDescriptor.is_compatible, inlined: this is the miss path
+                # of every new batch shape.
+                if (
+                    (desc.uniform_token_count is None or desc.uniform_token_count == uniform_token_count)
+                    and (
+                        desc.max_query_len is None
+                        or (max_query_len is not None and max_query_len <= desc.max_query_len)
+                    )
+                    and (desc.num_reqs is None or num_reqs <= desc.num_reqs)
+                    and num_tokens <= desc.num_tokens
+                    and desc.num_ubatches == num_ubatches
                 ):
                     return desc
         return BatchDescriptor(
