@@ -13,10 +13,12 @@ from .errors import CaptureError
 from .plan import BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
 
 if TYPE_CHECKING:
+    from .checks import CHECKS, VerifyReport, verify
     from .context import current_descriptor
     from .manager import Batch, GraphManager
 
 __all__ = [
+    "CHECKS",
     "Batch",
     "BatchDescriptor",
     "CaptureConfig",
@@ -24,7 +26,9 @@ __all__ = [
     "CapturePlan",
     "GraphManager",
     "GraphMode",
+    "VerifyReport",
     "current_descriptor",
+    "verify",
 ]
 
 __version__ = "0.1.0"
@@ -33,6 +37,9 @@ _LAZY = {
     "GraphManager": ("pytest_cudagraph.manager", "GraphManager"),
     "Batch": ("pytest_cudagraph.manager", "Batch"),
     "current_descriptor": ("pytest_cudagraph.context", "current_descriptor"),
+    "verify": ("pytest_cudagraph.checks", "verify"),
+    "VerifyReport": ("pytest_cudagraph.checks", "VerifyReport"),
+    "CHECKS": ("pytest_cudagraph.checks", "CHECKS"),
 }
 
 

@@ -1,18 +1,120 @@
-"""pytest plugin: markers, options and fixtures of pytest-cudagraph.
+"""pytest plugin: markers, options, hooks and fixtures of pytest-cudagraph.
 
-Hooks, options and fixtures only; the work lives in the package's modules.
-torch is imported lazily so that ``pytest --help`` stays fast.
+Hooks, options and fixtures only; the work lives in ``settings`` (resolving
+the settings), ``pytest_report`` (run state, header, summary, JSON report) and
+``harness`` (what the fixtures do). torch is imported lazily, inside fixtures
+and hooks that run tests, so that ``pytest --help`` stays fast.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
 import pytest
 
+from . import pytest_report, settings
+
+if TYPE_CHECKING:
+    import torch
+
+    from .harness import ManagerFactory, Verifier
+
 _CUDA_MARKER = "cuda: the test needs a CUDA device; it is skipped cleanly where none is available"
+_CUDAGRAPH_MARKER = (
+    f"{settings.MARKER_SIGNATURE}: settings of the test's cudagraph_verify / cudagraph_manager "
+    "calls (keywords given to the call win; capture_sizes and backend beat --cudagraph-sizes / "
+    "--cudagraph-backend)"
+)
+
+
+# -- options ---------------------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("cudagraph", "CUDA-graph verification (pytest-cudagraph)")
+    group.addoption(
+        "--cudagraph-verify",
+        action="store_true",
+        default=None,
+        dest="cudagraph_verify",
+        help="verify every descriptor with every check (exhaustive); without it, a quick mode verifies "
+        "the smallest and largest descriptor of each mode. ini: cudagraph_verify",
+    )
+    group.addoption(
+        "--cudagraph-backend",
+        action="store",
+        default=None,
+        dest="cudagraph_backend",
+        metavar="auto|cuda|emulate",
+        help="graph backend: cuda (real CUDA graphs), emulate (CPU emulation) or auto (cuda where "
+        "available). Default auto. ini: cudagraph_backend",
+    )
+    group.addoption(
+        "--cudagraph-sizes",
+        action="store",
+        default=None,
+        dest="cudagraph_sizes",
+        metavar="1,2,4,...",
+        help="capture sizes (token counts) for every test that does not set its own capture_sizes "
+        "(marker or fixture keyword). ini: cudagraph_sizes",
+    )
+    group.addoption(
+        "--cudagraph-report",
+        action="store",
+        default=None,
+        dest="cudagraph_report",
+        metavar="PATH",
+        help="write a JSON report of every verified module (descriptors, check outcomes, figures) "
+        "keyed by test nodeid, with the settings. ini: cudagraph_report",
+    )
+    parser.addini("cudagraph_verify", "exhaustive verification (as --cudagraph-verify)", type="bool", default=False)
+    parser.addini("cudagraph_backend", "graph backend: auto, cuda or emulate (as --cudagraph-backend)", default="")
+    parser.addini("cudagraph_sizes", "capture sizes, such as 1,2,4,8 (as --cudagraph-sizes)", default="")
+    parser.addini("cudagraph_report", "path of the JSON report, relative to the ini file (as --cudagraph-report)",
+                  default="")
+
+
+# -- configuration and run state -------------------------------------------
+class _Collector:
+    """Takes each phase's records off its report into the run state (xdist: on the controller too)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        _state(self.config).collect(report)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _CUDA_MARKER)
+    config.addinivalue_line("markers", _CUDAGRAPH_MARKER)
+    if config.getoption("help", default=False):
+        return  # --help works whatever the settings' values
+    config.stash[pytest_report.STATE_KEY] = pytest_report.RunState(settings.session_settings(config))
+    config.pluginmanager.register(_Collector(config), "cudagraph-collector")
+
+
+def _state(config: pytest.Config) -> pytest_report.RunState:
+    state = config.stash.get(pytest_report.STATE_KEY, None)
+    if state is None:  # e.g. a plugin manager that skipped our configure
+        state = pytest_report.RunState(settings.session_settings(config))
+        config.stash[pytest_report.STATE_KEY] = state
+    return state
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    run = _state(config).settings
+    return pytest_report.header_line(run, settings.concrete_backend(run.backend))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            settings.marker_keywords(item)  # pytest.UsageError on a malformed cudagraph marker
+        except pytest.UsageError as exc:
+            if not hasattr(config, "workerinput"):
+                raise
+            item.stash[settings.MARKER_ERROR_KEY] = str(exc)  # an xdist worker: error at set-up
 
 
 def _cuda_available() -> bool:
@@ -22,5 +124,84 @@ def _cuda_available() -> bool:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker_error = item.stash.get(settings.MARKER_ERROR_KEY, None)
+    if marker_error is not None:
+        pytest.fail(marker_error, pytrace=False)
     if item.get_closest_marker("cuda") is not None and not _cuda_available():
         pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    records = _state(item.config).take_pending(item.nodeid)
+    if records:
+        setattr(report, pytest_report.REPORT_ATTR, records)
+    return report
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller writes the report
+        return
+    state = _state(config)
+    if state.settings.report is not None:
+        pytest_report.write_report(state, state.settings.report)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    state = _state(config)
+    if state.results:
+        terminalreporter.section("cudagraph")
+        for nodeid, records in state.results.items():
+            terminalreporter.line(pytest_report.summary_line(nodeid, records, state.outcomes.get(nodeid)))
+    if state.written is not None:
+        terminalreporter.line(f"cudagraph: JSON report written to {state.written}")
+
+
+# -- fixtures --------------------------------------------------------------
+@pytest.fixture
+def cudagraph_backend(request: pytest.FixtureRequest) -> str:
+    """The test's backend, 'cuda' or 'emulate' ('auto' resolved: cuda where available)."""
+    test = settings.resolve(_state(request.config).settings, settings.marker_keywords(request.node))
+    return settings.concrete_backend(test.backend)
+
+
+@pytest.fixture
+def cudagraph_device(cudagraph_backend: str) -> torch.device:
+    """The test's device: the current CUDA device for the cuda backend, the CPU for emulate."""
+    from .harness import default_device
+
+    return default_device(cudagraph_backend)
+
+
+@pytest.fixture
+def cudagraph_verify(request: pytest.FixtureRequest) -> Verifier:
+    """``cudagraph_verify(module, make_inputs, **keywords) -> VerifyReport``.
+
+    Runs ``pytest_cudagraph.checks.verify`` with keywords from the call, then
+    the ``cudagraph`` marker, then the settings; fails the test with the
+    readable report when a check fails.
+    """
+    from .harness import Verifier
+
+    state = _state(request.config)
+    record = functools.partial(state.add_pending, request.node.nodeid)
+    return Verifier(state.settings, settings.marker_keywords(request.node), record)
+
+
+@pytest.fixture
+def cudagraph_manager(request: pytest.FixtureRequest) -> Generator[ManagerFactory, None, None]:
+    """``cudagraph_manager(module, make_inputs, config=None, **keywords) -> GraphManager``.
+
+    Backend and device come from the settings unless given; every manager made
+    is released at teardown.
+    """
+    from .harness import ManagerFactory
+
+    factory = ManagerFactory(_state(request.config).settings, settings.marker_keywords(request.node))
+    yield factory
+    factory.release_all()

@@ -63,7 +63,9 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, req_ids: torch.Tensor, is_padding: torch.Tensor
     ) -> torch.Tensor:
-        h = x + self.pos(positions)
+        # Padded rows may hold anything (NaN included): zero them before they
+        # meet real rows, since a masked attention weight of 0 times NaN is NaN.
+        h = torch.where(is_padding[:, None], 0.0, x + self.pos(positions))
         same_req = req_ids[:, None] == req_ids[None, :]
         causal = positions[:, None] >= positions[None, :]
         mask = same_req & causal & ~is_padding[None, :]

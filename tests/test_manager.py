@@ -74,7 +74,7 @@ def test_static_replay_matches_eager_on_the_padded_buffers(backend, device):
     mgr.capture()
     for desc in mgr.captured_descriptors:
         graph_out = mgr.replay(desc).clone()
-        views = mgr._views(desc.num_tokens, mgr.capture_reqs(desc))
+        views = mgr.forward_inputs(desc.num_tokens, mgr.capture_reqs(desc))
         assert tree_equal(graph_out, eager(module, **views)), desc
 
 

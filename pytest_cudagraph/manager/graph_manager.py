@@ -54,6 +54,7 @@ class _Entry:
     num_reqs: int  # request rows the graph was captured with
     out_rows: list[RowKind]
     capture_seconds: float
+    sample: dict[str, Any]  # the make_inputs batch the graph was captured on
 
 
 class GraphManager:
@@ -100,6 +101,7 @@ class GraphManager:
         self.plan = CapturePlan(config)
         self.output_views = bool(output_views)
         self.progress = progress
+        self._pad_values = dict(pad_values or {})
         self._backend: Backend = make_backend(backend, device if device is not None else self._module_device())
         self.device = self._backend.device
         self._check_module_device()
@@ -120,6 +122,19 @@ class GraphManager:
         self._entries: dict[BatchDescriptor, _Entry] = {}
         self._tracker = ModuleTracker(module)
         self.capture_seconds = 0.0
+
+    def sibling(self) -> GraphManager:
+        """A new, uncaptured manager over the same module, inputs and settings."""
+        return GraphManager(
+            self.module,
+            self._make_inputs,
+            self.config,
+            backend=self.backend,
+            device=self.device,
+            pad_values=self._pad_values,
+            output_views=self.output_views,
+            progress=False,
+        )
 
     # -- set-up helpers -------------------------------------------------
     def _module_device(self) -> torch.device | None:
@@ -167,6 +182,15 @@ class GraphManager:
         return buffers
 
     @property
+    def uses_padding_mask(self) -> bool:
+        """Whether the manager passes an ``is_padding`` mask to ``forward``."""
+        return self._is_padding is not None
+
+    @property
+    def make_inputs(self) -> Callable[[int, int], Mapping[str, Any]]:
+        return self._make_inputs
+
+    @property
     def captured(self) -> bool:
         return bool(self._entries)
 
@@ -178,6 +202,10 @@ class GraphManager:
     def graph(self, desc: BatchDescriptor) -> CapturedGraph:
         """The captured graph of ``desc`` (KeyError if it has none)."""
         return self._entries[desc].graph
+
+    def capture_sample(self, desc: BatchDescriptor) -> dict[str, Any]:
+        """The inputs ``desc`` was captured on (``make_inputs`` at its own shape)."""
+        return self._entries[desc].sample
 
     @property
     def graph_memory(self) -> dict[BatchDescriptor, int]:
@@ -191,7 +219,8 @@ class GraphManager:
             return desc.num_reqs
         return min(desc.num_tokens, self.config.max_num_reqs)
 
-    def _views(self, num_tokens: int, num_reqs: int) -> dict[str, Any]:
+    def forward_inputs(self, num_tokens: int, num_reqs: int) -> dict[str, Any]:
+        """The keyword inputs a graph of that shape reads: views of the static buffers."""
         kwargs: dict[str, Any] = {}
         for name, spec in self._inputs.items():
             if spec.kind == "const":
@@ -227,6 +256,7 @@ class GraphManager:
         except BaseException:
             self.release()
             raise
+        self._settle_row_kinds()
         self.capture_seconds = time.perf_counter() - started
 
     def _progress(self, order: list[BatchDescriptor]) -> Iterable[BatchDescriptor]:
@@ -247,8 +277,9 @@ class GraphManager:
         # Capture on valid data of this very shape (indices in range, say):
         # a prefix of the largest shape's inputs need not be valid.
         sample = call_make_inputs(self._make_inputs, desc.num_tokens, reqs)
-        self.load_inputs(desc, sample, self.batch_of(sample, num_reqs=reqs))
-        kwargs = self._views(desc.num_tokens, reqs)
+        sample_batch = self.batch_of(sample, num_reqs=reqs)
+        self.load_inputs(desc, sample, sample_batch)
+        kwargs = self.forward_inputs(desc.num_tokens, reqs)
 
         def forward() -> Any:
             with running(desc):
@@ -284,7 +315,7 @@ class GraphManager:
                 module_path=where, descriptor=desc, backend=self.backend,
             ) from exc
         out_rows = self._row_kinds(graph.output, desc.num_tokens, reqs)
-        self._entries[desc] = _Entry(graph, reqs, out_rows, time.perf_counter() - started)
+        self._entries[desc] = _Entry(graph, reqs, out_rows, time.perf_counter() - started, sample)
 
     @staticmethod
     def _row_kinds(output: Any, num_tokens: int, num_reqs: int) -> list[RowKind]:
@@ -302,6 +333,30 @@ class GraphManager:
             else:
                 kinds.append("whole")
         return kinds
+
+    def _settle_row_kinds(self) -> None:
+        # One descriptor alone cannot tell an output of fixed size from one
+        # that follows the batch when the sizes coincide. Across descriptors
+        # it can: a leaf whose leading size never changes is returned whole,
+        # and one that tracks the request count is cut by requests.
+        shapes: dict[int, list[tuple[int, int, int]]] = {}
+        for desc, entry in self._entries.items():
+            for i, leaf in enumerate(tree_flatten(entry.graph.output)[0]):
+                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                    shapes.setdefault(i, []).append((leaf.shape[0], desc.num_tokens, entry.num_reqs))
+        for i, seen in shapes.items():
+            follows_tokens = all(d == t for d, t, _ in seen)
+            follows_reqs = all(d == r for d, _, r in seen)
+            whole = len({d for d, _, _ in seen}) == 1 and not follows_tokens and not follows_reqs
+            per_request = follows_reqs and not follows_tokens
+            for entry in self._entries.values():
+                leaves = tree_flatten(entry.graph.output)[0]
+                if i >= len(leaves) or not isinstance(leaves[i], torch.Tensor) or leaves[i].dim() == 0:
+                    continue
+                if whole:
+                    entry.out_rows[i] = "whole"
+                elif per_request:
+                    entry.out_rows[i] = "reqs"
 
     def release(self) -> None:
         """Drop every graph and the pool. Static buffers stay; capture() again works."""

@@ -1,0 +1,242 @@
+"""What every check needs: the manager, real batches, state snapshots, eager runs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..context import running
+from ..manager import Batch, GraphManager
+from ..manager.layout import call_make_inputs
+from ..plan import BatchDescriptor, GraphMode
+from .compare import Difference, first_difference
+
+__all__ = ["RealBatch", "VerifyContext", "clone_tree"]
+
+# A region of a buffer that padded rows may legitimately write (a KV cache's
+# padding slot): an index, a slice, or a callable returning a boolean mask.
+ScratchRegion = int | slice | Callable[[torch.Tensor], torch.Tensor]
+
+
+def clone_tree(tree: Any) -> Any:
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+@dataclass(frozen=True)
+class RealBatch:
+    """A real batch a descriptor serves, and the dispatch arguments that say so."""
+
+    num_tokens: int
+    num_reqs: int
+    uniform_token_count: int | None = None
+    max_query_len: int | None = None
+    num_active_loras: int = 0
+    num_ubatches: int = 1
+
+    def as_batch(self) -> Batch:
+        return Batch(self.num_tokens, self.num_reqs, self.uniform_token_count, self.num_active_loras,
+                     self.max_query_len, self.num_ubatches)
+
+    def dispatch_args(self) -> dict[str, Any]:
+        return {
+            "num_reqs": self.num_reqs,
+            "num_tokens": self.num_tokens,
+            "uniform_token_count": self.uniform_token_count,
+            "num_active_loras": self.num_active_loras,
+            "max_query_len": self.max_query_len,
+            "num_ubatches": self.num_ubatches,
+        }
+
+    def shape(self) -> dict[str, Any]:
+        return self.dispatch_args()
+
+
+class VerifyContext:
+    """Helpers shared by the checks; one per ``verify`` call."""
+
+    def __init__(
+        self,
+        manager: GraphManager,
+        *,
+        rtol: float | None,
+        atol: float | None,
+        batch_invariant: bool,
+        seed: int,
+        exhaustive: bool,
+        scratch_state: Mapping[str, ScratchRegion],
+    ) -> None:
+        self.manager = manager
+        self.module = manager.module
+        self.rtol = rtol
+        self.atol = atol
+        self.batch_invariant = batch_invariant
+        self.seed = seed
+        self.exhaustive = exhaustive
+        self.scratch_state = dict(scratch_state)
+        names = {name for name, _ in self._state_items()}
+        unknown = set(self.scratch_state) - names
+        if unknown:
+            raise ValueError(
+                f"scratch_state names {sorted(unknown)}, which are not buffers or parameters of the "
+                f"module; it has {sorted(names)}"
+            )
+        self.real_batches_run = 0
+        self._random: dict[BatchDescriptor, bool] = {}
+
+    def module_is_random(self, desc: BatchDescriptor) -> bool:
+        """Whether eager output depends on the seed at this descriptor's shape."""
+        if desc not in self._random:
+            batch = self.exact_batch(desc)
+            inputs = self.make(batch)
+            outs = []
+            with self.preserved_state() as state0:
+                for seed in (self.seed, self.seed + 1):
+                    self.restore(state0)
+                    self.seed_all(seed)
+                    outs.append(self.eager_real(inputs, batch))
+            self._random[desc] = first_difference(outs[0], outs[1]) is not None
+        return self._random[desc]
+
+    # -- real batches ---------------------------------------------------
+    def real_batches(self, desc: BatchDescriptor) -> list[RealBatch]:
+        """Every real batch ``desc`` serves, one per token count, smallest first."""
+        plan = self.manager.plan
+        reqs_cap = self.manager.capture_reqs(desc)
+        found: list[RealBatch] = []
+        for n in plan.candidate_range(desc):
+            candidate = self._batch_for(desc, n, reqs_cap)
+            if candidate is not None and self.manager.dispatch(**candidate.dispatch_args()) == desc:
+                found.append(candidate)
+        return found
+
+    def _batch_for(self, desc: BatchDescriptor, n: int, reqs_cap: int) -> RealBatch | None:
+        loras = desc.num_active_loras
+        if desc.uniform_token_count is not None:
+            u = desc.uniform_token_count
+            if n % u:
+                return None
+            return RealBatch(n, n // u, u, u, loras, desc.num_ubatches)
+        if desc.max_query_len is not None:
+            # Varlen decode: as many requests as fit, so no request exceeds q.
+            r = min(n, reqs_cap)
+            longest = -(-n // r)
+            if longest > desc.max_query_len:
+                return None
+            return RealBatch(n, r, None, longest, loras, desc.num_ubatches)
+        # Mixed batches: requests of about two tokens, like a prefill mix.
+        r = min(reqs_cap, max(1, (n + 1) // 2), self.manager.config.max_num_reqs)
+        return RealBatch(n, r, None, None, loras, desc.num_ubatches)
+
+    def padded_batch(self, desc: BatchDescriptor) -> RealBatch | None:
+        """The smallest real batch of ``desc`` (the most padding), or None."""
+        batches = self.real_batches(desc)
+        return batches[0] if batches else None
+
+    def exact_batch(self, desc: BatchDescriptor) -> RealBatch:
+        """A real batch of exactly the descriptor's shape (no padding)."""
+        reqs = self.manager.capture_reqs(desc)
+        u = desc.uniform_token_count
+        return RealBatch(desc.num_tokens, reqs, u, desc.max_query_len or u, desc.num_active_loras, desc.num_ubatches)
+
+    def make(self, batch: RealBatch) -> dict[str, Any]:
+        return call_make_inputs(self.manager.make_inputs, batch.num_tokens, batch.num_reqs)
+
+    # -- running ----------------------------------------------------------
+    def load(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: RealBatch) -> dict[str, Any]:
+        """Load a real batch into the static buffers; return a copy of the padded inputs."""
+        self.manager.load_inputs(desc, inputs, batch.as_batch())
+        reqs = self.manager.capture_reqs(desc)
+        padded: dict[str, Any] = clone_tree(self.manager.forward_inputs(desc.num_tokens, reqs))
+        return padded
+
+    def replay(self, desc: BatchDescriptor) -> Any:
+        """Replay on whatever the static buffers hold; a copy of the full output."""
+        out = self.manager.replay(desc)
+        self.manager._backend.synchronize()
+        return clone_tree(out)
+
+    def eager(self, kwargs: Mapping[str, Any], desc: BatchDescriptor | None = None) -> Any:
+        """Run the module eagerly on exactly these keyword inputs."""
+        marker = desc or BatchDescriptor(mode=GraphMode.NONE, num_tokens=0)
+        with torch.no_grad(), running(marker):
+            return clone_tree(self.module(**dict(kwargs)))
+
+    def eager_real(self, inputs: Mapping[str, Any], batch: RealBatch) -> Any:
+        """Eager on an unpadded real batch, with an all-False mask if the module takes one."""
+        kwargs = dict(inputs)
+        for name, spec in self.manager.input_specs.items():
+            if spec.kind == "const" and name not in kwargs:
+                kwargs[name] = spec.value
+        if self.manager.uses_padding_mask:
+            kwargs["is_padding"] = torch.zeros(batch.num_tokens, dtype=torch.bool, device=self.manager.device)
+        desc = BatchDescriptor(mode=GraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=batch.num_reqs,
+                               num_active_loras=self.manager.plan.effective_loras(batch.num_active_loras))
+        return self.eager(kwargs, desc)
+
+    def run(self, inputs: Mapping[str, Any], batch: RealBatch) -> Any:
+        """The user's path: ``GraphManager.run_batch``."""
+        self.real_batches_run += 1
+        return self.manager.run_batch(
+            inputs,
+            num_reqs=batch.num_reqs,
+            uniform_token_count=batch.uniform_token_count,
+            num_active_loras=batch.num_active_loras,
+            max_query_len=batch.max_query_len,
+            num_ubatches=batch.num_ubatches,
+        )
+
+    # -- module state -------------------------------------------------------
+    def _state_items(self) -> list[tuple[str, torch.Tensor]]:
+        items: list[tuple[str, torch.Tensor]] = []
+        items.extend(self.module.named_parameters())
+        items.extend(self.module.named_buffers())
+        return items
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().clone() for name, t in self._state_items()}
+
+    def restore(self, snap: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, t in self._state_items():
+                if name in snap:
+                    t.copy_(snap[name])
+
+    @contextlib.contextmanager
+    def preserved_state(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Snapshot the module's state and put it back afterwards."""
+        snap = self.snapshot()
+        try:
+            yield snap
+        finally:
+            self.restore(snap)
+
+    def state_difference(self, got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+                         *, use_scratch: bool) -> Difference | None:
+        for name in expected:
+            g, e = got[name], expected[name]
+            if use_scratch and name in self.scratch_state:
+                g, e = g.clone(), e.clone()
+                region = self.scratch_state[name]
+                if callable(region):
+                    mask = region(g)
+                    g[mask] = 0
+                    e[mask] = 0
+                else:
+                    g[region] = 0
+                    e[region] = 0
+            found = first_difference(g, e)
+            if found is not None:
+                found.path = name
+                return found
+        return None
+
+    def seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def tensors_of(self, tree: Any) -> list[torch.Tensor]:
+        return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]

@@ -1,0 +1,202 @@
+"""``verify``: capture every descriptor of a module and run the checks on each."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..errors import CaptureError
+from ..manager import GraphManager
+from ..plan import BatchDescriptor, CaptureConfig, GraphMode
+from .context import ScratchRegion, VerifyContext
+from .report import Finding, Outcome, VerifyReport
+from .suite import (
+    DESCRIPTOR_CHECKS,
+    address_stability,
+    capture_safety,
+    eager_output_lifetime,
+    record_addresses,
+)
+
+__all__ = ["CHECKS", "select_descriptors", "verify"]
+
+#: Every check, in the order it runs.
+CHECKS: tuple[str, ...] = (
+    "capture_safety",
+    "replay_matches_eager",
+    "fresh_inputs",
+    "real_batches",
+    "padding_isolation",
+    "state",
+    "determinism",
+    "output_lifetime",
+    "address_stability",
+    "rng",
+)
+
+
+def select_descriptors(descs: Iterable[BatchDescriptor], *, exhaustive: bool) -> list[BatchDescriptor]:
+    """All descriptors, or (quick) the smallest and largest of each mode, in capture order."""
+    ordered = list(descs)
+    if exhaustive:
+        return ordered
+    keep: set[BatchDescriptor] = set()
+    for mode in {d.mode for d in ordered}:
+        same = [d for d in ordered if d.mode is mode]
+        keep.add(min(same, key=lambda d: (d.num_tokens, d.num_active_loras)))
+        keep.add(max(same, key=lambda d: (d.num_tokens, -d.num_active_loras)))
+    return [d for d in ordered if d in keep]
+
+
+def _check_names(checks: Iterable[str] | None) -> tuple[str, ...]:
+    if checks is None:
+        return CHECKS
+    if isinstance(checks, str):
+        checks = [c.strip() for c in checks.split(",") if c.strip()]
+    chosen = tuple(checks)
+    unknown = [c for c in chosen if c not in CHECKS]
+    if unknown:
+        raise ValueError(f"unknown check(s) {unknown}; the checks are {', '.join(CHECKS)}")
+    if not chosen:
+        raise ValueError(f"checks must name at least one of {', '.join(CHECKS)}")
+    return tuple(c for c in CHECKS if c in chosen)
+
+
+def verify(
+    module: torch.nn.Module,
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    *,
+    capture_sizes: Iterable[int],
+    max_num_reqs: int | None = None,
+    mode: GraphMode | str = "FULL",
+    decode_query_len: int = 1,
+    lora_cases: Iterable[int] = (0,),
+    varlen_decode: bool = False,
+    max_capture_size: int | None = None,
+    num_ubatches: int = 1,
+    ubatch_min_tokens: int = 1,
+    backend: str | None = None,
+    device: torch.device | str | None = None,
+    checks: Iterable[str] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    batch_invariant: bool = False,
+    exhaustive: bool = True,
+    pad_values: Mapping[str, Any] | None = None,
+    scratch_state: Mapping[str, ScratchRegion] | None = None,
+    seed: int = 0,
+) -> VerifyReport:
+    """Capture every descriptor of ``module`` and check each against eager.
+
+    Returns a ``VerifyReport``; ``report.ok`` is False when a check failed, and
+    ``report.format()`` names the check, the descriptor, the real batch, the
+    output and first differing index, and the first divergent submodule.
+    ``exhaustive=False`` verifies only the smallest and largest descriptor of
+    each mode. Bad arguments raise ``ValueError``.
+    """
+    names = _check_names(checks)
+    sizes = tuple(capture_sizes)
+    config = CaptureConfig(
+        capture_sizes=sizes,
+        max_num_reqs=max_num_reqs if max_num_reqs is not None else (max(sizes) if sizes else 1),
+        mode=mode,
+        decode_query_len=decode_query_len,
+        lora_cases=lora_cases,
+        varlen_decode=varlen_decode,
+        max_capture_size=max_capture_size,
+        num_ubatches=num_ubatches,
+        ubatch_min_tokens=ubatch_min_tokens,
+    )
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and (not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"{name} must be a number >= 0 or None (dtype default); got {value!r}")
+    torch.manual_seed(seed)
+    was_training = module.training
+    module.eval()
+    manager = GraphManager(module, make_inputs, config, backend=backend or "auto", device=device,
+                           pad_values=pad_values)
+    selected = select_descriptors(manager.plan.capture_order, exhaustive=exhaustive)
+    report = VerifyReport(
+        module=type(module).__name__,
+        backend=manager.backend,
+        device=str(manager.device),
+        mode=config.mode.name,
+        exhaustive=exhaustive,
+        checks=names,
+        planned=len(manager.plan.descriptors),
+        config={
+            "capture_sizes": list(config.capture_sizes),
+            "max_num_reqs": config.max_num_reqs,
+            "mode": config.mode.name,
+            "decode_query_len": config.decode_query_len,
+            "lora_cases": list(config.lora_cases),
+            "varlen_decode": config.varlen_decode,
+            "max_capture_size": config.max_capture_size,
+            "num_ubatches": config.num_ubatches,
+        },
+    )
+    try:
+        ctx = VerifyContext(manager, rtol=rtol, atol=atol, batch_invariant=batch_invariant, seed=seed,
+                            exhaustive=exhaustive, scratch_state=scratch_state or {})
+        _run(ctx, report, selected, names)
+        report.real_batches = ctx.real_batches_run
+    finally:
+        manager.release()
+        module.train(was_training)
+    return report
+
+
+def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescriptor], names: tuple[str, ...]) -> None:
+    manager = ctx.manager
+    if not selected:
+        return
+    if "capture_safety" in names:
+        safety = capture_safety(ctx, selected)
+        report.add(safety)
+        if not all(o.passed for o in safety):
+            _skip_rest(report, names, selected, "capture_safety failed: nothing was captured")
+            return
+    before = record_addresses(ctx)
+    try:
+        manager.capture(selected)
+    except CaptureError as exc:
+        report.add([Outcome(
+            "capture_safety", exc.descriptor, False, str(exc),
+            Finding(submodule=exc.module_path, ops=[f"{exc.op} ({exc.reason})"] if exc.op else []),
+        )])
+        _skip_rest(report, names, selected, "capture failed: nothing was verified")
+        return
+    report.descriptors = manager.captured_descriptors
+    report.capture_seconds = manager.capture_seconds
+    report.graph_memory = manager.graph_memory
+    started = time.perf_counter()
+    for desc in selected:
+        for name in names:
+            check = DESCRIPTOR_CHECKS.get(name)
+            if check is not None:
+                report.add([_guarded(name, desc, partial(check, ctx, desc))])
+    if "output_lifetime" in names:
+        eager_path = _guarded("output_lifetime", None, lambda: eager_output_lifetime(ctx))
+        if eager_path is not None:
+            report.add([eager_path])
+    if "address_stability" in names:
+        report.add([address_stability(ctx, before)])
+    report.check_seconds = time.perf_counter() - started
+
+
+def _guarded(name: str, desc: BatchDescriptor | None, fn: Callable[[], Outcome | None]) -> Any:
+    try:
+        return fn()
+    except (CaptureError, RuntimeError, ValueError, IndexError, TypeError) as exc:
+        return Outcome(name, desc, False, f"the check could not run: {type(exc).__name__}: {exc}")
+
+
+def _skip_rest(report: VerifyReport, names: tuple[str, ...], selected: list[BatchDescriptor], why: str) -> None:
+    for name in names:
+        if name == "capture_safety":
+            continue
+        report.add([Outcome(name, None, True, why, skipped=True)])

@@ -1,0 +1,189 @@
+"""What verification found: one outcome per (check, descriptor), and the report."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..plan import BatchDescriptor
+from ..units import format_bytes, format_seconds
+
+__all__ = ["Finding", "Outcome", "VerifyReport", "descriptor_dict"]
+
+
+def descriptor_dict(desc: BatchDescriptor | None) -> dict[str, Any] | None:
+    if desc is None:
+        return None
+    data = asdict(desc)
+    data["mode"] = desc.mode.name
+    data["label"] = desc.label()
+    return data
+
+
+@dataclass
+class Finding:
+    """Where a check first saw the bug."""
+
+    output: str | None = None  # path of the output leaf ("", "[0]", "['logits']") or state name
+    index: tuple[int, ...] | None = None  # first differing element
+    got: Any = None  # the graph's value there
+    expected: Any = None  # eager's value there
+    real_batch: dict[str, Any] | None = None  # the real batch's shape, when one was run
+    submodule: str | None = None  # first divergent submodule ("" = top level)
+    segment: str | None = None
+    max_abs: float | None = None
+    max_ulp: int | None = None
+    ops: list[str] = field(default_factory=list)  # capture_safety: every offending op
+
+    def describe(self) -> str:
+        parts: list[str] = []
+        if self.real_batch:
+            shape = ", ".join(f"{k}={v}" for k, v in self.real_batch.items() if v is not None)
+            parts.append(f"real batch ({shape})")
+        if self.output is not None:
+            where = f"output {self.output or '<the output>'}"
+            if self.index is not None:
+                where += f" at index {list(self.index)}"
+            parts.append(where)
+        if self.got is not None or self.expected is not None:
+            parts.append(f"graph gave {self.got!r}, eager gave {self.expected!r}")
+        if self.max_abs is not None:
+            ulp = f", max ULP {self.max_ulp}" if self.max_ulp is not None else ""
+            parts.append(f"max abs diff {self.max_abs:.3g}{ulp}")
+        if self.submodule is not None:
+            parts.append(f"first divergent submodule: '{self.submodule}'" if self.submodule else
+                         "first divergent submodule: the top-level module")
+        if self.segment is not None:
+            parts.append(f"segment {self.segment}")
+        return "; ".join(parts)
+
+
+@dataclass
+class Outcome:
+    """One check on one descriptor (descriptor None: the check ran once for the module)."""
+
+    check: str
+    descriptor: BatchDescriptor | None
+    passed: bool
+    message: str = ""
+    finding: Finding | None = None
+    skipped: bool = False
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def headline(self) -> str:
+        where = self.descriptor.label() if self.descriptor is not None else "module"
+        status = "SKIP" if self.skipped else ("ok" if self.passed else "FAIL")
+        return f"{status:4} {self.check:<22} {where}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "check": self.check,
+            "descriptor": descriptor_dict(self.descriptor),
+            "passed": self.passed,
+            "skipped": self.skipped,
+            "message": self.message,
+            "finding": _jsonable(asdict(self.finding)) if self.finding is not None else None,
+            "figures": _jsonable(self.figures),
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and value != value:
+        return "nan"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+@dataclass
+class VerifyReport:
+    """Everything ``verify`` did for one module, and whether the graphs are right."""
+
+    module: str
+    backend: str
+    device: str
+    mode: str
+    exhaustive: bool
+    checks: tuple[str, ...]
+    descriptors: tuple[BatchDescriptor, ...] = ()  # verified (captured) descriptors
+    planned: int = 0  # descriptors in the plan
+    outcomes: list[Outcome] = field(default_factory=list)
+    capture_seconds: float = 0.0
+    graph_memory: dict[BatchDescriptor, int] = field(default_factory=dict)
+    real_batches: int = 0  # real batches run through the graphs
+    config: dict[str, Any] = field(default_factory=dict)  # the capture configuration verified
+    check_seconds: float = 0.0  # time spent in the checks after capture
+
+    @property
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes if not o.passed and not o.skipped]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        return sum(self.graph_memory.values())
+
+    def add(self, outcomes: Iterable[Outcome]) -> None:
+        self.outcomes.extend(outcomes)
+
+    def summary(self) -> str:
+        failed = self.failures
+        checks = sorted({o.check for o in failed})
+        status = "all checks passed" if not failed else f"{len(failed)} failure(s) in {', '.join(checks)}"
+        return (
+            f"{self.module} on {self.backend} ({self.device}): {len(self.descriptors)}/{self.planned} descriptors "
+            f"captured and verified ({'every descriptor' if self.exhaustive else 'quick: smallest and largest per mode'}), "
+            f"{self.real_batches} real batches, {status}; capture {format_seconds(self.capture_seconds)}, "
+            f"graph memory {format_bytes(self.graph_memory_bytes)}"
+        )
+
+    def format(self, *, verbose: bool = False) -> str:
+        """A readable report: the summary, then each failure with where it shows."""
+        lines = [self.summary()]
+        for outcome in self.outcomes if verbose else self.failures:
+            lines.append(outcome.headline())
+            if outcome.message:
+                lines.append(f"     {outcome.message}")
+            if outcome.finding is not None and not outcome.passed:
+                described = outcome.finding.describe()
+                if described:
+                    lines.append(f"     {described}")
+                for op in outcome.finding.ops:
+                    lines.append(f"       - {op}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "backend": self.backend,
+            "device": self.device,
+            "mode": self.mode,
+            "exhaustive": self.exhaustive,
+            "checks": list(self.checks),
+            "config": _jsonable(self.config),
+            "planned_descriptors": self.planned,
+            "descriptors": [descriptor_dict(d) for d in self.descriptors],
+            "passed": self.ok,
+            "capture_seconds": self.capture_seconds,
+            "check_seconds": self.check_seconds,
+            "graph_memory_bytes": {d.label(): n for d, n in self.graph_memory.items()},
+            "real_batches": self.real_batches,
+            "outcomes": [o.to_dict() for o in self.outcomes],
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        return self.format()

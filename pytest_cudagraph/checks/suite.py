@@ -1,0 +1,418 @@
+"""The checks. Each takes the context and a descriptor and returns an ``Outcome``.
+
+Every check restores the module's state when it is done, so the checks do
+not disturb one another and a graph-safe counter buffer passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker
+from ..context import running
+from ..plan import BatchDescriptor, GraphMode
+from .compare import Difference, first_difference
+from .context import RealBatch, VerifyContext, clone_tree
+from .divergence import locate_divergence
+from .report import Finding, Outcome
+
+__all__ = ["DESCRIPTOR_CHECKS", "address_stability", "capture_safety", "record_addresses"]
+
+
+def _finding(diff: Difference, batch: RealBatch | None = None, submodule: str | None = None) -> Finding:
+    return Finding(
+        output=diff.path,
+        index=diff.index,
+        got=diff.got,
+        expected=diff.expected,
+        real_batch=batch.shape() if batch is not None else None,
+        submodule=submodule,
+        max_abs=diff.max_abs,
+        max_ulp=diff.max_ulp,
+    )
+
+
+def _where(diff: Difference) -> str:
+    path = diff.path or "the output"
+    return f"{path}: {diff.reason}"
+
+
+# -- before capture -------------------------------------------------------
+def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Outcome]:
+    """Run each descriptor's shape eagerly under the guard and list every op a graph cannot hold."""
+    outcomes = []
+    manager = ctx.manager
+    tracker = ModuleTracker(ctx.module)
+    for desc in descs:
+        guard = CaptureGuard(tracker, manager.device)
+        reqs = manager.capture_reqs(desc)
+        batch = ctx.exact_batch(desc)
+        with ctx.preserved_state():
+            kwargs = ctx.load(desc, ctx.make(batch), batch)
+            try:
+                with tracker.track(), torch.no_grad(), running(desc), guard.function_mode(), GuardDispatchMode(guard):
+                    ctx.module(**kwargs)
+            except Exception as exc:
+                outcomes.append(Outcome(
+                    "capture_safety", desc, False,
+                    f"the module fails eagerly at this shape (tokens={desc.num_tokens}, reqs={reqs}): "
+                    f"{type(exc).__name__}: {exc}",
+                    Finding(submodule=tracker.path),
+                ))
+                continue
+        if guard.violations:
+            first = guard.violations[0]
+            outcomes.append(Outcome(
+                "capture_safety", desc, False,
+                f"{len(guard.violations)} op(s) cannot be captured in a graph; the first is {first.describe()}",
+                Finding(submodule=first.module_path, ops=[v.describe() for v in guard.violations]),
+            ))
+        else:
+            outcomes.append(Outcome("capture_safety", desc, True))
+    return outcomes
+
+
+# -- replay against eager ---------------------------------------------------
+def _python_state(module: torch.nn.Module) -> dict[str, Any]:
+    """Plain Python values held by the module tree (what a graph freezes)."""
+    found: dict[str, Any] = {}
+    for path, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if attr == "training" or attr.startswith("__"):
+                continue
+            if isinstance(value, (bool, int, float, str)) or value is None:
+                found[f"{path}.{attr}" if path else attr] = value
+    return found
+
+
+def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: RealBatch, inputs: dict[str, Any],
+                    check: str, fresh: bool) -> Outcome:
+    with ctx.preserved_state() as state0:
+        padded = ctx.load(desc, inputs, batch)
+        ctx.seed_all(ctx.seed)
+        graph = ctx.replay(desc)
+        ctx.restore(state0)
+        before = _python_state(ctx.module)
+        ctx.seed_all(ctx.seed)
+        eager = ctx.eager(padded, desc)
+        after = _python_state(ctx.module)
+        diff = first_difference(graph, eager, check_strides=True)
+        if diff is None:
+            return Outcome(check, desc, True, figures={"real_batch": batch.shape()})
+        changed = [k for k in after if before.get(k, object()) != after[k]]
+        if changed:
+            name = changed[0]
+            return Outcome(
+                check, desc, False,
+                f"Python state changes on every forward ({name}: {before.get(name)!r} -> {after[name]!r}), "
+                f"but a graph runs Python only at capture, so replay keeps the capture-time value "
+                f"({_where(diff)}); keep such state in a registered buffer updated in place",
+                _finding(diff, batch),
+            )
+        ctx.restore(state0)
+        ctx.seed_all(ctx.seed)
+        again = ctx.eager(padded, desc)
+        if first_difference(again, eager) is not None:
+            return Outcome(
+                check, desc, False,
+                "eager differs from itself on the same inputs, state and seed: the module is nondeterministic "
+                "(state outside registered buffers, or nondeterministic kernels), so replay cannot be compared "
+                "bit for bit",
+                _finding(diff, batch),
+            )
+    submodule = locate_divergence(ctx, desc, inputs, batch, against_real=False)
+    what = ("with fresh inputs after capture, replay differs from eager: values or tensors computed at capture "
+            "were frozen into the graph" if fresh else
+            "replay differs from eager on the inputs the graph was captured with")
+    return Outcome(check, desc, False, f"{what} ({_where(diff)})", _finding(diff, batch, submodule))
+
+
+def replay_matches_eager(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    # Exactly the inputs the graph was captured on: the graph must reproduce
+    # eager there before anything else can be trusted.
+    batch = ctx.exact_batch(desc)
+    return _compare_padded(ctx, desc, batch, ctx.manager.capture_sample(desc), "replay_matches_eager",
+                           fresh=False)
+
+
+def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
+    first = ctx.make(batch)
+    second = ctx.make(batch)
+    if first_difference(first, second) is None:
+        return Outcome("fresh_inputs", desc, True, skipped=True,
+                       message="make_inputs returns the same values every call, so fresh inputs cannot be drawn")
+    # Replay once on one new set, then check a second one.
+    with ctx.preserved_state():
+        ctx.load(desc, first, batch)
+        ctx.replay(desc)
+    return _compare_padded(ctx, desc, batch, second, "fresh_inputs", fresh=True)
+
+
+# -- real batches ------------------------------------------------------------
+def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    batches = ctx.real_batches(desc)
+    if not ctx.exhaustive and len(batches) > 2:
+        batches = [batches[0], batches[-1]]
+    if not batches:
+        return Outcome("real_batches", desc, True, skipped=True,
+                       message="no real batch dispatches to this descriptor")
+    if ctx.module_is_random(desc):
+        return Outcome("real_batches", desc, True, skipped=True,
+                       message="the module draws random numbers, which cannot match unpadded eager draw for "
+                               "draw (the rng check covers them)")
+    rtol, atol = (0.0, 0.0) if ctx.batch_invariant else (ctx.rtol, ctx.atol)
+    worst_abs, worst_ulp = 0.0, 0
+    for batch in batches:
+        with ctx.preserved_state() as state0:
+            inputs = ctx.make(batch)
+            ctx.seed_all(ctx.seed)
+            got = ctx.run(clone_tree(inputs), batch)
+            ctx.restore(state0)
+            ctx.seed_all(ctx.seed)
+            expected = ctx.eager_real(clone_tree(inputs), batch)
+            diff = first_difference(got, expected, rtol=rtol, atol=atol)
+            exact = first_difference(got, expected)
+            if exact is not None and exact.max_abs is not None:
+                worst_abs = max(worst_abs, exact.max_abs)
+                worst_ulp = max(worst_ulp, exact.max_ulp or 0)
+        if diff is not None:
+            submodule = locate_divergence(ctx, desc, inputs, batch, against_real=True) \
+                if diff.index is not None else None
+            tol = "bit for bit (batch_invariant)" if ctx.batch_invariant else "within tolerance"
+            return Outcome(
+                "real_batches", desc, False,
+                f"real rows differ from eager on the unpadded batch {tol} ({_where(diff)})",
+                _finding(diff, batch, submodule),
+                figures={"batches": len(batches)},
+            )
+    return Outcome("real_batches", desc, True,
+                   figures={"batches": len(batches), "max_abs": worst_abs, "max_ulp": worst_ulp})
+
+
+def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    batch = ctx.padded_batch(desc)
+    manager = ctx.manager
+    if batch is None or (batch.num_tokens == desc.num_tokens and batch.num_reqs == manager.capture_reqs(desc)):
+        return Outcome("padding_isolation", desc, True, skipped=True,
+                       message="no real batch of this descriptor leaves padded rows")
+    inputs = ctx.make(batch)
+    fills: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
+        ("zeros", lambda t: t.zero_()),
+        ("random values", lambda t: t.normal_()),
+        ("NaN", lambda t: t.fill_(float("nan"))),
+        ("inf", lambda t: t.fill_(float("inf"))),
+    ]
+    results: list[tuple[str, Any, dict[str, torch.Tensor]]] = []
+    reqs = manager.capture_reqs(desc)
+    with ctx.preserved_state() as state0:
+        for label, fill in fills:
+            ctx.restore(state0)
+            manager.load_inputs(desc, inputs, batch.as_batch())
+            with torch.no_grad():
+                for spec in manager.input_specs.values():
+                    if spec.buffer is None or spec.kind not in ("tokens", "reqs") or not spec.buffer.is_floating_point():
+                        continue
+                    real = spec.rows(batch.num_tokens, batch.num_reqs)
+                    rows = spec.rows(desc.num_tokens, reqs)
+                    if rows > real:
+                        fill(spec.buffer[real:rows])
+            ctx.seed_all(ctx.seed)
+            manager.replay(desc)
+            manager._backend.synchronize()
+            out = clone_tree(manager.real_rows(desc, batch.as_batch()))
+            results.append((label, out, ctx.snapshot()))
+    base_label, base_out, base_state = results[0]
+    for label, out, state in results[1:]:
+        diff = first_difference(out, base_out)
+        if diff is not None:
+            return Outcome(
+                "padding_isolation", desc, False,
+                f"real rows change when padded rows hold {label} instead of {base_label}: padding leaks into "
+                f"real rows ({_where(diff)})",
+                _finding(diff, batch),
+            )
+        diff = ctx.state_difference(state, base_state, use_scratch=True)
+        if diff is not None:
+            return Outcome(
+                "padding_isolation", desc, False,
+                f"module state '{diff.path}' changes when padded rows hold {label} instead of {base_label}: "
+                "padded rows write into state (route them to a scratch slot and name it in scratch_state)",
+                _finding(diff, batch),
+            )
+    return Outcome("padding_isolation", desc, True)
+
+
+# -- state, determinism, lifetime, rng ------------------------------------------
+def state(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    batch = ctx.exact_batch(desc)
+    inputs = ctx.make(batch)
+    with ctx.preserved_state() as state0:
+        graph_inputs = clone_tree(inputs)
+        ctx.seed_all(ctx.seed)
+        ctx.run(graph_inputs, batch)
+        ctx.manager._backend.synchronize()
+        graph_state = ctx.snapshot()
+        ctx.restore(state0)
+        eager_inputs = clone_tree(inputs)
+        ctx.seed_all(ctx.seed)
+        ctx.eager_real(eager_inputs, batch)
+        eager_state = ctx.snapshot()
+    diff = ctx.state_difference(graph_state, eager_state, use_scratch=False)
+    if diff is not None:
+        return Outcome("state", desc, False,
+                       f"module state '{diff.path}' ends differently after run() than after eager",
+                       _finding(diff, batch))
+    diff = first_difference(graph_inputs, eager_inputs)
+    if diff is not None:
+        return Outcome(
+            "state", desc, False,
+            f"input {diff.path} is mutated in place by eager but not by run(): the graph writes into its "
+            "static copy, never the caller's tensor (return the result instead of writing into an input)",
+            _finding(diff, batch),
+        )
+    return Outcome("state", desc, True)
+
+
+def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
+    inputs = ctx.make(batch)
+    outs = []
+    with ctx.preserved_state() as state0:
+        for _ in range(2):
+            ctx.restore(state0)
+            ctx.seed_all(ctx.seed)
+            ctx.load(desc, inputs, batch)
+            outs.append(ctx.replay(desc))
+    diff = first_difference(outs[1], outs[0])
+    if diff is None:
+        return Outcome("determinism", desc, True)
+    return Outcome(
+        "determinism", desc, False,
+        f"two replays of the same inputs, from the same module state and seed, differ ({_where(diff)}): "
+        "the module keeps state outside its registered buffers, or uses nondeterministic kernels",
+        _finding(diff, batch),
+    )
+
+
+def output_lifetime(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
+    return _lifetime(ctx, desc, batch)
+
+
+def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: RealBatch) -> Outcome:
+    with ctx.preserved_state():
+        first = ctx.run(ctx.make(batch), batch)
+        kept = clone_tree(first)
+        for _ in range(2):
+            ctx.run(ctx.make(batch), batch)
+        ctx.manager._backend.synchronize()
+    diff = first_difference(first, kept)
+    if diff is None:
+        return Outcome("output_lifetime", desc, True)
+    path = "graph" if desc.mode is not GraphMode.NONE else "eager (NONE)"
+    return Outcome(
+        "output_lifetime", desc, False,
+        f"an output returned by run() on the {path} path changed when later batches ran ({_where(diff)}): "
+        "it aliases memory the module or the graph reuses; return a fresh tensor",
+        _finding(diff, batch),
+    )
+
+
+def eager_output_lifetime(ctx: VerifyContext) -> Outcome | None:
+    """The same contract on the eager path: a batch larger than every graph."""
+    manager = ctx.manager
+    n = manager.max_tokens + 1
+    r = min(manager.config.max_num_reqs, max(1, (n + 1) // 2))
+    batch = RealBatch(n, r)
+    desc = manager.dispatch(**batch.dispatch_args())
+    if desc.mode is not GraphMode.NONE:
+        return None
+    return _lifetime(ctx, desc, batch)
+
+
+def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
+    inputs = ctx.make(batch)
+    draws: dict[tuple[str, int], Any] = {}
+    with ctx.preserved_state() as state0:
+        padded = ctx.load(desc, inputs, batch)
+        for seed in (ctx.seed, ctx.seed + 1):
+            ctx.restore(state0)
+            ctx.seed_all(seed)
+            draws["eager", seed] = ctx.eager(padded, desc)
+            ctx.restore(state0)
+            ctx.load(desc, inputs, batch)
+            ctx.seed_all(seed)
+            draws["graph", seed] = ctx.replay(desc)
+        ctx.restore(state0)
+        again = ctx.replay(desc)  # no reseed: the generator has moved on
+        ctx.restore(state0)
+        ctx.seed_all(ctx.seed)
+        repeat = ctx.eager(padded, desc)
+    s0, s1 = ctx.seed, ctx.seed + 1
+    if first_difference(repeat, draws["eager", s0]) is not None:
+        return Outcome("rng", desc, True, skipped=True,
+                       message="eager is not reproducible under the same seed and state, so draws cannot be "
+                               "compared (the determinism and replay checks report why)")
+    # Random if either side's output depends on the seed.
+    random = any(first_difference(draws[side, s0], draws[side, s1]) is not None for side in ("eager", "graph"))
+    if not random:
+        return Outcome("rng", desc, True, message="the module draws no random numbers",
+                       figures={"random": False})
+    diff = first_difference(draws["graph", s0], draws["eager", s0])
+    if diff is not None:
+        return Outcome(
+            "rng", desc, False,
+            f"under the same seed, replay draws differ from eager draws ({_where(diff)}): the graph does "
+            "not read the seeded generator the way eager does (a seed set inside forward, or a private "
+            "generator)",
+            _finding(diff, batch),
+        )
+    if first_difference(again, draws["graph", s0]) is None:
+        return Outcome("rng", desc, False,
+                       "two successive replays drew the same random values: the graph does not advance the "
+                       "generator", Finding(output=""))
+    return Outcome("rng", desc, True, figures={"random": True})
+
+
+# -- after everything: addresses -------------------------------------------------
+def record_addresses(ctx: VerifyContext) -> dict[str, int]:
+    addresses = {f"static input '{n}'": t.data_ptr() for n, t in ctx.manager.static_inputs.items()}
+    for name, t in ctx._state_items():
+        addresses[f"module tensor '{name}'"] = t.data_ptr()
+    return addresses
+
+
+def address_stability(ctx: VerifyContext, before: dict[str, int]) -> Outcome:
+    after = record_addresses(ctx)
+    for name, ptr in before.items():
+        now = after.get(name)
+        if now != ptr:
+            moved = f"{ptr:#x} -> {now:#x}" if now is not None else f"{ptr:#x} -> gone"
+            return Outcome(
+                "address_stability", None, False,
+                f"{name} moved (address {moved}): graphs keep reading the old "
+                "memory. Update it in place (copy_, mul_, add_) instead of rebinding the attribute",
+                Finding(output=name),
+            )
+    missing = set(after) - set(before)
+    if missing:
+        return Outcome("address_stability", None, False,
+                       f"new module tensors appeared after capture: {sorted(missing)}", Finding())
+    return Outcome("address_stability", None, True)
+
+
+DESCRIPTOR_CHECKS: dict[str, Callable[[VerifyContext, BatchDescriptor], Outcome]] = {
+    "replay_matches_eager": replay_matches_eager,
+    "fresh_inputs": fresh_inputs,
+    "real_batches": real_batches,
+    "padding_isolation": padding_isolation,
+    "state": state,
+    "determinism": determinism,
+    "output_lifetime": output_lifetime,
+    "rng": rng,
+}

@@ -1,0 +1,284 @@
+"""The plugin's settings, resolved in one place.
+
+Precedence, highest first: keywords given to the fixture call, keywords of the
+closest ``@pytest.mark.cudagraph(...)`` marker (a function's marker beats its
+class's, which beats its module's), the command-line option, the ini value,
+the default. A keyword given as ``None`` counts as not given.
+
+Pure Python: importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = [
+    "BACKENDS",
+    "MARKER_ERROR_KEY",
+    "MARKER_KEYWORDS",
+    "MARKER_SIGNATURE",
+    "VERIFY_KEYWORDS",
+    "Settings",
+    "check_keywords",
+    "concrete_backend",
+    "marker_keywords",
+    "parse_backend",
+    "parse_sizes",
+    "resolve",
+    "session_settings",
+    "verify_keywords",
+]
+
+BACKENDS: tuple[str, ...] = ("auto", "cuda", "emulate")
+
+#: The marker's keywords and the defaults it shows: ``verify()``'s keyword
+#: arguments except ``module``, ``make_inputs`` and ``exhaustive`` (the last
+#: is a run setting: ``--cudagraph-verify``). ``capture_sizes=None`` means
+#: "from --cudagraph-sizes / ini cudagraph_sizes". A test keeps this list in
+#: step with ``verify``'s signature.
+_MARKER_DEFAULTS: tuple[tuple[str, str], ...] = (
+    ("capture_sizes", "None"),
+    ("max_num_reqs", "None"),
+    ("mode", "'FULL'"),
+    ("decode_query_len", "1"),
+    ("lora_cases", "(0,)"),
+    ("varlen_decode", "False"),
+    ("max_capture_size", "None"),
+    ("num_ubatches", "1"),
+    ("ubatch_min_tokens", "1"),
+    ("backend", "None"),
+    ("device", "None"),
+    ("checks", "None"),
+    ("rtol", "None"),
+    ("atol", "None"),
+    ("batch_invariant", "False"),
+    ("pad_values", "None"),
+    ("scratch_state", "None"),
+    ("seed", "0"),
+)
+MARKER_KEYWORDS: tuple[str, ...] = tuple(name for name, _ in _MARKER_DEFAULTS)
+#: Keywords the ``cudagraph_verify`` fixture takes: the marker's and ``exhaustive``.
+VERIFY_KEYWORDS: tuple[str, ...] = (*MARKER_KEYWORDS, "exhaustive")
+#: On an xdist worker, a malformed marker's message: the test errors with it at
+#: set-up (a UsageError raised while a worker collects crashes the worker).
+MARKER_ERROR_KEY = pytest.StashKey[str]()
+MARKER_SIGNATURE = "cudagraph(*, " + ", ".join(f"{n}={d}" for n, d in _MARKER_DEFAULTS) + ")"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Run settings (option > ini > default), or one test's (see ``resolve``).
+
+    ``verify``: exhaustive mode (every descriptor and every check) instead of
+    quick mode (smallest and largest descriptor of each mode). ``backend``:
+    'auto', 'cuda' or 'emulate'. ``sizes``: capture sizes that replace the
+    tests' own (None: each test's). ``report``: where the JSON report goes.
+    """
+
+    verify: bool = False
+    backend: str = "auto"
+    sizes: tuple[int, ...] | None = None
+    report: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "verify": self.verify,
+            "backend": self.backend,
+            "sizes": list(self.sizes) if self.sizes is not None else None,
+            "report": str(self.report) if self.report is not None else None,
+        }
+
+
+# -- parsing ---------------------------------------------------------------
+def parse_backend(value: object, source: str) -> str:
+    """'auto', 'cuda' or 'emulate' (case-insensitive); UsageError naming ``source`` otherwise."""
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text not in BACKENDS:
+        raise pytest.UsageError(f"{source}: expected one of {', '.join(BACKENDS)}; got {value!r}")
+    return str(text)
+
+
+def parse_sizes(value: object, source: str) -> tuple[int, ...]:
+    """Capture sizes from '1,2,4' (commas and/or spaces) or an iterable of ints.
+
+    Returns them sorted and without repeats; UsageError naming ``source`` when
+    a size is not a whole number >= 1 or none is given.
+    """
+    expected = "expected a comma-separated list of token counts >= 1, such as 1,2,4,8"
+    if isinstance(value, str):
+        items: list[object] = [p for p in re.split(r"[,\s]+", value.strip()) if p]
+    elif isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
+        items = list(value)
+    else:
+        raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
+    sizes: list[int] = []
+    for item in items:
+        if isinstance(item, str) and re.fullmatch(r"\+?\d+", item):
+            size = int(item)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            size = item
+        else:
+            raise pytest.UsageError(f"{source}: {expected}; got {value!r} ({item!r} is not a whole number)")
+        if size < 1:
+            raise pytest.UsageError(f"{source}: {expected}; got {value!r} ({size} is less than 1)")
+        sizes.append(size)
+    if not sizes:
+        raise pytest.UsageError(f"{source}: {expected}; got {value!r} (no size)")
+    return tuple(sorted(set(sizes)))
+
+
+def _ini_bool(config: pytest.Config, name: str) -> bool:
+    try:
+        return bool(config.getini(name))
+    except ValueError as exc:
+        raise pytest.UsageError(f"ini option {name}: expected true or false; {exc}") from None
+
+
+def _ini_str(config: pytest.Config, name: str) -> str | None:
+    value = config.getini(name)
+    text = str(value).strip() if value is not None else ""
+    return text or None
+
+
+def session_settings(config: pytest.Config) -> Settings:
+    """The run's settings: command-line option > ini value > default.
+
+    Relative report paths are taken from the invocation directory (option) or
+    the ini file's directory (ini), as pytest does for its own paths.
+    """
+    verify_opt = config.getoption("cudagraph_verify")
+    verify = bool(verify_opt) if verify_opt is not None else _ini_bool(config, "cudagraph_verify")
+
+    backend_opt = config.getoption("cudagraph_backend")
+    backend_ini = _ini_str(config, "cudagraph_backend")
+    if backend_opt is not None:
+        backend = parse_backend(backend_opt, "--cudagraph-backend")
+    elif backend_ini is not None:
+        backend = parse_backend(backend_ini, "ini option cudagraph_backend")
+    else:
+        backend = "auto"
+
+    sizes_opt = config.getoption("cudagraph_sizes")
+    sizes_ini = _ini_str(config, "cudagraph_sizes")
+    sizes: tuple[int, ...] | None = None
+    if sizes_opt is not None:
+        sizes = parse_sizes(sizes_opt, "--cudagraph-sizes")
+    elif sizes_ini is not None:
+        sizes = parse_sizes(sizes_ini, "ini option cudagraph_sizes")
+
+    report_opt = config.getoption("cudagraph_report")
+    report_ini = _ini_str(config, "cudagraph_report")
+    report: Path | None = None
+    if report_opt:
+        report = Path(config.invocation_params.dir, report_opt)
+    elif report_ini:
+        base = config.inipath.parent if config.inipath is not None else config.rootpath
+        report = base / report_ini
+    return Settings(verify=verify, backend=backend, sizes=sizes, report=report)
+
+
+def concrete_backend(name: str) -> str:
+    """'auto' -> 'cuda' where ``torch.cuda.is_available()``, else 'emulate'; others unchanged.
+
+    Imports torch (on first call) only for 'auto'.
+    """
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "emulate"
+
+
+# -- the marker ------------------------------------------------------------
+def _unknown(kind: str, name: str, allowed: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(name, allowed, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown keyword {name!r}{hint}; {kind} takes only these keywords: {', '.join(allowed)}"
+
+
+def check_keywords(keywords: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    """TypeError naming the first keyword not in ``allowed``."""
+    for name in keywords:
+        if name not in allowed:
+            raise TypeError(f"{where}: {_unknown(where, name, allowed)}")
+
+
+def _check_marker(mark: pytest.Mark, nodeid: str) -> None:
+    where = f"@pytest.mark.cudagraph on {nodeid}"
+    if mark.args:
+        raise pytest.UsageError(
+            f"{where}: takes keywords only, got positional argument(s) {mark.args!r}; "
+            f"the signature is {MARKER_SIGNATURE}"
+        )
+    for name, value in mark.kwargs.items():
+        if name not in MARKER_KEYWORDS:
+            raise pytest.UsageError(f"{where}: {_unknown('the marker', name, MARKER_KEYWORDS)}")
+        if value is None:
+            continue
+        if name == "capture_sizes":
+            parse_sizes(value, f"{where}: capture_sizes")
+        elif name == "backend":
+            parse_backend(value, f"{where}: backend")
+
+
+def marker_keywords(item: pytest.Item) -> dict[str, Any]:
+    """The ``cudagraph`` markers' keywords on ``item``, the closest marker winning per keyword.
+
+    Raises ``pytest.UsageError`` on positional arguments, an unknown keyword or
+    a malformed ``capture_sizes`` / ``backend``.
+    """
+    merged: dict[str, Any] = {}
+    for mark in reversed(list(item.iter_markers("cudagraph"))):  # farthest first
+        _check_marker(mark, item.nodeid)
+        merged.update(mark.kwargs)
+    return merged
+
+
+# -- per-test resolution ---------------------------------------------------
+def _given(keywords: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (keywords or {}).items() if v is not None}
+
+
+def resolve(
+    run: Settings, marker: Mapping[str, Any] | None = None, call: Mapping[str, Any] | None = None
+) -> Settings:
+    """One test's settings: ``call`` keywords > ``marker`` keywords > ``run`` (option > ini > default).
+
+    ``capture_sizes`` sets ``sizes``, ``backend`` sets ``backend`` and (call
+    only: the marker does not take it) ``exhaustive`` sets ``verify``.
+    """
+    chosen = {**_given(marker), **_given(call)}
+    verify = run.verify
+    if "exhaustive" in chosen:
+        verify = bool(chosen["exhaustive"])
+    backend = run.backend
+    if "backend" in chosen:
+        backend = parse_backend(chosen["backend"], "backend")
+    sizes = run.sizes
+    if "capture_sizes" in chosen:
+        sizes = tuple(chosen["capture_sizes"])
+    return replace(run, verify=verify, backend=backend, sizes=sizes)
+
+
+def verify_keywords(
+    run: Settings, marker: Mapping[str, Any] | None = None, call: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """``verify()``'s keywords for one call, by the precedence of ``resolve``.
+
+    Keywords given as None are dropped (``verify``'s defaults apply);
+    ``capture_sizes`` is absent when no level gives it.
+    """
+    test = resolve(run, marker, call)
+    keywords = {**_given(marker), **_given(call)}
+    keywords["backend"] = test.backend
+    keywords["exhaustive"] = test.verify
+    if test.sizes is not None:
+        keywords["capture_sizes"] = test.sizes
+    return keywords

@@ -1,0 +1,47 @@
+"""Every check, through the plugin: its buggy module fails with the expected
+message and its correct twin passes (``pytester`` runs of ``cudagraph_verify``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bugs import PAIRS, Pair
+from tests.conftest import isolate_plugins
+
+TEST_FILE = """
+import pytest
+from tests.bugs import {cls}, token_inputs
+
+
+@pytest.mark.cudagraph(capture_sizes=(1, 2, 4, 8), max_num_reqs=4)
+def test_module(cudagraph_verify, cudagraph_device):
+    cudagraph_verify({cls}().to(cudagraph_device), token_inputs(cudagraph_device))
+"""
+
+
+@pytest.fixture
+def run_inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None, backend: str):
+    isolate_plugins(monkeypatch)
+
+    def run(cls: type) -> pytest.RunResult:
+        pytester.makepyfile(test_pair=TEST_FILE.format(cls=cls.__name__))
+        return pytester.runpytest(f"--cudagraph-backend={backend}", "--cudagraph-verify", "-p", "no:cacheprovider")
+
+    return run
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p.check)
+def test_buggy_module_fails_through_the_plugin(pair: Pair, run_inner) -> None:
+    result = run_inner(pair.buggy)
+    result.assert_outcomes(failed=1)
+    output = result.stdout.str()
+    assert f"FAIL {pair.check}" in output
+    result.stdout.re_match_lines([rf".*{pair.message}.*"])
+    assert "Traceback" not in output  # a readable report, not a trace through the plugin
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p.check)
+def test_correct_twin_passes_through_the_plugin(pair: Pair, run_inner) -> None:
+    result = run_inner(pair.correct)
+    result.assert_outcomes(passed=1)
+    result.stdout.re_match_lines([r".*test_module: \d+/\d+ descriptors captured, \d+ checks passed, 0 failed.*"])

@@ -1,0 +1,662 @@
+"""The pytest plugin layer: options and ini twins, marker, fixtures, header, summary, JSON report."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_cudagraph import settings as cg_settings
+from pytest_cudagraph.checks import CHECKS, verify
+from pytest_cudagraph.settings import Settings, parse_backend, parse_sizes, resolve, verify_keywords
+from tests.conftest import isolate_plugins
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="what happens without a GPU")
+AUTO_BACKEND = "cuda" if torch.cuda.is_available() else "emulate"
+
+# Tiny modules for the inner test runs: a correct one and one with a host sync.
+# They are built on, and make inputs on, the test's device (``cudagraph_device``,
+# set by the inner conftest), so the inner tests run on a GPU as well as on CPU.
+MODULES = """
+import torch
+
+DEVICE = torch.device("cpu")
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, device=DEVICE)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class ItemInForward(Tiny):
+    def forward(self, x):
+        if x.abs().max().item() > 1e9:  # a host sync: cannot be captured
+            return x
+        return self.lin(x)
+
+
+def make_inputs(num_tokens, num_reqs):
+    return {"x": torch.randn(num_tokens, 4, device=DEVICE)}
+"""
+
+CONFTEST = """
+import pytest
+
+import cgmods
+
+
+@pytest.fixture(autouse=True)
+def _on_the_test_device(cudagraph_device):
+    cgmods.DEVICE = cudagraph_device
+"""
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None) -> pytest.Pytester:
+    """A pytester directory with the tiny modules (``cgmods``) and fixtures using them.
+
+    Inner runs load only this plugin (xdist workers too, through the
+    environment): other installed plugins would be imported afresh by every
+    in-process run, which costs ~0.7 s a run. ``test_help_shows_every_option``
+    runs with the entry points, as users do.
+    """
+    isolate_plugins(monkeypatch)
+    pytester.makepyfile(cgmods=MODULES)
+    pytester.makeconftest(CONFTEST)
+    pytester.syspathinsert()
+    return pytester
+
+
+def _report(pytester: pytest.Pytester, name: str = "report.json") -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((pytester.path / name).read_text())
+    return data
+
+
+def _planned(data: dict[str, Any], test: str) -> list[int]:
+    """Planned descriptors of each verify call of ``test``."""
+    (nodeid,) = [n for n in data["tests"] if n.endswith(f"::{test}")]
+    return [v["report"]["planned_descriptors"] for v in data["tests"][nodeid]["verifications"]]
+
+
+def _verified(data: dict[str, Any], test: str) -> list[int]:
+    """Verified (captured) descriptors of each verify call of ``test``."""
+    (nodeid,) = [n for n in data["tests"] if n.endswith(f"::{test}")]
+    return [len(v["report"]["descriptors"]) for v in data["tests"][nodeid]["verifications"]]
+
+
+# -- import time and --help ---------------------------------------------------
+def test_importing_the_plugin_does_not_import_torch() -> None:
+    code = (
+        "import sys, pytest_cudagraph.plugin, pytest_cudagraph.settings, pytest_cudagraph.pytest_report; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, "importing the plugin imported torch" + done.stderr
+
+
+def test_help_shows_every_option_and_ini_twin(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--help")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(
+        [
+            "CUDA-graph verification (pytest-cudagraph):",
+            "*--cudagraph-verify*",
+            "*--cudagraph-backend=auto|cuda|emulate*",
+            "*--cudagraph-sizes=1,2,4,...*",
+            "*--cudagraph-report=PATH*",
+        ]
+    )
+    for ini, kind in (("verify", "bool"), ("backend", "string"), ("sizes", "string"), ("report", "string")):
+        result.stdout.fnmatch_lines([f"*cudagraph_{ini} ({kind}):*"])
+
+
+def test_help_works_with_a_bad_ini_value(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ncudagraph_sizes = 1,x\n")
+    assert pytester.runpytest("--help").ret == 0
+
+
+def test_marker_is_registered_with_its_full_signature(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--markers")
+    result.stdout.fnmatch_lines([f"@pytest.mark.{cg_settings.MARKER_SIGNATURE}:*"])
+    result.stdout.fnmatch_lines(["@pytest.mark.cuda: the test needs a CUDA device*"])
+
+
+def test_marker_keywords_are_exactly_verifys_keywords() -> None:
+    params = inspect.signature(verify).parameters
+    keyword_only = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert cg_settings.MARKER_KEYWORDS == tuple(n for n in keyword_only if n != "exhaustive")
+    assert set(cg_settings.VERIFY_KEYWORDS) == set(keyword_only)
+    shown = dict(cg_settings._MARKER_DEFAULTS)
+    for name in cg_settings.MARKER_KEYWORDS:
+        if name != "capture_sizes":  # required by verify; None in the marker means "from the settings"
+            assert shown[name] == repr(params[name].default), name
+
+
+# -- settings: parsing and precedence (no pytest run) ------------------------
+def test_parse_sizes_accepts_commas_and_spaces() -> None:
+    assert parse_sizes("4, 1,2 2", "x") == (1, 2, 4)
+    assert parse_sizes((8, 1), "x") == (1, 8)
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [("1,x", "'x' is not a whole number"), ("0,2", "0 is less than 1"), (" , ", "no size"), ("1.5", "'1.5'")],
+)
+def test_parse_sizes_rejects_with_what_was_expected(text: str, why: str) -> None:
+    with pytest.raises(pytest.UsageError) as info:
+        parse_sizes(text, "--cudagraph-sizes")
+    message = str(info.value)
+    assert message.startswith("--cudagraph-sizes: expected a comma-separated list of token counts >= 1")
+    assert why in message
+
+
+def test_parse_backend() -> None:
+    assert parse_backend(" Emulate ", "x") == "emulate"
+    with pytest.raises(pytest.UsageError, match=r"--cudagraph-backend: expected one of auto, cuda, emulate; got 'gpu'"):
+        parse_backend("gpu", "--cudagraph-backend")
+
+
+def test_resolve_precedence_call_marker_run() -> None:
+    run = Settings(verify=False, backend="auto", sizes=(1, 2))
+    assert resolve(run) == run
+    marker = {"capture_sizes": (1, 2, 4), "backend": "emulate"}
+    assert resolve(run, marker) == Settings(verify=False, backend="emulate", sizes=(1, 2, 4))
+    call = {"capture_sizes": [8], "exhaustive": True, "backend": None}  # None: not given
+    assert resolve(run, marker, call) == Settings(verify=True, backend="emulate", sizes=(8,))
+    keywords = verify_keywords(run, {**marker, "seed": 3}, {"seed": 5, "rtol": None})
+    assert keywords == {"capture_sizes": (1, 2, 4), "backend": "emulate", "exhaustive": False, "seed": 5}
+
+
+# -- usage errors -------------------------------------------------------------
+def test_bad_sizes_option_is_a_usage_error(inner: pytest.Pytester) -> None:
+    inner.makepyfile("def test_x():\n    pass\n")
+    result = inner.runpytest("--cudagraph-sizes=1,x")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: --cudagraph-sizes: expected a comma-separated list of token counts >= 1, such as 1,2,4,8; "
+         "got '1,x' ('x' is not a whole number)"]
+    )
+
+
+def test_bad_ini_backend_is_a_usage_error(inner: pytest.Pytester) -> None:
+    inner.makeini("[pytest]\ncudagraph_backend = gpu\n")
+    inner.makepyfile("def test_x():\n    pass\n")
+    result = inner.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini option cudagraph_backend: expected one of auto, cuda, emulate; got 'gpu'"])
+
+
+def test_unknown_marker_keyword_is_a_usage_error_naming_it(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.cudagraph(capture_size=(1, 2))
+        def test_x():
+            pass
+        """
+    )
+    result = inner.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    allowed = ", ".join(cg_settings.MARKER_KEYWORDS)
+    result.stderr.fnmatch_lines(
+        [f"ERROR: @pytest.mark.cudagraph on test_unknown_marker_keyword_is_a_usage_error_naming_it.py::test_x: "
+         f"unknown keyword 'capture_size' (did you mean 'capture_sizes'?); the marker takes only these keywords: {allowed}"]
+    )
+    result.stdout.no_fnmatch_line("*passed*")
+
+
+def test_positional_marker_arguments_and_bad_marker_values_are_usage_errors(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.cudagraph((1, 2))
+        def test_x():
+            pass
+        """
+    )
+    result = inner.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: *test_x: takes keywords only, got positional argument(s) ((1, 2),)*"])
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.cudagraph(capture_sizes="1,two")
+        def test_x():
+            pass
+        """
+    )
+    result = inner.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: *test_x: capture_sizes: expected a comma-separated list*'two'*"])
+
+
+# -- precedence, ini twins, quick vs exhaustive -------------------------------
+PRECEDENCE_TESTS = """
+import pytest
+from cgmods import Tiny, make_inputs
+
+
+def test_plain(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs)
+
+
+@pytest.mark.cudagraph(capture_sizes=(1, 2, 4, 8))
+def test_marked(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs)
+
+
+@pytest.mark.cudagraph(capture_sizes=(1, 2, 4, 8))
+def test_call(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs, capture_sizes=(1,))
+"""
+
+
+def test_precedence_call_beats_marker_beats_option_beats_ini(inner: pytest.Pytester) -> None:
+    inner.makeini("[pytest]\ncudagraph_sizes = 1,2\ncudagraph_report = report.json\n")
+    inner.makepyfile(PRECEDENCE_TESTS)
+    inner.runpytest("--cudagraph-verify").assert_outcomes(passed=3)
+    data = _report(inner)
+    assert data["settings"]["sizes"] == [1, 2]
+    assert (_planned(data, "test_plain"), _planned(data, "test_marked"), _planned(data, "test_call")) == ([2], [4], [1])
+
+    inner.runpytest("--cudagraph-verify", "--cudagraph-sizes=1,2,4").assert_outcomes(passed=3)
+    data = _report(inner)
+    assert data["settings"]["sizes"] == [1, 2, 4]
+    assert (_planned(data, "test_plain"), _planned(data, "test_marked"), _planned(data, "test_call")) == ([3], [4], [1])
+
+
+def test_marker_backend_beats_option(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+        from cgmods import Tiny, make_inputs
+
+        @pytest.mark.cudagraph(capture_sizes=(1, 2), backend="emulate")
+        def test_x(cudagraph_verify, cudagraph_backend, cudagraph_device):
+            assert cudagraph_backend == "emulate"
+            assert str(cudagraph_device) == "cpu"
+            assert cudagraph_verify(Tiny(), make_inputs).backend == "emulate"
+        """
+    )
+    # on a machine without CUDA, the option's 'cuda' would fail the test
+    inner.runpytest("--cudagraph-backend=cuda").assert_outcomes(passed=1)
+
+
+def test_ini_twins(inner: pytest.Pytester) -> None:
+    inner.makeini(
+        "[pytest]\ncudagraph_verify = true\ncudagraph_backend = emulate\n"
+        "cudagraph_sizes = 4 2 1\ncudagraph_report = out/cg.json\n"
+    )
+    inner.makepyfile(
+        """
+        def test_x(cudagraph_verify, cudagraph_backend):
+            from cgmods import Tiny, make_inputs
+            assert cudagraph_backend == "emulate"
+            report = cudagraph_verify(Tiny(), make_inputs)
+            assert report.exhaustive and len(report.descriptors) == report.planned == 3
+        """
+    )
+    result = inner.runpytest()
+    result.assert_outcomes(passed=1)
+    path = inner.path / "out" / "cg.json"
+    result.stdout.fnmatch_lines(
+        [f"cudagraph: backend=emulate, verify=every descriptor and every check, sizes=1,2,4, report={path}"]
+    )
+    data = json.loads(path.read_text())
+    assert data["settings"] == {"verify": True, "backend": "emulate", "sizes": [1, 2, 4], "report": str(path)}
+    # the options beat their ini twins
+    result = inner.runpytest("--cudagraph-sizes=1,2", "--cudagraph-report=other.json")
+    result.assert_outcomes(failed=1)  # 2 descriptors planned now, not 3
+    assert json.loads((inner.path / "other.json").read_text())["settings"]["sizes"] == [1, 2]
+
+
+QUICK_TESTS = """
+import pytest
+from cgmods import Tiny, make_inputs
+
+
+@pytest.mark.cudagraph(capture_sizes=(1, 2, 4))
+def test_full(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs)
+
+
+@pytest.mark.cudagraph(capture_sizes=(1, 2, 4), mode="FULL_AND_PIECEWISE")
+def test_two_modes(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs)
+"""
+
+
+def test_quick_mode_vs_cudagraph_verify(inner: pytest.Pytester) -> None:
+    inner.makepyfile(QUICK_TESTS)
+    inner.runpytest("--cudagraph-report=report.json").assert_outcomes(passed=2)
+    quick = _report(inner)
+    inner.runpytest("--cudagraph-report=report.json", "--cudagraph-verify").assert_outcomes(passed=2)
+    full = _report(inner)
+    # quick: the smallest and largest descriptor of each mode; --cudagraph-verify: all of them
+    assert (_verified(quick, "test_full"), _verified(full, "test_full")) == ([2], [3])
+    assert (_verified(quick, "test_two_modes"), _verified(full, "test_two_modes")) == ([4], [6])
+    assert _planned(quick, "test_two_modes") == _planned(full, "test_two_modes") == [6]
+    assert quick["settings"]["verify"] is False and full["settings"]["verify"] is True
+    for data, exhaustive in ((quick, False), (full, True)):
+        for entry in data["tests"].values():
+            assert entry["verifications"][0]["report"]["exhaustive"] is exhaustive
+            assert entry["verifications"][0]["keywords"]["exhaustive"] is exhaustive
+
+
+# -- the JSON report, the header and the terminal summary ---------------------
+REPORT_TESTS = """
+import pytest
+from cgmods import Tiny, ItemInForward, make_inputs
+
+
+@pytest.mark.cudagraph(capture_sizes=(1, 2, 4))
+def test_twice(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs)
+    cudagraph_verify(Tiny(), make_inputs, mode="PIECEWISE", checks=["capture_safety", "replay_matches_eager"])
+
+
+@pytest.mark.cudagraph(capture_sizes=(1, 2, 4))
+def test_buggy(cudagraph_verify):
+    cudagraph_verify(ItemInForward(), make_inputs)
+
+
+def test_not_verifying(cudagraph_manager):
+    cudagraph_manager(Tiny(), make_inputs, capture_sizes=(1, 2)).capture()
+"""
+
+
+def test_json_report_content(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_rep=REPORT_TESTS)
+    result = inner.runpytest("--cudagraph-report=sub/dir/report.json")
+    result.assert_outcomes(passed=2, failed=1)
+    path = inner.path / "sub" / "dir" / "report.json"
+    result.stdout.fnmatch_lines([f"cudagraph: JSON report written to {path}"])
+    data = json.loads(path.read_text())
+    assert data["version"] == 1
+    assert data["settings"] == {"verify": False, "backend": "auto", "sizes": None, "report": str(path)}
+    assert set(data["tests"]) == {"test_rep.py::test_twice", "test_rep.py::test_buggy"}  # only verifying tests
+
+    twice = data["tests"]["test_rep.py::test_twice"]
+    assert twice["outcome"] == "passed"
+    first, second = twice["verifications"]
+    assert first["keywords"] == {"capture_sizes": [1, 2, 4], "backend": AUTO_BACKEND, "exhaustive": False,
+                                 "device": "cuda:0" if AUTO_BACKEND == "cuda" else "cpu"}
+    rep = first["report"]
+    assert (rep["module"], rep["backend"], rep["mode"], rep["passed"]) == ("Tiny", AUTO_BACKEND, "FULL", True)
+    assert rep["planned_descriptors"] == 3
+    assert [d["label"] for d in rep["descriptors"]] == ["FULL-T4-R4", "FULL-T1-R1"]
+    assert rep["checks"] == list(CHECKS)
+    assert {o["check"] for o in rep["outcomes"]} == set(CHECKS)
+    assert all(o["passed"] for o in rep["outcomes"])
+    assert rep["real_batches"] > 0 and rep["capture_seconds"] >= 0
+    assert set(rep["graph_memory_bytes"]) == {"FULL-T4-R4", "FULL-T1-R1"}
+    assert second["keywords"]["mode"] == "PIECEWISE"
+    assert second["report"]["checks"] == ["capture_safety", "replay_matches_eager"]
+
+    buggy = data["tests"]["test_rep.py::test_buggy"]
+    assert buggy["outcome"] == "failed"
+    (bad,) = buggy["verifications"]
+    assert bad["report"]["passed"] is False
+    failed = [o for o in bad["report"]["outcomes"] if not o["passed"] and not o["skipped"]]
+    assert {o["check"] for o in failed} == {"capture_safety"}
+    assert any("Tensor.item()" in op for o in failed for op in o["finding"]["ops"])
+
+
+def test_no_report_file_unless_asked(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_rep=REPORT_TESTS)
+    result = inner.runpytest("-k", "twice")
+    result.assert_outcomes(passed=1, deselected=2)
+    assert not list(inner.path.rglob("*.json"))
+    result.stdout.no_fnmatch_line("*JSON report*")
+
+
+def test_header_line(inner: pytest.Pytester) -> None:
+    inner.makepyfile("def test_x():\n    pass\n")
+    inner.runpytest().stdout.fnmatch_lines(
+        [f"cudagraph: backend={AUTO_BACKEND} (auto), verify=quick (smallest and largest descriptor per mode), "
+         "sizes=per test, report=none"]
+    )
+    inner.runpytest("--cudagraph-backend=emulate", "--cudagraph-verify", "--cudagraph-sizes=8,1").stdout.fnmatch_lines(
+        ["cudagraph: backend=emulate, verify=every descriptor and every check, sizes=1,8, report=none"]
+    )
+
+
+def test_terminal_summary_section(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_rep=REPORT_TESTS)
+    result = inner.runpytest()
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*= cudagraph =*",
+            "test_rep.py::test_twice: 4/6 descriptors captured, * checks passed, 0 failed*, capture *s, "
+            "graph memory * (2 verify calls)",
+            "test_rep.py::test_buggy: 0/3 descriptors captured, 0 checks passed, 2 failed*; "
+            "failures: capture_safety (FULL-T4-R4), capture_safety (FULL-T1-R1) [[]failed]",
+        ]
+    )
+    result.stdout.no_fnmatch_line("test_rep.py::test_not_verifying:*")
+
+
+def test_no_summary_section_without_cudagraph_verify(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_rep=REPORT_TESTS)
+    result = inner.runpytest("-k", "not_verifying")
+    result.assert_outcomes(passed=1, deselected=2)
+    result.stdout.no_fnmatch_line("*= cudagraph =*")
+
+
+# -- fixtures -------------------------------------------------------------------
+def test_cudagraph_manager_releases_every_manager_at_teardown(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+        from cgmods import Tiny, make_inputs
+        from pytest_cudagraph import CaptureConfig
+
+        MADE = []
+
+        @pytest.mark.cudagraph(capture_sizes=(1, 2, 4), mode="PIECEWISE")
+        def test_make(cudagraph_manager, cudagraph_backend):
+            a = cudagraph_manager(Tiny(), make_inputs)  # sizes and mode from the marker
+            b = cudagraph_manager(Tiny(), make_inputs, CaptureConfig(capture_sizes=[1, 2], max_num_reqs=2))
+            for manager in (a, b):
+                manager.capture()
+                assert manager.captured and manager.backend == cudagraph_backend
+            assert [d.label() for d in a.captured_descriptors] == ["PIECEWISE-T4", "PIECEWISE-T2", "PIECEWISE-T1"]
+            assert len(b.captured_descriptors) == 2
+            MADE.extend([a, b])
+
+        def test_fails_after_capture(cudagraph_manager):
+            manager = cudagraph_manager(Tiny(), make_inputs, capture_sizes=(1, 2))
+            manager.capture()
+            MADE.append(manager)
+            assert False, "fails on purpose"
+
+        def test_all_released():
+            assert len(MADE) == 3
+            assert [m.captured for m in MADE] == [False, False, False]
+        """
+    )
+    inner.runpytest().assert_outcomes(passed=2, failed=1)
+
+
+def test_cudagraph_manager_keyword_errors(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+        from cgmods import Tiny, make_inputs
+        from pytest_cudagraph import CaptureConfig
+
+        def test_unknown(cudagraph_manager):
+            with pytest.raises(TypeError, match="unknown keyword 'capture_size'.*did you mean 'capture_sizes'"):
+                cudagraph_manager(Tiny(), make_inputs, capture_size=(1,))
+
+        def test_both(cudagraph_manager):
+            config = CaptureConfig(capture_sizes=[1], max_num_reqs=1)
+            with pytest.raises(TypeError, match="pass config or its keywords"):
+                cudagraph_manager(Tiny(), make_inputs, config, mode="FULL")
+
+        def test_no_sizes(cudagraph_manager):
+            cudagraph_manager(Tiny(), make_inputs)
+        """
+    )
+    result = inner.runpytest()
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*cudagraph_manager needs capture_sizes: pass capture_sizes=*--cudagraph-sizes*"])
+
+
+def test_backend_and_device_fixtures(inner: pytest.Pytester) -> None:
+    cuda = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else None
+    for args, (backend, device) in (
+        ((), (AUTO_BACKEND, cuda or "cpu")),
+        (("--cudagraph-backend=emulate",), ("emulate", "cpu")),
+        (("--cudagraph-backend=cuda",), ("cuda", cuda)),
+    ):
+        inner.makepyfile(
+            test_fixtures=f"""
+            import torch
+
+            def test_x(cudagraph_backend, cudagraph_device):
+                assert cudagraph_backend == {backend!r}
+                assert cudagraph_device == torch.device({device!r})
+            """
+        )
+        result = inner.runpytest(*args)
+        if device is not None:
+            result.assert_outcomes(passed=1)
+        else:  # cuda asked for, but there is no GPU: the fixtures error and say why
+            result.assert_outcomes(errors=1)
+            result.stdout.fnmatch_lines(["*backend 'cuda' was asked for*torch.cuda.is_available() is False*"])
+
+
+@CPU_ONLY
+def test_cuda_marker_still_skips(inner: pytest.Pytester) -> None:
+    inner.makepyfile("import pytest\n\n@pytest.mark.cuda\ndef test_x():\n    pass\n")
+    result = inner.runpytest("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*needs a CUDA device*"])
+
+
+def test_a_real_bug_fails_with_the_readable_report(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+        from cgmods import ItemInForward, make_inputs
+
+        @pytest.mark.cudagraph(capture_sizes=(1, 2, 4))
+        def test_bug(cudagraph_verify):
+            cudagraph_verify(ItemInForward(), make_inputs)
+        """
+    )
+    result = inner.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_bug _*",
+            "ItemInForward on *: 0/3 descriptors captured and verified (quick: *), 0 real batches, "
+            "2 failure(s) in capture_safety*",
+            "FAIL capture_safety * FULL-T4-R4",
+            "*cannot be captured in a graph; the first is Tensor.item() (host sync) in the top-level module",
+            "*- Tensor.item() (host sync) in the top-level module",
+        ]
+    )
+    # pytrace=False: the report, not a traceback through the plugin
+    result.stdout.no_fnmatch_line("*harness.py*")
+    result.stdout.no_fnmatch_line("*pytest.fail(*")
+
+
+def test_cudagraph_verify_returns_the_report_and_checks_its_keywords(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+        from cgmods import Tiny, make_inputs
+
+        @pytest.mark.cudagraph(capture_sizes=(1, 2, 4), checks=["capture_safety"])
+        def test_ok(cudagraph_verify):
+            report = cudagraph_verify(Tiny(), make_inputs, exhaustive=True)  # the call beats the settings
+            assert report.ok and report.exhaustive and len(report.descriptors) == 3
+            assert report.checks == ("capture_safety",)
+
+        def test_unknown_keyword(cudagraph_verify):
+            with pytest.raises(TypeError, match="unknown keyword 'sizes'.*cudagraph_verify takes only"):
+                cudagraph_verify(Tiny(), make_inputs, sizes=(1,))
+
+        def test_no_sizes(cudagraph_verify):
+            cudagraph_verify(Tiny(), make_inputs)
+        """
+    )
+    result = inner.runpytest()
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*cudagraph_verify needs capture_sizes: pass capture_sizes=*"])
+
+
+def test_marker_levels_merge_closest_first(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+        from cgmods import Tiny, make_inputs
+
+        pytestmark = pytest.mark.cudagraph(capture_sizes=(1, 2, 4), mode="PIECEWISE")
+
+        @pytest.mark.cudagraph(mode="FULL")
+        def test_x(cudagraph_verify):
+            report = cudagraph_verify(Tiny(), make_inputs, exhaustive=True)
+            assert report.mode == "FULL" and report.planned == 3
+        """
+    )
+    inner.runpytest().assert_outcomes(passed=1)
+
+
+def test_results_travel_on_the_test_report(inner: pytest.Pytester) -> None:
+    """Records ride on each phase's TestReport: what pytest-xdist and pytest-reportlog serialise."""
+    inner.makepyfile(test_rep=REPORT_TESTS)
+    reprec = inner.inline_run("-k", "twice")
+    (call,) = [r for r in reprec.getreports("pytest_runtest_logreport") if r.when == "call"]
+    records = call.cudagraph_records
+    assert len(records) == 2 and records[0]["report"]["module"] == "Tiny"
+    data = call._to_json()  # what xdist sends from a worker
+    assert json.loads(json.dumps(data))["cudagraph_records"] == records
+    assert pytest.TestReport._from_json(data).cudagraph_records == records
+
+
+BAD_MARKER = """
+import pytest
+
+@pytest.mark.cudagraph(sizes=(1,))
+def test_x():
+    pass
+"""
+
+
+def test_xdist_workers_results_reach_the_summary_and_report(inner: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
+    inner.makepyfile(test_rep=REPORT_TESTS, test_bad_marker=BAD_MARKER)
+    result = inner.runpytest("-p", "xdist.plugin", "-n", "2", "--cudagraph-report=report.json")
+    result.assert_outcomes(passed=2, failed=1, errors=1)
+    # a malformed marker: a worker cannot raise a usage error, so that test errors with the message
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_x*", "*unknown keyword 'sizes'*"])
+    result.stdout.fnmatch_lines(["*= cudagraph =*"])
+    result.stdout.fnmatch_lines(["test_rep.py::test_twice: 4/6 descriptors captured*"])
+    result.stdout.fnmatch_lines(["test_rep.py::test_buggy: 0/3 descriptors captured*"])
+    data = _report(inner)
+    assert set(data["tests"]) == {"test_rep.py::test_twice", "test_rep.py::test_buggy"}
+    assert data["tests"]["test_rep.py::test_buggy"]["outcome"] == "failed"
+    assert len(data["tests"]["test_rep.py::test_twice"]["verifications"]) == 2
+
+
+def test_report_accepts_an_absolute_path(inner: pytest.Pytester, tmp_path: Path) -> None:
+    inner.makepyfile(test_rep=REPORT_TESTS)
+    inner.runpytest("-k", "twice", f"--cudagraph-report={tmp_path / 'abs.json'}")
+    assert json.loads((tmp_path / "abs.json").read_text())["tests"]
