@@ -236,6 +236,6 @@ PAIRS = [
          r"two replays of the same inputs, from the same module state and seed, differ"),
     Pair("output_lifetime", ReturnsStatsBuffer, ReturnsStatsCopy,
          r"an output returned by run\(\) on the eager \(NONE\) path changed when later batches ran"),
-    Pair("address_stability", RebindsBuffer, UpdatesBufferInPlace, r"module tensor 'running' moved"),
+    Pair("address_stability", RebindsBuffer, UpdatesBufferInPlace, r"module tensor 'running' moved: it was rebound to another tensor"),
     Pair("rng", ReseedsInForward, DrawsNoise, r"under the same seed, replay draws differ from eager draws"),
 ]

@@ -16,10 +16,13 @@ __all__ = ["CudaBackend", "CudaGraph"]
 
 
 class CudaGraph(CapturedGraph):
-    def __init__(self, graph: torch.cuda.CUDAGraph, output: Any, nbytes: int) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: Any, nbytes: int,
+                 reads: list[torch.Tensor]) -> None:
         self.graph = graph
         self.output = output
         self.nbytes = nbytes
+        # Tensors from outside the graph that it reads: kept alive with it.
+        self._reads = reads
 
     def replay(self) -> None:
         self.graph.replay()
@@ -81,10 +84,11 @@ class CudaBackend(Backend):
             torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved(self.device)
             graph = torch.cuda.CUDAGraph()
+            reads: list[torch.Tensor] = []
             first_error: BaseException | None = None
             try:
                 with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, stream=self._streams()[1]):
-                    with guard.function_mode(), GuardDispatchMode(guard):
+                    with guard.function_mode(), GuardDispatchMode(guard, reads):
                         try:
                             output = fn()
                         except BaseException as exc:
@@ -100,7 +104,7 @@ class CudaBackend(Backend):
                 raise
             torch.cuda.synchronize(self.device)
             grown = torch.cuda.memory_reserved(self.device) - before
-        return CudaGraph(graph, output, max(grown, 0))
+        return CudaGraph(graph, output, max(grown, 0), reads)
 
     def _recover(self) -> None:
         """Leave the device fit for another capture after a failed one.

@@ -200,13 +200,36 @@ class _HostMethodMode(TorchFunctionMode):
 
 
 class GuardDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """A dispatch mode that only checks (the CUDA backend's guard)."""
+    """A dispatch mode that checks every op (the CUDA backend's guard).
 
-    def __init__(self, guard: CaptureGuard) -> None:
+    With ``keep_alive`` it also collects every tensor an op reads that was not
+    made during this capture. A graph reads such tensors by address on every
+    replay; if the module drops its last reference (a buffer rebound in
+    forward, a memoised tensor replaced), the caching allocator would hand the
+    memory to someone else or back to the driver, and a replay would read
+    garbage or fault the whole CUDA context. Holding them for the graph's
+    life turns that crash into stale values, which the checks report.
+    """
+
+    def __init__(self, guard: CaptureGuard, keep_alive: list[torch.Tensor] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.guard = guard
+        self.keep_alive = keep_alive
+        self._made: set[int] = set()
+        self._kept: set[int] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.guard.check_dispatch(func, args, kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.keep_alive is not None:
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    key = t.untyped_storage().data_ptr()
+                    if key not in self._made and key not in self._kept:
+                        self._kept.add(key)
+                        self.keep_alive.append(t)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._made.add(t.untyped_storage().data_ptr())
+        return out

@@ -380,23 +380,28 @@ def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
 
 
 # -- after everything: addresses -------------------------------------------------
-def record_addresses(ctx: VerifyContext) -> dict[str, int]:
-    addresses = {f"static input '{n}'": t.data_ptr() for n, t in ctx.manager.static_inputs.items()}
+def record_addresses(ctx: VerifyContext) -> dict[str, tuple[torch.Tensor, int]]:
+    """Every tensor graphs read by address: the object and its address now."""
+    tensors = {f"static input '{n}'": t for n, t in ctx.manager.static_inputs.items()}
     for name, t in ctx._state_items():
-        addresses[f"module tensor '{name}'"] = t.data_ptr()
-    return addresses
+        tensors[f"module tensor '{name}'"] = t
+    return {name: (t, t.data_ptr()) for name, t in tensors.items()}
 
 
-def address_stability(ctx: VerifyContext, before: dict[str, int]) -> Outcome:
+def address_stability(ctx: VerifyContext, before: dict[str, tuple[torch.Tensor, int]]) -> Outcome:
     after = record_addresses(ctx)
-    for name, ptr in before.items():
+    for name, (tensor, ptr) in before.items():
         now = after.get(name)
-        if now != ptr:
-            moved = f"{ptr:#x} -> {now:#x}" if now is not None else f"{ptr:#x} -> gone"
+        # The object, not only the address: a rebound buffer can land at the
+        # old address again once the allocator reuses it.
+        if now is None or now[0] is not tensor or now[1] != ptr:
+            moved = "it is gone" if now is None else (
+                f"it was rebound to another tensor (address {ptr:#x} -> {now[1]:#x})" if now[0] is not tensor
+                else f"its storage moved ({ptr:#x} -> {now[1]:#x})")
             return Outcome(
                 "address_stability", None, False,
-                f"{name} moved (address {moved}): graphs keep reading the old "
-                "memory. Update it in place (copy_, mul_, add_) instead of rebinding the attribute",
+                f"{name} moved: {moved}, and graphs keep reading the old memory. Update it in place "
+                "(copy_, mul_, add_) instead of rebinding the attribute",
                 Finding(output=name),
             )
     missing = set(after) - set(before)
