@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .errors import CaptureError
-from .plan import BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
+from .plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
 
 if TYPE_CHECKING:
     from .checks import CHECKS, VerifyReport, verify
     from .context import current_descriptor
-    from .manager import Batch, GraphManager
+    from .manager import GraphManager
 
 __all__ = [
     "CHECKS",
@@ -35,7 +35,6 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "GraphManager": ("pytest_cudagraph.manager", "GraphManager"),
-    "Batch": ("pytest_cudagraph.manager", "Batch"),
     "current_descriptor": ("pytest_cudagraph.context", "current_descriptor"),
     "verify": ("pytest_cudagraph.checks", "verify"),
     "VerifyReport": ("pytest_cudagraph.checks", "VerifyReport"),

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..context import running
-from ..manager import Batch, GraphManager
+from ..manager import GraphManager
 from ..manager.layout import call_make_inputs
-from ..plan import BatchDescriptor, GraphMode
+from ..plan import Batch, BatchDescriptor, GraphMode
 from .compare import Difference, first_difference
 
-__all__ = ["RealBatch", "VerifyContext", "clone_tree"]
+__all__ = ["VerifyContext", "clone_tree"]
 
 # A region of a buffer that padded rows may legitimately write (a KV cache's
 # padding slot): an index, a slice, or a callable returning a boolean mask.
@@ -25,35 +24,6 @@ ScratchRegion = int | slice | Callable[[torch.Tensor], torch.Tensor]
 
 def clone_tree(tree: Any) -> Any:
     return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
-
-
-@dataclass(frozen=True)
-class RealBatch:
-    """A real batch a descriptor serves, and the dispatch arguments that say so."""
-
-    num_tokens: int
-    num_reqs: int
-    uniform_token_count: int | None = None
-    max_query_len: int | None = None
-    num_active_loras: int = 0
-    num_ubatches: int = 1
-
-    def as_batch(self) -> Batch:
-        return Batch(self.num_tokens, self.num_reqs, self.uniform_token_count, self.num_active_loras,
-                     self.max_query_len, self.num_ubatches)
-
-    def dispatch_args(self) -> dict[str, Any]:
-        return {
-            "num_reqs": self.num_reqs,
-            "num_tokens": self.num_tokens,
-            "uniform_token_count": self.uniform_token_count,
-            "num_active_loras": self.num_active_loras,
-            "max_query_len": self.max_query_len,
-            "num_ubatches": self.num_ubatches,
-        }
-
-    def shape(self) -> dict[str, Any]:
-        return self.dispatch_args()
 
 
 class VerifyContext:
@@ -103,53 +73,57 @@ class VerifyContext:
         return self._random[desc]
 
     # -- real batches ---------------------------------------------------
-    def real_batches(self, desc: BatchDescriptor) -> list[RealBatch]:
+    def real_batches(self, desc: BatchDescriptor) -> list[Batch]:
         """Every real batch ``desc`` serves, one per token count, smallest first."""
         plan = self.manager.plan
         reqs_cap = self.manager.capture_reqs(desc)
-        found: list[RealBatch] = []
+        found: list[Batch] = []
         for n in plan.candidate_range(desc):
             candidate = self._batch_for(desc, n, reqs_cap)
             if candidate is not None and self.manager.dispatch(**candidate.dispatch_args()) == desc:
                 found.append(candidate)
         return found
 
-    def _batch_for(self, desc: BatchDescriptor, n: int, reqs_cap: int) -> RealBatch | None:
+    def _batch_for(self, desc: BatchDescriptor, n: int, reqs_cap: int) -> Batch | None:
         loras = desc.num_active_loras
         if desc.uniform_token_count is not None:
             u = desc.uniform_token_count
             if n % u:
                 return None
-            return RealBatch(n, n // u, u, u, loras, desc.num_ubatches)
+            return Batch(num_tokens=n, num_reqs=n // u, uniform_token_count=u, max_query_len=u,
+                         num_active_loras=loras, num_ubatches=desc.num_ubatches)
         if desc.max_query_len is not None:
             # Varlen decode: as many requests as fit, so no request exceeds q.
             r = min(n, reqs_cap)
             longest = -(-n // r)
             if longest > desc.max_query_len:
                 return None
-            return RealBatch(n, r, None, longest, loras, desc.num_ubatches)
+            return Batch(num_tokens=n, num_reqs=r, max_query_len=longest, num_active_loras=loras,
+                         num_ubatches=desc.num_ubatches)
         # Mixed batches: requests of about two tokens, like a prefill mix.
         r = min(reqs_cap, max(1, (n + 1) // 2), self.manager.config.max_num_reqs)
-        return RealBatch(n, r, None, None, loras, desc.num_ubatches)
+        return Batch(num_tokens=n, num_reqs=r, num_active_loras=loras, num_ubatches=desc.num_ubatches)
 
-    def padded_batch(self, desc: BatchDescriptor) -> RealBatch | None:
+    def padded_batch(self, desc: BatchDescriptor) -> Batch | None:
         """The smallest real batch of ``desc`` (the most padding), or None."""
         batches = self.real_batches(desc)
         return batches[0] if batches else None
 
-    def exact_batch(self, desc: BatchDescriptor) -> RealBatch:
+    def exact_batch(self, desc: BatchDescriptor) -> Batch:
         """A real batch of exactly the descriptor's shape (no padding)."""
         reqs = self.manager.capture_reqs(desc)
         u = desc.uniform_token_count
-        return RealBatch(desc.num_tokens, reqs, u, desc.max_query_len or u, desc.num_active_loras, desc.num_ubatches)
+        return Batch(num_tokens=desc.num_tokens, num_reqs=reqs, uniform_token_count=u,
+                     max_query_len=desc.max_query_len or u, num_active_loras=desc.num_active_loras,
+                     num_ubatches=desc.num_ubatches)
 
-    def make(self, batch: RealBatch) -> dict[str, Any]:
+    def make(self, batch: Batch) -> dict[str, Any]:
         return call_make_inputs(self.manager.make_inputs, batch.num_tokens, batch.num_reqs)
 
     # -- running ----------------------------------------------------------
-    def load(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: RealBatch) -> dict[str, Any]:
+    def load(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> dict[str, Any]:
         """Load a real batch into the static buffers; return a copy of the padded inputs."""
-        self.manager.load_inputs(desc, inputs, batch.as_batch())
+        self.manager.load_inputs(desc, inputs, batch)
         reqs = self.manager.capture_reqs(desc)
         padded: dict[str, Any] = clone_tree(self.manager.forward_inputs(desc.num_tokens, reqs))
         return padded
@@ -166,7 +140,7 @@ class VerifyContext:
         with torch.no_grad(), running(marker):
             return clone_tree(self.module(**dict(kwargs)))
 
-    def eager_real(self, inputs: Mapping[str, Any], batch: RealBatch) -> Any:
+    def eager_real(self, inputs: Mapping[str, Any], batch: Batch) -> Any:
         """Eager on an unpadded real batch, with an all-False mask if the module takes one."""
         kwargs = dict(inputs)
         for name, spec in self.manager.input_specs.items():
@@ -178,7 +152,7 @@ class VerifyContext:
                                num_active_loras=self.manager.plan.effective_loras(batch.num_active_loras))
         return self.eager(kwargs, desc)
 
-    def run(self, inputs: Mapping[str, Any], batch: RealBatch) -> Any:
+    def run(self, inputs: Mapping[str, Any], batch: Batch) -> Any:
         """The user's path: ``GraphManager.run_batch``."""
         self.real_batches_run += 1
         return self.manager.run_batch(

@@ -99,7 +99,7 @@ def locate_divergence(
                 diag.capture([desc])
             held = graph_rec.records
             ctx.restore(state0)
-            diag.load_inputs(desc, inputs, batch.as_batch())
+            diag.load_inputs(desc, inputs, batch)
             padded = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                       for k, v in diag.forward_inputs(desc.num_tokens, diag.capture_reqs(desc)).items()}
             diag.replay(desc)

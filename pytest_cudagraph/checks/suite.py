@@ -13,16 +13,16 @@ import torch
 
 from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker
 from ..context import running
-from ..plan import BatchDescriptor, GraphMode
+from ..plan import Batch, BatchDescriptor, GraphMode
 from .compare import Difference, first_difference
-from .context import RealBatch, VerifyContext, clone_tree
+from .context import VerifyContext, clone_tree
 from .divergence import locate_divergence
 from .report import Finding, Outcome
 
 __all__ = ["DESCRIPTOR_CHECKS", "address_stability", "capture_safety", "record_addresses"]
 
 
-def _finding(diff: Difference, batch: RealBatch | None = None, submodule: str | None = None) -> Finding:
+def _finding(diff: Difference, batch: Batch | None = None, submodule: str | None = None) -> Finding:
     return Finding(
         output=diff.path,
         index=diff.index,
@@ -88,7 +88,7 @@ def _python_state(module: torch.nn.Module) -> dict[str, Any]:
     return found
 
 
-def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: RealBatch, inputs: dict[str, Any],
+def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: dict[str, Any],
                     check: str, fresh: bool) -> Outcome:
     with ctx.preserved_state() as state0:
         padded = ctx.load(desc, inputs, batch)
@@ -211,7 +211,7 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     with ctx.preserved_state() as state0:
         for label, fill in fills:
             ctx.restore(state0)
-            manager.load_inputs(desc, inputs, batch.as_batch())
+            manager.load_inputs(desc, inputs, batch)
             with torch.no_grad():
                 for spec in manager.input_specs.values():
                     if spec.buffer is None or spec.kind not in ("tokens", "reqs") or not spec.buffer.is_floating_point():
@@ -223,7 +223,7 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             ctx.seed_all(ctx.seed)
             manager.replay(desc)
             manager._backend.synchronize()
-            out = clone_tree(manager.real_rows(desc, batch.as_batch()))
+            out = clone_tree(manager.real_rows(desc, batch))
             results.append((label, out, ctx.snapshot()))
     base_label, base_out, base_state = results[0]
     for label, out, state in results[1:]:
@@ -303,7 +303,7 @@ def output_lifetime(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     return _lifetime(ctx, desc, batch)
 
 
-def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: RealBatch) -> Outcome:
+def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> Outcome:
     with ctx.preserved_state():
         first = ctx.run(ctx.make(batch), batch)
         kept = clone_tree(first)
@@ -327,7 +327,7 @@ def eager_output_lifetime(ctx: VerifyContext) -> Outcome | None:
     manager = ctx.manager
     n = manager.max_tokens + 1
     r = min(manager.config.max_num_reqs, max(1, (n + 1) // 2))
-    batch = RealBatch(n, r)
+    batch = Batch(num_tokens=n, num_reqs=r)
     desc = manager.dispatch(**batch.dispatch_args())
     if desc.mode is not GraphMode.NONE:
         return None

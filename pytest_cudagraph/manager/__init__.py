@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .graph_manager import Batch, GraphManager
+from ..plan import Batch
+from .graph_manager import GraphManager
 from .layout import InputSpec
 
 __all__ = ["Batch", "GraphManager", "InputSpec"]

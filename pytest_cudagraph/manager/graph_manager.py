@@ -16,7 +16,7 @@ from ..backends.base import Backend, CapturedGraph, make_backend
 from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker, Violation
 from ..context import running
 from ..errors import CaptureError
-from ..plan import BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
+from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
 from .layout import InputSpec, PadValue, call_make_inputs, infer_layout
 
 __all__ = ["Batch", "GraphManager"]
@@ -32,18 +32,6 @@ class _Uncapturable(Exception):
 
 def _raise_violation(violation: Violation) -> None:
     raise _Uncapturable(violation)
-
-
-@dataclass(frozen=True)
-class Batch:
-    """A real batch after validation: its shape and what dispatch needs."""
-
-    num_tokens: int
-    num_reqs: int
-    uniform_token_count: int | None = None
-    num_active_loras: int = 0
-    max_query_len: int | None = None
-    num_ubatches: int = 1
 
 
 @dataclass
@@ -508,7 +496,8 @@ class GraphManager:
             raise ValueError(
                 f"the batch has {num_reqs} requests, above max_num_reqs={self.config.max_num_reqs}"
             )
-        batch = Batch(num_tokens, num_reqs, uniform_token_count, num_active_loras, max_query_len, num_ubatches)
+        batch = Batch(num_tokens=num_tokens, num_reqs=num_reqs, uniform_token_count=uniform_token_count,
+                      num_active_loras=num_active_loras, max_query_len=max_query_len, num_ubatches=num_ubatches)
         # Validates counts (num_reqs <= num_tokens, non-negative, ...).
         self.plan.dispatch(
             num_reqs=num_reqs, num_tokens=num_tokens, uniform_token_count=uniform_token_count,
