@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from .harness import ManagerFactory, Verifier
+    from .plan.properties import DispatchProperties
 
 _CUDA_MARKER = "cuda: the test needs a CUDA device; it is skipped cleanly where none is available"
 _CUDAGRAPH_MARKER = (
@@ -86,6 +87,9 @@ class _Collector:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from .profiles import register
+
+    register()  # hypothesis profiles cudagraph-ci and cudagraph-thorough
     config.addinivalue_line("markers", _CUDA_MARKER)
     config.addinivalue_line("markers", _CUDAGRAPH_MARKER)
     if config.getoption("help", default=False):
@@ -191,6 +195,19 @@ def cudagraph_verify(request: pytest.FixtureRequest) -> Verifier:
     state = _state(request.config)
     record = functools.partial(state.add_pending, request.node.nodeid)
     return Verifier(state.settings, settings.marker_keywords(request.node), record)
+
+
+@pytest.fixture(scope="session")
+def cudagraph_dispatch_properties() -> DispatchProperties:
+    """``cudagraph_dispatch_properties(plan, batch, *, dispatch=None, captured=None)``.
+
+    Asserts every dispatch property for one batch (and, once per plan, that
+    every captured descriptor is reachable); session-scoped so that
+    ``@given`` tests can use it.
+    """
+    from .plan.properties import DispatchProperties
+
+    return DispatchProperties()
 
 
 @pytest.fixture

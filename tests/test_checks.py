@@ -34,7 +34,7 @@ def test_buggy_module_fails_its_check(pair: Pair, backend, device):
 def test_correct_twin_passes_every_check(pair: Pair, backend, device):
     report = run(pair.correct, backend, device, **pair.kwargs)
     assert report.ok, report.format()
-    assert {o.check for o in report.outcomes} == set(CHECKS)
+    assert {o.check for o in report.outcomes} == {*CHECKS, "dispatch"}
 
 
 class _Stack(torch.nn.Module):
@@ -115,5 +115,33 @@ def test_json_report_holds_every_descriptor_and_check(backend, device):
     data = json.loads(report.to_json())
     assert data["passed"] is True
     assert len(data["descriptors"]) == 4
-    assert {o["check"] for o in data["outcomes"]} == set(CHECKS)
+    assert {o["check"] for o in data["outcomes"]} == {*CHECKS, "dispatch"}
     assert all("figures" in o for o in data["outcomes"])
+
+
+def test_exhaustive_verification_property_tests_the_managers_dispatch(backend, device, monkeypatch):
+    from pytest_cudagraph import GraphManager, GraphMode
+    from tests.bugs import NoMemo
+
+    report = run(NoMemo, backend, device, checks=["replay_matches_eager"], mode="FULL_AND_PIECEWISE")
+    (outcome,) = [o for o in report.outcomes if o.check == "dispatch"]
+    assert outcome.passed and not outcome.skipped and outcome.figures["examples"] == 200
+
+    quick = run(NoMemo, backend, device, checks=["replay_matches_eager"], exhaustive=False)
+    (outcome,) = [o for o in quick.outcomes if o.check == "dispatch"] or [None]
+    assert outcome is None  # quick mode captures a subset: dispatch is not property-tested
+
+    honest = GraphManager.dispatch
+
+    def drops_odd(self, **kw):  # a dispatcher that runs odd token counts eagerly
+        answer = honest(self, **kw)
+        if kw["num_tokens"] % 2 and answer.mode is not GraphMode.NONE:
+            return type(answer)(mode=GraphMode.NONE, num_tokens=kw["num_tokens"], num_reqs=kw["num_reqs"])
+        return answer
+
+    monkeypatch.setattr(GraphManager, "dispatch", drops_odd)
+    broken = run(NoMemo, backend, device, checks=["replay_matches_eager"], mode="FULL_AND_PIECEWISE")
+    (outcome,) = [o for o in broken.outcomes if o.check == "dispatch"]
+    assert not outcome.passed
+    assert "dispatch property" in outcome.message and ("completeness" in outcome.message
+                                                       or "reachability" in outcome.message)

@@ -185,6 +185,11 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
             report.add([eager_path])
     if "address_stability" in names:
         report.add([address_stability(ctx, before)])
+    if ctx.exhaustive:
+        # Exhaustive runs also prove the dispatcher over the graphs captured.
+        from .dispatch import dispatch_properties
+
+        report.add([dispatch_properties(manager, max_examples=200)])
     report.check_seconds = time.perf_counter() - started
 
 

@@ -1,0 +1,42 @@
+"""The ``dispatch`` check: property-test the manager's dispatch over the graphs it captured."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ..manager import GraphManager
+from ..plan.properties import DispatchPropertyError, check_dispatch, check_reachability
+from ..strategies import batches, invalid_batches
+from .report import Finding, Outcome
+
+__all__ = ["dispatch_properties"]
+
+
+def dispatch_properties(manager: GraphManager, *, max_examples: int) -> Outcome:
+    """Every dispatch property, for generated real batches, against ``manager.dispatch``.
+
+    Runs only when every descriptor of the plan is captured: with a subset,
+    a batch whose planned graph was not captured runs eagerly on purpose.
+    """
+    plan = manager.plan
+    captured = manager.captured_descriptors
+    if set(captured) != set(plan.descriptors):
+        return Outcome("dispatch", None, True, skipped=True,
+                       message="not every descriptor is captured (quick mode), so dispatch is not property-tested")
+    try:
+        check_reachability(plan, dispatch=manager.dispatch, captured=captured)
+
+        @settings(max_examples=max_examples, derandomize=True, database=None, deadline=None,
+                  suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+        @given(batch=st.one_of(batches(plan), invalid_batches(max_tokens=plan.config.largest_capture_size)))
+        def run(batch: Any) -> None:
+            check_dispatch(plan, batch, dispatch=manager.dispatch, captured=captured)
+
+        run()
+    except DispatchPropertyError as exc:
+        return Outcome("dispatch", None, False, str(exc),
+                       Finding(real_batch=exc.batch.shape() if exc.batch is not None else None))
+    return Outcome("dispatch", None, True, figures={"examples": max_examples})
