@@ -19,6 +19,7 @@ from . import pytest_report, settings
 if TYPE_CHECKING:
     import torch
 
+    from .bench.fixture import BenchmarkRunner
     from .harness import ManagerFactory, Verifier
     from .plan.properties import DispatchProperties
 
@@ -68,10 +69,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write a JSON report of every verified module (descriptors, check outcomes, figures) "
         "keyed by test nodeid, with the settings. ini: cudagraph_report",
     )
+    group.addoption(
+        "--cudagraph-bench-report",
+        action="store",
+        default=None,
+        dest="cudagraph_bench_report",
+        metavar="PATH.md",
+        help="write the cudagraph_benchmark results as a Markdown table fit for a CI job summary "
+        "(and PATH.png, speedup against tokens, when matplotlib is installed). ini: cudagraph_bench_report",
+    )
     parser.addini("cudagraph_verify", "exhaustive verification (as --cudagraph-verify)", type="bool", default=False)
     parser.addini("cudagraph_backend", "graph backend: auto, cuda or emulate (as --cudagraph-backend)", default="")
     parser.addini("cudagraph_sizes", "capture sizes, such as 1,2,4,8 (as --cudagraph-sizes)", default="")
     parser.addini("cudagraph_report", "path of the JSON report, relative to the ini file (as --cudagraph-report)",
+                  default="")
+    parser.addini("cudagraph_bench_report", "path of the Markdown benchmark report (as --cudagraph-bench-report)",
                   default="")
 
 
@@ -154,6 +166,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     state = _state(config)
     if state.settings.report is not None:
         pytest_report.write_report(state, state.settings.report)
+    if state.settings.bench_report is not None and state.bench_rows:
+        from .bench.markdown import write_bench_report
+
+        state.bench_written = write_bench_report(state.bench_rows, state.settings.bench_report)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
@@ -164,6 +180,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
             terminalreporter.line(pytest_report.summary_line(nodeid, records, state.outcomes.get(nodeid)))
     if state.written is not None:
         terminalreporter.line(f"cudagraph: JSON report written to {state.written}")
+    for path in state.bench_written:
+        terminalreporter.line(f"cudagraph: benchmark report written to {path}")
 
 
 # -- fixtures --------------------------------------------------------------
@@ -195,6 +213,26 @@ def cudagraph_verify(request: pytest.FixtureRequest) -> Verifier:
     state = _state(request.config)
     record = functools.partial(state.add_pending, request.node.nodeid)
     return Verifier(state.settings, settings.marker_keywords(request.node), record)
+
+
+@pytest.fixture
+def cudagraph_benchmark(request: pytest.FixtureRequest) -> BenchmarkRunner:
+    """``cudagraph_benchmark(module, make_inputs, *, capture_sizes, ..., rounds=30, calls_per_round=20)``.
+
+    Captures every descriptor and times eager, ``run()`` and bare replay for
+    each: one pytest-benchmark entry each, grouped per module, with the
+    descriptor, padding, speedup over eager and graph memory in
+    ``extra_info``. Returns the measurements (None when pytest-benchmark is
+    disabled, under xdist say: then each graph runs once, untimed).
+    """
+    from .bench.fixture import BenchmarkRunner
+    from .harness import default_device
+
+    state = _state(request.config)
+    test = settings.resolve(state.settings, settings.marker_keywords(request.node))
+    backend = settings.concrete_backend(test.backend)
+    return BenchmarkRunner(request.node, getattr(request.config, "_benchmarksession", None),
+                           backend=backend, device=default_device(backend), record=state.bench_rows.append)
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,10 @@ class RunState:
     outcomes: dict[str, str] = field(default_factory=dict)
     #: where the JSON report was written, once it was
     written: Path | None = None
+    #: cudagraph_benchmark rows (one per descriptor), for the Markdown report
+    bench_rows: list[dict[str, Any]] = field(default_factory=list)
+    #: where the benchmark report went
+    bench_written: list[Path] = field(default_factory=list)
 
     def add_pending(self, nodeid: str, record: dict[str, Any]) -> None:
         self.pending.setdefault(nodeid, []).append(record)

@@ -86,6 +86,7 @@ class Settings:
     backend: str = "auto"
     sizes: tuple[int, ...] | None = None
     report: Path | None = None
+    bench_report: Path | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -173,15 +174,20 @@ def session_settings(config: pytest.Config) -> Settings:
     elif sizes_ini is not None:
         sizes = parse_sizes(sizes_ini, "ini option cudagraph_sizes")
 
-    report_opt = config.getoption("cudagraph_report")
-    report_ini = _ini_str(config, "cudagraph_report")
-    report: Path | None = None
-    if report_opt:
-        report = Path(config.invocation_params.dir, report_opt)
-    elif report_ini:
+    return Settings(verify=verify, backend=backend, sizes=sizes, report=_path(config, "cudagraph_report"),
+                    bench_report=_path(config, "cudagraph_bench_report"))
+
+
+def _path(config: pytest.Config, name: str) -> Path | None:
+    """A path option: from the invocation directory (option) or the ini file's (ini)."""
+    option = config.getoption(name, default=None)
+    ini = _ini_str(config, name)
+    if option:
+        return Path(config.invocation_params.dir, option)
+    if ini:
         base = config.inipath.parent if config.inipath is not None else config.rootpath
-        report = base / report_ini
-    return Settings(verify=verify, backend=backend, sizes=sizes, report=report)
+        return base / ini
+    return None
 
 
 def concrete_backend(name: str) -> str:

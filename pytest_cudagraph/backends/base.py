@@ -23,9 +23,23 @@ class CapturedGraph(ABC):
     output: Any
     #: Bytes of graph memory this capture added (pool growth).
     nbytes: int
+    #: Device memory this capture took in all (pool growth plus what the
+    #: driver keeps for the graph); equal to ``nbytes`` on the emulator.
+    device_bytes: int
 
     @abstractmethod
     def replay(self) -> None: ...
+
+    def hold(self, tensors: list[Any]) -> None:
+        """Keep ``tensors`` alive as long as the graph: it may read them by address.
+
+        A module that drops a tensor its graph still reads (a buffer rebound
+        in ``forward``, a memoised tensor replaced at the next warm-up) would
+        otherwise let the allocator hand that memory to someone else, or back
+        to the driver, and a replay would read garbage or fault the device.
+        Held, the graph reads stale values, which the checks report.
+        """
+        self._held = tensors
 
 
 class Backend(ABC):
@@ -33,6 +47,7 @@ class Backend(ABC):
 
     name: str
     device: torch.device
+    measure_device_memory: bool = False
 
     def begin(self) -> None:  # noqa: B027 - optional hook
         """Called once before a sequence of captures."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -10,19 +9,26 @@ from typing import Any
 import torch
 
 from .base import Backend, CapturedGraph
-from .guard import CaptureGuard, GuardDispatchMode
+from .guard import CaptureGuard
 
 __all__ = ["CudaBackend", "CudaGraph"]
 
 
+def _reserved(device: torch.device) -> int:
+    # torch.cuda.memory_reserved builds the whole statistics dict (a third of
+    # a millisecond); the raw nested dict gives the same number for less.
+    try:
+        return int(torch._C._cuda_memoryStats(device.index)["reserved_bytes"]["all"]["current"])
+    except (AttributeError, KeyError, TypeError):
+        return int(torch.cuda.memory_reserved(device))
+
+
 class CudaGraph(CapturedGraph):
-    def __init__(self, graph: torch.cuda.CUDAGraph, output: Any, nbytes: int,
-                 reads: list[torch.Tensor]) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: Any, nbytes: int, device_bytes: int) -> None:
         self.graph = graph
         self.output = output
         self.nbytes = nbytes
-        # Tensors from outside the graph that it reads: kept alive with it.
-        self._reads = reads
+        self.device_bytes = device_bytes
 
     def replay(self) -> None:
         self.graph.replay()
@@ -33,6 +39,9 @@ class CudaBackend(Backend):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        #: Also measure device-wide memory per graph (cudaMemGetInfo, which
+        #: costs about a millisecond a call); benchmarks turn it on.
+        self.measure_device_memory = False
         self._pool: Any = None
         # Separate streams for warm-up and capture. PyTorch caches one cuBLAS
         # workspace per stream, and destroying *any* graph captured on a
@@ -50,11 +59,11 @@ class CudaBackend(Backend):
         return self._warmup_stream, self._capture_stream
 
     def begin(self) -> None:
-        # Graphs another manager left to the garbage collector die now, not
-        # in the middle of this capture sequence (torch.cuda.graph collects
-        # garbage on entry), and stale cuBLAS workspaces are dropped so the
-        # capture stream's workspace is allocated inside this pool.
-        gc.collect()
+        # Stale cuBLAS workspaces are dropped so that the capture stream's
+        # workspace is allocated inside this pool. (A graph that dies while
+        # this sequence runs, captured on a stream that PyTorch's stream pool
+        # also gave this manager, drops that workspace again: release
+        # managers explicitly rather than leaving them to the collector.)
         torch.cuda.synchronize(self.device)
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None:
@@ -73,6 +82,11 @@ class CudaBackend(Backend):
             return out
 
     def capture(self, fn: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
+        # Only the Python-level host methods are watched here (they would sync
+        # and invalidate the capture): every other op a graph cannot hold fails
+        # the capture loudly on a GPU, and the manager then names it by running
+        # the forward eagerly under the full guard. A dispatch mode over every
+        # op would cost more than the capture itself.
         with torch.cuda.device(self.device):
             if self._pool is None:
                 # One pool for every graph of this manager: smaller graphs,
@@ -82,13 +96,13 @@ class CudaBackend(Backend):
             # Return cached blocks first so that growth of reserved memory is
             # the pool's growth for this graph alone.
             torch.cuda.empty_cache()
-            before = torch.cuda.memory_reserved(self.device)
+            before = _reserved(self.device)
+            free_before = torch.cuda.mem_get_info(self.device)[0] if self.measure_device_memory else 0
             graph = torch.cuda.CUDAGraph()
-            reads: list[torch.Tensor] = []
             first_error: BaseException | None = None
             try:
                 with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, stream=self._streams()[1]):
-                    with guard.function_mode(), GuardDispatchMode(guard, reads):
+                    with guard.function_mode():
                         try:
                             output = fn()
                         except BaseException as exc:
@@ -102,9 +116,14 @@ class CudaBackend(Backend):
                 if first_error is not None and first_error is not exc:
                     raise first_error from exc
                 raise
-            torch.cuda.synchronize(self.device)
-            grown = torch.cuda.memory_reserved(self.device) - before
-        return CudaGraph(graph, output, max(grown, 0), reads)
+            grown = _reserved(self.device) - before
+            taken = grown
+            if self.measure_device_memory:
+                # Device-wide: the pool's growth plus what the driver keeps for
+                # the instantiated graph, which the caching allocator never sees.
+                torch.cuda.synchronize(self.device)
+                taken = free_before - torch.cuda.mem_get_info(self.device)[0]
+        return CudaGraph(graph, output, max(grown, 0), max(taken, 0))
 
     def _recover(self) -> None:
         """Leave the device fit for another capture after a failed one.

@@ -121,6 +121,7 @@ class EmulatedGraph(CapturedGraph):
         self._steps = steps
         self.output = output
         self.nbytes = nbytes
+        self.device_bytes = nbytes
 
     @property
     def num_ops(self) -> int:

@@ -11,12 +11,12 @@ runs, so both backends can name the op and the submodule instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -71,6 +71,11 @@ class ModuleTracker:
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = module
         self._stack: list[str] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the module tree's names again (after submodules are added or replaced)."""
+        self._named = list(self._module.named_modules())
 
     @property
     def path(self) -> str:
@@ -80,25 +85,41 @@ class ModuleTracker:
     def track(self) -> Iterator[None]:
         self._stack = []
         handles = []
-        for name, sub in self._module.named_modules():
+        for name, sub in self._named:
             if not name:
                 continue
-
-            def pre(_m: Any, _a: Any, name: str = name) -> None:
-                self._stack.append(name)
-
-            def post(_m: Any, _a: Any, _o: Any) -> None:
-                if self._stack:
-                    self._stack.pop()
-
-            handles.append(sub.register_forward_pre_hook(pre))
-            handles.append(sub.register_forward_hook(post))
+            handles.append(sub.register_forward_pre_hook(functools.partial(self._enter, name)))
+            handles.append(sub.register_forward_hook(self._leave))
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
             self._stack = []
+
+    def _enter(self, name: str, _module: Any, _args: Any) -> None:
+        self._stack.append(name)
+
+    def _leave(self, _module: Any, _args: Any, _out: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+
+def tensors_in(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors among an ATen op's arguments.
+
+    ATen schemas take tensors directly or in one flat list (``Tensor[]``,
+    ``Tensor?[]``), so two levels suffice; this runs for every op during
+    capture, where a general pytree walk costs more than the op's launch.
+    """
+    found: list[torch.Tensor] = []
+    for group in (args, kwargs.values() if kwargs else ()):
+        for value in group:
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (list, tuple)):
+                found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
 
 
 def _is_bool_index(indices: Any) -> bool:
@@ -124,8 +145,7 @@ def check_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: t
         # Transfers and host tensors only matter when the graph lives on a
         # device: a CPU tensor read by a device kernel during capture is
         # copied from pageable memory, which a graph cannot record.
-        flat, _ = tree_flatten((args, kwargs))
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        tensors = tensors_in(args, kwargs)
         on_host = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]
         on_dev = [t for t in tensors if t.device.type == device.type]
         if packet is aten._to_copy:
@@ -175,61 +195,46 @@ class CaptureGuard:
 
     @contextlib.contextmanager
     def function_mode(self) -> Iterator[None]:
-        with _HostMethodMode(self):
+        """Report the Python-level tensor methods that hand device data to the host.
+
+        The eight methods are replaced on ``torch.Tensor`` for the duration,
+        rather than watched through a ``TorchFunctionMode``: a mode sees every
+        torch call, which doubles the cost of a capture, while these wrappers
+        cost nothing to the calls they do not name.
+        """
+        originals = {func: getattr(torch.Tensor, func.__name__) for func in _HOST_METHODS}
+        for func, (reason, name) in _HOST_METHODS.items():
+            setattr(torch.Tensor, func.__name__, self._reporting(originals[func], reason, name))
+        try:
             yield
+        finally:
+            for func, original in originals.items():
+                setattr(torch.Tensor, func.__name__, original)
 
+    def _reporting(self, method: Any, reason: str, name: str) -> Any:
+        guard = self
 
-class _HostMethodMode(TorchFunctionMode):
-    def __init__(self, guard: CaptureGuard) -> None:
-        super().__init__()
-        self.guard = guard
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        hit = _HOST_METHODS.get(func)
-        if hit is not None:
-            reason, name = hit
-            self.guard.report(name, reason)
+        @functools.wraps(method)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            guard.report(name, reason)
             # The aten op beneath (``_local_scalar_dense``) is the same event.
-            self.guard._in_host_method += 1
+            guard._in_host_method += 1
             try:
-                return func(*args, **kwargs)
+                return method(*args, **kwargs)
             finally:
-                self.guard._in_host_method -= 1
-        return func(*args, **kwargs)
+                guard._in_host_method -= 1
+
+        return wrapper
 
 
 class GuardDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """A dispatch mode that checks every op (the CUDA backend's guard).
+    """A dispatch mode that checks every ATen op against the guard."""
 
-    With ``keep_alive`` it also collects every tensor an op reads that was not
-    made during this capture. A graph reads such tensors by address on every
-    replay; if the module drops its last reference (a buffer rebound in
-    forward, a memoised tensor replaced), the caching allocator would hand the
-    memory to someone else or back to the driver, and a replay would read
-    garbage or fault the whole CUDA context. Holding them for the graph's
-    life turns that crash into stale values, which the checks report.
-    """
-
-    def __init__(self, guard: CaptureGuard, keep_alive: list[torch.Tensor] | None = None) -> None:
+    def __init__(self, guard: CaptureGuard) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.guard = guard
-        self.keep_alive = keep_alive
-        self._made: set[int] = set()
-        self._kept: set[int] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.guard.check_dispatch(func, args, kwargs)
-        out = func(*args, **kwargs)
-        if self.keep_alive is not None:
-            for t in tree_flatten((args, kwargs))[0]:
-                if isinstance(t, torch.Tensor):
-                    key = t.untyped_storage().data_ptr()
-                    if key not in self._made and key not in self._kept:
-                        self._kept.add(key)
-                        self.keep_alive.append(t)
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self._made.add(t.untyped_storage().data_ptr())
-        return out
+        return func(*args, **kwargs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..plan import BatchDescriptor
@@ -16,7 +16,7 @@ __all__ = ["Finding", "Outcome", "VerifyReport", "descriptor_dict"]
 def descriptor_dict(desc: BatchDescriptor | None) -> dict[str, Any] | None:
     if desc is None:
         return None
-    data = asdict(desc)
+    data = {f.name: getattr(desc, f.name) for f in fields(desc) if not f.name.startswith("_")}
     data["mode"] = desc.mode.name
     data["label"] = desc.label()
     return data

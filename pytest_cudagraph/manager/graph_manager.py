@@ -24,6 +24,20 @@ __all__ = ["Batch", "GraphManager"]
 RowKind = Literal["tokens", "reqs", "whole"]
 
 
+def _tensors_of(modules: list[torch.nn.Module]) -> list[Any]:
+    """Every tensor the modules hold: parameters, buffers and tensor attributes."""
+    found: list[Any] = []
+    for sub in modules:
+        found.extend(sub._parameters.values())
+        found.extend(sub._buffers.values())
+        for value in sub.__dict__.values():
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+                found.extend(value)
+    return found
+
+
 class _Uncapturable(Exception):
     def __init__(self, violation: Violation) -> None:
         super().__init__(violation.describe())
@@ -44,6 +58,12 @@ class _Entry:
     capture_seconds: float
     sample: dict[str, Any]  # the make_inputs batch the graph was captured on
 
+    def __post_init__(self) -> None:
+        # The output tensors never change (replay rewrites them in place), so
+        # their structure is taken apart once, not on every run().
+        self.leaves, self.treespec = tree_flatten(self.graph.output)
+        self.single = isinstance(self.graph.output, torch.Tensor)
+
 
 class GraphManager:
     """Captures a module as one graph per descriptor and replays real batches.
@@ -57,6 +77,9 @@ class GraphManager:
     Outputs of ``run`` are owned by the caller (copies of the real rows)
     unless ``output_views=True``: then they are views of graph memory, valid
     until the next ``run`` of any descriptor.
+
+    ``measure_device_memory=True`` also records, per graph, the device memory
+    the driver took (``device_memory``), at about a millisecond a capture.
 
     ``pad_values`` maps input names to the value padded rows get (default 0;
     ``"edge"`` repeats the last real row). If ``module.forward`` takes an
@@ -75,6 +98,7 @@ class GraphManager:
         pad_values: Mapping[str, PadValue] | None = None,
         output_views: bool = False,
         progress: bool | None = None,
+        measure_device_memory: bool = False,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise ValueError(f"module must be a torch.nn.Module; got {type(module).__name__}")
@@ -91,6 +115,7 @@ class GraphManager:
         self.progress = progress
         self._pad_values = dict(pad_values or {})
         self._backend: Backend = make_backend(backend, device if device is not None else self._module_device())
+        self._backend.measure_device_memory = bool(measure_device_memory)
         self.device = self._backend.device
         self._check_module_device()
 
@@ -104,6 +129,8 @@ class GraphManager:
             device=self.device,
             pad_values=pad_values or {},
         )
+        self._tensor_specs = [(n, spec) for n, spec in self._inputs.items() if spec.kind != "const"]
+        self._tensor_names = {n for n, _ in self._tensor_specs}
         self._is_padding: torch.Tensor | None = None
         if "is_padding" not in self._inputs and self._forward_takes("is_padding"):
             self._is_padding = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.device)
@@ -122,6 +149,7 @@ class GraphManager:
             pad_values=self._pad_values,
             output_views=self.output_views,
             progress=False,
+            measure_device_memory=self._backend.measure_device_memory,
         )
 
     # -- set-up helpers -------------------------------------------------
@@ -197,8 +225,13 @@ class GraphManager:
 
     @property
     def graph_memory(self) -> dict[BatchDescriptor, int]:
-        """Bytes of graph memory each capture added."""
+        """Bytes of graph memory (pool growth) each capture added."""
         return {d: e.graph.nbytes for d, e in self._entries.items()}
+
+    @property
+    def device_memory(self) -> dict[BatchDescriptor, int]:
+        """Device memory each capture took, the driver's share for the graph included."""
+        return {d: e.graph.device_bytes for d, e in self._entries.items()}
 
     # -- capture --------------------------------------------------------
     def capture_reqs(self, desc: BatchDescriptor) -> int:
@@ -237,6 +270,7 @@ class GraphManager:
         if self._entries:
             self.release()
         started = time.perf_counter()
+        self._tracker.refresh()
         try:
             self._backend.begin()
             for desc in self._progress(order):
@@ -273,18 +307,42 @@ class GraphManager:
             with running(desc):
                 return self.module(**kwargs)
 
-        def guarded_forward() -> Any:
-            # The warm-up is checked too: an op that cannot be captured is
-            # named before it runs, instead of failing inside torch.
-            with guard.function_mode(), GuardDispatchMode(guard):
-                return forward()
+        def diagnose() -> None:
+            # Run the forward eagerly under the full guard: it names an op that
+            # cannot be captured (raising _Uncapturable) before torch fails on it.
+            full = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation)
+
+            def guarded() -> Any:
+                with full.function_mode(), GuardDispatchMode(full):
+                    return forward()
+
+            try:
+                self._backend.warmup(guarded)
+            except _Uncapturable:
+                raise
+            except Exception:
+                pass  # no op to name: the original error stands
 
         started = time.perf_counter()
+        modules = list(self.module.modules())
         guard = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation)
         try:
-            with self._tracker.track():
-                self._backend.warmup(guarded_forward)
-                graph = self._backend.capture(forward, guard)
+            try:
+                # Unguarded, as fast as eager; a failure is diagnosed. The
+                # tracker (which names submodules) runs only around capture.
+                self._backend.warmup(forward)
+                held = _tensors_of(modules)
+                with self._tracker.track():
+                    graph = self._backend.capture(forward, guard)
+            except _Uncapturable:
+                raise
+            except Exception:
+                with self._tracker.track():
+                    diagnose()
+                raise
+            # Tensors bound before capture are what the graph reads; those bound
+            # during capture live in its own pool.
+            graph.hold(held)
         except _Uncapturable as exc:
             v = exc.violation
             raise CaptureError(
@@ -437,25 +495,29 @@ class GraphManager:
         num_ubatches: int = 1,
     ) -> Batch:
         """Validate ``inputs`` against the static buffers and read the batch shape."""
-        missing = [n for n, s in self._inputs.items() if n not in inputs and s.kind != "const"]
-        unknown = [n for n in inputs if n not in self._inputs]
-        if missing or unknown:
-            parts = []
-            if missing:
-                parts.append(f"missing input(s) {missing}")
-            if unknown:
-                parts.append(f"unknown input(s) {unknown}")
-            raise ValueError(f"{' and '.join(parts)}; the module's inputs are {list(self._inputs)}")
-        counts: dict[str, dict[int, str]] = {"tokens": {}, "reqs": {}}
-        for name, value in inputs.items():
-            spec = self._inputs[name]
-            if spec.kind == "const":
-                if value is not spec.value and value != spec.value:
+        if inputs.keys() != self._tensor_names:  # fast path: exactly the tensor inputs
+            missing = [n for n, _ in self._tensor_specs if n not in inputs]
+            unknown = [n for n in inputs if n not in self._inputs]
+            if missing or unknown:
+                parts = []
+                if missing:
+                    parts.append(f"missing input(s) {missing}")
+                if unknown:
+                    parts.append(f"unknown input(s) {unknown}")
+                raise ValueError(f"{' and '.join(parts)}; the module's inputs are {list(self._inputs)}")
+            for name, value in inputs.items():
+                spec = self._inputs[name]
+                if spec.kind == "const" and value is not spec.value and value != spec.value:
                     raise ValueError(
                         f"input '{name}' is {value!r}, but the graphs froze it at {spec.value!r} "
                         "during capture (a Python value is not read on replay); pass it as a tensor"
                     )
-                continue
+        num_tokens = -1
+        token_input = ""
+        from_inputs: int | None = None
+        reqs_input = ""
+        for name, spec in self._tensor_specs:
+            value = inputs[name]
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"input '{name}' must be {spec.expected()}; got {type(value).__name__}")
             if value.dtype != spec.dtype:
@@ -465,26 +527,28 @@ class GraphManager:
                     f"input '{name}' is on {value.device}; the graphs read it from {self.device}: "
                     f"move it with .to('{self.device}')"
                 )
-            assert spec.buffer is not None
+            shape = value.shape
             if spec.kind == "fixed":
-                if value.shape != spec.buffer.shape:
-                    raise ValueError(
-                        f"input '{name}' has shape {tuple(value.shape)}; expected {spec.expected()}"
-                    )
+                assert spec.buffer is not None
+                if shape != spec.buffer.shape:
+                    raise ValueError(f"input '{name}' has shape {tuple(shape)}; expected {spec.expected()}")
                 continue
-            if value.dim() == 0 or tuple(value.shape[1:]) != spec.trailing:
-                raise ValueError(f"input '{name}' has shape {tuple(value.shape)}; expected {spec.expected()}")
-            count = value.shape[0] - spec.offset
-            counts[spec.kind].setdefault(count, name)
-        for kind, seen in counts.items():
-            if len(seen) > 1:
-                detail = ", ".join(f"'{n}' says {c}" for c, n in seen.items())
-                raise ValueError(f"inputs disagree on num_{kind}: {detail}")
-        if not counts["tokens"]:
+            if not shape or shape[1:] != spec.trailing:
+                raise ValueError(f"input '{name}' has shape {tuple(shape)}; expected {spec.expected()}")
+            count = shape[0] - spec.offset
+            if spec.kind == "tokens":
+                if num_tokens >= 0 and count != num_tokens:
+                    raise ValueError(f"inputs disagree on num_tokens: '{token_input}' says {num_tokens}, "
+                                     f"'{name}' says {count}")
+                num_tokens, token_input = count, name
+            else:
+                if from_inputs is not None and count != from_inputs:
+                    raise ValueError(f"inputs disagree on num_reqs: '{reqs_input}' says {from_inputs}, "
+                                     f"'{name}' says {count}")
+                from_inputs, reqs_input = count, name
+        if num_tokens < 0:
             raise ValueError("no input follows num_tokens, so the batch's token count is unknown")
-        num_tokens = next(iter(counts["tokens"]))
-        if counts["reqs"]:
-            from_inputs = next(iter(counts["reqs"]))
+        if from_inputs is not None:
             if num_reqs is not None and num_reqs != from_inputs:
                 raise ValueError(f"num_reqs={num_reqs} but request-shaped inputs hold {from_inputs} rows")
             num_reqs = from_inputs
@@ -527,11 +591,10 @@ class GraphManager:
 
     def load_inputs(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> None:
         """Copy a real batch into the static buffers and pad the rest of ``desc``'s rows."""
-        reqs = self._entries[desc].num_reqs if desc in self._entries else self.capture_reqs(desc)
+        entry = self._entries.get(desc)
+        reqs = entry.num_reqs if entry is not None else self.capture_reqs(desc)
         with torch.no_grad():
-            for name, spec in self._inputs.items():
-                if spec.kind == "const":
-                    continue
+            for name, spec in self._tensor_specs:
                 buf = spec.buffer
                 assert buf is not None
                 value = inputs[name]
@@ -559,9 +622,8 @@ class GraphManager:
     def real_rows(self, desc: BatchDescriptor, batch: Batch) -> Any:
         """The last replay's outputs of ``desc``, cut to the batch's real rows."""
         entry = self._entries[desc]
-        leaves, spec = tree_flatten(entry.graph.output)
         cut = []
-        for leaf, kind in zip(leaves, entry.out_rows, strict=False):
+        for leaf, kind in zip(entry.leaves, entry.out_rows, strict=False):
             if kind == "tokens":
                 leaf = leaf[: batch.num_tokens]
             elif kind == "reqs":
@@ -569,7 +631,9 @@ class GraphManager:
             if isinstance(leaf, torch.Tensor) and not self.output_views:
                 leaf = leaf.clone()
             cut.append(leaf)
-        return tree_unflatten(cut, spec)
+        if entry.single:
+            return cut[0]
+        return tree_unflatten(cut, entry.treespec)
 
     def replay(self, desc: BatchDescriptor) -> Any:
         """Replay ``desc``'s graph on whatever the static buffers hold; return its full output.

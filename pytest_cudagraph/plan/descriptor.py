@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .modes import GraphMode
 
@@ -32,6 +32,16 @@ class BatchDescriptor:
     max_query_len: int | None = None
     num_active_loras: int = 0
     num_ubatches: int = 1
+    # Descriptors key every graph lookup on the replay path: hash once.
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.mode, self.num_tokens, self.num_reqs,
+                                                self.uniform_token_count, self.max_query_len,
+                                                self.num_active_loras, self.num_ubatches)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def is_compatible(
         self,

@@ -1,0 +1,121 @@
+"""What ``cudagraph_benchmark`` does: one pytest-benchmark entry per descriptor and kind.
+
+For a module and ``make_inputs`` it captures every descriptor, then times
+eager, ``GraphManager.run()`` and bare replay for each (CUDA events on the
+GPU). Each of those becomes an entry in pytest-benchmark's session, grouped
+per module, with ``extra_info`` holding the descriptor, padding, speedup over
+eager and graph memory, so ``--benchmark-json``, ``--benchmark-compare`` and
+``--benchmark-compare-fail`` work as users know them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+
+from ..manager import GraphManager
+from ..plan import CaptureConfig
+from .measure import DescriptorBench, measure_manager
+from .timing import Timing
+
+__all__ = ["KINDS", "BenchmarkRunner"]
+
+KINDS = ("eager", "run", "replay")
+
+
+class BenchmarkRunner:
+    """``cudagraph_benchmark(module, make_inputs, *, capture_sizes, ...) -> list[DescriptorBench]``."""
+
+    def __init__(
+        self,
+        node: pytest.Item,
+        session: Any,
+        *,
+        backend: str,
+        device: torch.device | None,
+        record: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self._node = node
+        self._session = session  # pytest-benchmark's BenchmarkSession
+        self._backend = backend
+        self._device = device
+        self._record = record
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        make_inputs: Callable[[int, int], Mapping[str, Any]],
+        *,
+        rounds: int = 30,
+        calls_per_round: int = 20,
+        warmup: int = 10,
+        pad_values: Mapping[str, Any] | None = None,
+        **config: Any,
+    ) -> list[DescriptorBench] | None:
+        if self._session is None:
+            raise ValueError("cudagraph_benchmark needs pytest-benchmark (pip install pytest-benchmark)")
+        if "max_num_reqs" not in config and "capture_sizes" in config:
+            config["max_num_reqs"] = max(config["capture_sizes"])
+        manager = GraphManager(module.eval(), make_inputs, CaptureConfig(**config), backend=self._backend,
+                               device=self._device, pad_values=pad_values)
+        try:
+            manager.capture()
+            if self._session.disabled:
+                # As pytest-benchmark does under xdist or --benchmark-disable:
+                # run once, so the test still proves the graphs run, and time nothing.
+                warnings.warn(
+                    "cudagraph_benchmark: benchmarks are disabled (pytest-benchmark under xdist, or "
+                    "--benchmark-disable); each graph ran once and nothing was timed",
+                    pytest.PytestWarning,
+                    stacklevel=2,
+                )
+                measure_manager(manager, rounds=1, calls_per_round=1, warmup=0)
+                return None
+            results = measure_manager(manager, rounds=rounds, calls_per_round=calls_per_round, warmup=warmup)
+        finally:
+            manager.release()
+        group = type(module).__name__
+        for bench in results:
+            self._add(group, bench)
+            row = bench.row()
+            row.update(test=self._node.nodeid, module=group, backend=manager.backend, device=str(manager.device))
+            self._record(row)
+        return results
+
+    def _add(self, group: str, bench: DescriptorBench) -> None:
+        from pytest_benchmark.fixture import BenchmarkFixture
+
+        session = self._session
+        label = bench.descriptor.label()
+        info = {
+            "descriptor": label,
+            "tokens": bench.descriptor.num_tokens,
+            "real_tokens": bench.batch.num_tokens,
+            "padding": bench.padding,
+            "graph_memory_bytes": bench.graph_memory,
+            "emulated": bench.emulated,
+            # No speedup claims from the emulator: its times are the CPU's.
+            "speedup_over_eager": bench.speedup,
+            "replay_speedup_over_eager": bench.replay_speedup,
+        }
+        timings: dict[str, Timing] = {"eager": bench.eager, "run": bench.run, "replay": bench.replay}
+        for kind in KINDS:
+            fixture = BenchmarkFixture(  # type: ignore[no-untyped-call]
+                self._node,
+                add_stats=session.benchmarks.append,
+                logger=session.logger,
+                warner=self._node.warn,
+                disabled=session.disabled,
+                **dict(session.options, group=group),
+            )
+            fixture.name = f"{self._node.name}[{kind}-{label}]"
+            fixture.fullname = f"{self._node.nodeid}[{kind}-{label}]"
+            fixture.extra_info.update(info, kind=kind)
+            timing = timings[kind]
+            stats = fixture._make_stats(timing.per_round_calls)  # type: ignore[no-untyped-call]
+            for seconds in timing.rounds:
+                stats.update(seconds * timing.per_round_calls)

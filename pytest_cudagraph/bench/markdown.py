@@ -1,0 +1,66 @@
+"""The benchmark report for a CI job summary: a Markdown table, and a plot if matplotlib is there."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..units import format_bytes
+
+__all__ = ["write_bench_report"]
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.1f} µs"
+
+
+def write_bench_report(rows: Iterable[Mapping[str, Any]], path: Path) -> list[Path]:
+    """Write the table to ``path`` (and ``path`` with ``.png``, a speedup plot, when it can)."""
+    rows = list(rows)
+    lines = [
+        "| test | module | backend | descriptor | real tokens | eager | run() | replay | speedup | graph memory |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        speedup = "emulated" if row["emulated"] else f"{row['speedup']:.2f}x"
+        lines.append(
+            f"| {row['test']} | {row['module']} | {row['backend']} | {row['descriptor']} | {row['real_tokens']} | "
+            f"{_us(row['eager_s'])} | {_us(row['run_s'])} | {_us(row['replay_s'])} | {speedup} | "
+            f"{format_bytes(int(row['graph_memory_bytes']))} |"
+        )
+    if any(row["emulated"] for row in rows):
+        lines.append("")
+        lines.append("Rows on the `emulate` backend are CPU times of the emulator: no speedup is claimed.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    written = [path]
+    plot = _plot(rows, path.with_suffix(".png"))
+    if plot is not None:
+        written.append(plot)
+    return written
+
+
+def _plot(rows: list[Mapping[str, Any]], path: Path) -> Path | None:
+    graphed = [r for r in rows if not r["emulated"] and r["speedup"] is not None]
+    if not graphed:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # optional: pip install pytest-cudagraph[plot]
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for module in sorted({r["module"] for r in graphed}):
+        mine = sorted((r for r in graphed if r["module"] == module), key=lambda r: r["tokens"])
+        ax.plot([r["tokens"] for r in mine], [r["speedup"] for r in mine], marker="o", label=module)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("tokens (descriptor)")
+    ax.set_ylabel("speedup of run() over eager")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

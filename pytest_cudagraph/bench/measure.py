@@ -1,0 +1,126 @@
+"""Measuring a captured manager: eager, ``run()`` and bare replay per descriptor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..context import running
+from ..manager import GraphManager
+from ..manager.layout import call_make_inputs
+from ..plan import Batch, BatchDescriptor
+from .timing import Timing, time_rounds
+
+__all__ = ["DescriptorBench", "measure_manager"]
+
+
+@dataclass
+class DescriptorBench:
+    """What one descriptor's graph buys: times per call (median) and memory."""
+
+    descriptor: BatchDescriptor
+    batch: Batch
+    eager: Timing
+    run: Timing
+    replay: Timing
+    graph_memory: int
+    emulated: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def padding(self) -> int:
+        return self.descriptor.num_tokens - self.batch.num_tokens
+
+    @property
+    def speedup(self) -> float | None:
+        """Eager time over ``run()`` time; None on the emulator (no claim)."""
+        if self.emulated:
+            return None
+        return self.eager.median / self.run.median
+
+    @property
+    def replay_speedup(self) -> float | None:
+        if self.emulated:
+            return None
+        return self.eager.median / self.replay.median
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "descriptor": self.descriptor.label(),
+            "tokens": self.descriptor.num_tokens,
+            "real_tokens": self.batch.num_tokens,
+            "padding": self.padding,
+            "eager_s": self.eager.median,
+            "run_s": self.run.median,
+            "replay_s": self.replay.median,
+            "speedup": self.speedup,
+            "replay_speedup": self.replay_speedup,
+            "graph_memory_bytes": self.graph_memory,
+            "emulated": self.emulated,
+        }
+
+
+def _exact_batch(manager: GraphManager, desc: BatchDescriptor) -> Batch:
+    reqs = manager.capture_reqs(desc)
+    u = desc.uniform_token_count
+    return Batch(num_tokens=desc.num_tokens, num_reqs=reqs, uniform_token_count=u,
+                 max_query_len=desc.max_query_len or u, num_active_loras=desc.num_active_loras,
+                 num_ubatches=desc.num_ubatches)
+
+
+def measure_manager(
+    manager: GraphManager,
+    *,
+    descriptors: Iterable[BatchDescriptor] | None = None,
+    rounds: int = 30,
+    calls_per_round: int = 20,
+    warmup: int = 10,
+) -> list[DescriptorBench]:
+    """Time eager, ``run()`` and bare replay for each captured descriptor.
+
+    Each descriptor is measured on a real batch of exactly its shape, so the
+    three times compare the same work. The manager must be captured.
+    """
+    if not manager.captured:
+        raise ValueError("measure_manager needs a captured manager: call manager.capture() first")
+    results = []
+    device = manager.device
+    for desc in descriptors if descriptors is not None else manager.captured_descriptors:
+        batch = _exact_batch(manager, desc)
+        inputs = call_make_inputs(manager.make_inputs, batch.num_tokens, batch.num_reqs)
+        kwargs = dict(inputs)
+        for name, spec in manager.input_specs.items():
+            if spec.kind == "const" and name not in kwargs:
+                kwargs[name] = spec.value
+        if manager.uses_padding_mask:
+            kwargs["is_padding"] = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
+        eager_desc = BatchDescriptor(mode=desc.mode.NONE, num_tokens=batch.num_tokens, num_reqs=batch.num_reqs,
+                                     num_active_loras=desc.num_active_loras)
+
+        def eager(kwargs: dict[str, Any] = kwargs, marker: BatchDescriptor = eager_desc) -> Any:
+            with running(marker):
+                return manager.module(**kwargs)
+
+        def run(inputs: dict[str, Any] = inputs, batch: Batch = batch) -> Any:
+            return manager.run_batch(inputs, num_reqs=batch.num_reqs,
+                                     uniform_token_count=batch.uniform_token_count,
+                                     num_active_loras=batch.num_active_loras,
+                                     max_query_len=batch.max_query_len, num_ubatches=batch.num_ubatches)
+
+        def replay(desc: BatchDescriptor = desc) -> None:
+            manager.graph(desc).replay()
+
+        timing = {"rounds": rounds, "calls_per_round": calls_per_round, "warmup": warmup, "device": device}
+        results.append(DescriptorBench(
+            descriptor=desc,
+            batch=batch,
+            eager=time_rounds(eager, **timing),  # type: ignore[arg-type]
+            run=time_rounds(run, **timing),  # type: ignore[arg-type]
+            replay=time_rounds(replay, **timing),  # type: ignore[arg-type]
+            graph_memory=manager.graph_memory.get(desc, 0),
+            emulated=manager.backend == "emulate",
+        ))
+    return results
