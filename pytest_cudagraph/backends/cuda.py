@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -9,7 +12,7 @@ from typing import Any
 import torch
 
 from .base import Backend, CapturedGraph
-from .guard import CaptureGuard
+from .guard import CaptureGuard, GuardDispatchMode
 
 __all__ = ["CudaBackend", "CudaGraph"]
 
@@ -29,6 +32,7 @@ class CudaGraph(CapturedGraph):
         self.output = output
         self.nbytes = nbytes
         self.device_bytes = device_bytes
+        self.reads: list[torch.Tensor] = []
 
     def replay(self) -> None:
         self.graph.replay()
@@ -42,6 +46,13 @@ class CudaBackend(Backend):
         #: Also measure device-wide memory per graph (cudaMemGetInfo, which
         #: costs about a millisecond a call); benchmarks turn it on.
         self.measure_device_memory = False
+        #: Checked capture (the default): every op goes through the guard's
+        #: dispatch mode, which names an uncapturable op before the device
+        #: sees it and keeps every tensor the graph reads alive with it; and
+        #: each capture sequence starts by collecting garbage graphs. The
+        #: unchecked capture is several times faster to capture and relies on
+        #: the capture failing loudly, then on an eager diagnosis.
+        self.checked = os.environ.get("PYTEST_CUDAGRAPH_FAST_CAPTURE", "") != "1"
         self._pool: Any = None
         # Separate streams for warm-up and capture. PyTorch caches one cuBLAS
         # workspace per stream, and destroying *any* graph captured on a
@@ -64,6 +75,10 @@ class CudaBackend(Backend):
         # this sequence runs, captured on a stream that PyTorch's stream pool
         # also gave this manager, drops that workspace again: release
         # managers explicitly rather than leaving them to the collector.)
+        if self.checked:
+            # Graphs another manager left to the garbage collector die now,
+            # not in the middle of this sequence.
+            gc.collect()
         torch.cuda.synchronize(self.device)
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None:
@@ -100,9 +115,11 @@ class CudaBackend(Backend):
             free_before = torch.cuda.mem_get_info(self.device)[0] if self.measure_device_memory else 0
             graph = torch.cuda.CUDAGraph()
             first_error: BaseException | None = None
+            reads: list[torch.Tensor] = []
+            checking = GuardDispatchMode(guard, reads) if self.checked else contextlib.nullcontext()
             try:
                 with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, stream=self._streams()[1]):
-                    with guard.function_mode():
+                    with guard.function_mode(), checking:
                         try:
                             output = fn()
                         except BaseException as exc:
@@ -123,7 +140,9 @@ class CudaBackend(Backend):
                 # the instantiated graph, which the caching allocator never sees.
                 torch.cuda.synchronize(self.device)
                 taken = free_before - torch.cuda.mem_get_info(self.device)[0]
-        return CudaGraph(graph, output, max(grown, 0), max(taken, 0))
+        captured = CudaGraph(graph, output, max(grown, 0), max(taken, 0))
+        captured.reads = reads  # held with the graph (checked capture)
+        return captured
 
     def _recover(self) -> None:
         """Leave the device fit for another capture after a failed one.

@@ -228,13 +228,31 @@ class CaptureGuard:
 
 
 class GuardDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """A dispatch mode that checks every ATen op against the guard."""
+    """A dispatch mode that checks every ATen op against the guard.
 
-    def __init__(self, guard: CaptureGuard) -> None:
+    With ``keep_alive`` it also collects every tensor an op reads that was not
+    made during this capture, for the graph to hold (see
+    ``CapturedGraph.hold``).
+    """
+
+    def __init__(self, guard: CaptureGuard, keep_alive: list[torch.Tensor] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.guard = guard
+        self.keep_alive = keep_alive
+        self._made: set[int] = set()
+        self._kept: set[int] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.guard.check_dispatch(func, args, kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.keep_alive is not None:
+            for t in tensors_in(args, kwargs):
+                key = t.untyped_storage().data_ptr()
+                if key not in self._made and key not in self._kept:
+                    self._kept.add(key)
+                    self.keep_alive.append(t)
+            outs = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ()
+            for t in tensors_in(outs, None):
+                self._made.add(t.untyped_storage().data_ptr())
+        return out
