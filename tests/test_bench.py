@@ -1,0 +1,111 @@
+"""Benchmarks on the CPU: timing, the memory estimate, the fixture through pytest-benchmark, the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pytest_cudagraph import CaptureConfig, GraphManager
+from pytest_cudagraph.bench import extrapolate, measure_manager, time_rounds
+from pytest_cudagraph.bench.memory import MIN_PER_GRAPH_BYTES, estimate_full_graph_memory
+from tests import models
+from tests.conftest import isolate_plugins
+
+MIB = 1 << 20
+
+
+def test_time_rounds_counts_rounds_and_calls() -> None:
+    calls = []
+    timing = time_rounds(lambda: calls.append(1), device=torch.device("cpu"), rounds=4, calls_per_round=3, warmup=2)
+    assert len(calls) == 2 + 4 * 3
+    assert len(timing.rounds) == 4 and timing.per_round_calls == 3
+    assert timing.minimum <= timing.median
+    with pytest.raises(ValueError, match="rounds and calls_per_round must be >= 1"):
+        time_rounds(lambda: None, device=torch.device("cpu"), rounds=0)
+
+
+def test_extrapolate_is_vllms_estimate_with_two_samples() -> None:
+    # first capture, then the second sample (floored at 1 MiB) for every further graph
+    assert extrapolate([50 * MIB, 3 * MIB], 67) == 50 * MIB + 66 * 3 * MIB
+    assert extrapolate([50 * MIB, 0], 67) == 50 * MIB + 66 * MIN_PER_GRAPH_BYTES
+    assert extrapolate([50 * MIB], 67) == 50 * MIB
+    assert extrapolate([], 67) == 0
+    # the sampled variant: mean of the later samples, no floor
+    assert extrapolate([50 * MIB, 0, 2 * MIB, 0], 10, floor=0) == 50 * MIB + round(9 * (2 * MIB / 3))
+
+
+def test_measure_manager_on_the_emulator_makes_no_speedup_claim() -> None:
+    module = models.MLP()
+    manager = GraphManager(module, models.mlp_inputs(), CaptureConfig(capture_sizes=[1, 4], max_num_reqs=4),
+                           backend="emulate")
+    with pytest.raises(ValueError, match="needs a captured manager"):
+        measure_manager(manager)
+    manager.capture()
+    results = measure_manager(manager, rounds=3, calls_per_round=2, warmup=1)
+    assert [r.descriptor.num_tokens for r in results] == [4, 1]
+    for r in results:
+        assert r.emulated and r.speedup is None and r.replay_speedup is None
+        assert r.padding == 0 and r.eager.median > 0 and r.run.median > 0 and r.replay.median > 0
+        assert r.row()["graph_memory_bytes"] == manager.graph_memory[r.descriptor]
+
+
+def test_memory_estimate_on_the_emulator() -> None:
+    manager = GraphManager(models.MLP(), models.mlp_inputs(), CaptureConfig(capture_sizes=[1, 2, 4, 8],
+                           max_num_reqs=8), backend="emulate")
+    manager.capture()
+    measured = sum(manager.device_memory.values())
+    estimate = estimate_full_graph_memory(manager, measured=measured)
+    assert estimate.full_graphs == 4 and len(estimate.samples) == 2
+    assert estimate.samples[0] == manager.device_memory[manager.plan.capture_order[0]]
+    assert estimate.error is not None
+    with pytest.raises(ValueError, match="samples must be >= 1"):
+        estimate_full_graph_memory(manager, samples=0)
+
+
+BENCH_TEST = """
+import torch
+from tests import models
+
+
+def test_mlp(cudagraph_benchmark, cudagraph_device):
+    results = cudagraph_benchmark(models.MLP().to(cudagraph_device), models.mlp_inputs(device=cudagraph_device),
+                                  capture_sizes=[1, 8], rounds=3, calls_per_round=2, warmup=1)
+    assert results is None or len(results) == 2
+"""
+
+
+@pytest.fixture
+def bench_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None) -> pytest.Pytester:
+    isolate_plugins(monkeypatch)
+    monkeypatch.setenv("PYTEST_PLUGINS", "pytest_cudagraph.plugin,pytest_benchmark.plugin,xdist.plugin")
+    pytester.makepyfile(test_bench_inner=BENCH_TEST)
+    return pytester
+
+
+def test_fixture_makes_one_benchmark_entry_per_descriptor_and_kind(bench_pytester: pytest.Pytester) -> None:
+    result = bench_pytester.runpytest("-p", "no:cacheprovider", "--benchmark-json=bench.json",
+                                      "--cudagraph-bench-report=bench.md", "--cudagraph-backend=emulate")
+    result.assert_outcomes(passed=1)
+    data = json.loads((bench_pytester.path / "bench.json").read_text())
+    names = sorted(b["name"] for b in data["benchmarks"])
+    assert names == sorted(f"test_mlp[{kind}-FULL-{shape}]" for kind in ("eager", "run", "replay")
+                           for shape in ("T8-R8", "T1-R1"))
+    for bench in data["benchmarks"]:
+        assert bench["group"] == "MLP"
+        info = bench["extra_info"]
+        assert info["emulated"] is True and info["speedup_over_eager"] is None
+        assert {"descriptor", "padding", "graph_memory_bytes", "kind"} <= set(info)
+        assert bench["stats"]["rounds"] == 3
+    table = (bench_pytester.path / "bench.md").read_text()
+    assert "| test_bench_inner.py::test_mlp | MLP | emulate | FULL-T8-R8 | 8 |" in table
+    assert "no speedup is claimed" in table
+    result.stdout.fnmatch_lines(["*cudagraph: benchmark report written to*bench.md"])
+
+
+def test_fixture_under_xdist_warns_and_times_nothing(bench_pytester: pytest.Pytester) -> None:
+    result = bench_pytester.runpytest("-p", "no:cacheprovider", "-n", "2", "--cudagraph-backend=emulate",
+                                      "-W", "always")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*benchmarks are disabled*nothing was timed*"])
