@@ -109,3 +109,19 @@ def test_fixture_under_xdist_warns_and_times_nothing(bench_pytester: pytest.Pyte
                                       "-W", "always")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*benchmarks are disabled*nothing was timed*"])
+
+
+def test_report_plots_speedup_per_test_when_matplotlib_is_installed(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from pytest_cudagraph.bench.markdown import write_bench_report
+
+    rows = [
+        {"test": f"t.py::test[{d}]", "module": "Stack", "backend": "cuda", "descriptor": f"FULL-T{n}",
+         "tokens": n, "real_tokens": n, "eager_s": 3e-4, "run_s": 1e-4 * d, "replay_s": 1e-4, "speedup": 3.0 / d,
+         "graph_memory_bytes": 1 << 20, "emulated": False}
+        for d in (1, 2) for n in (1, 8)
+    ]
+    written = write_bench_report(rows, tmp_path / "bench.md")
+    assert [p.suffix for p in written] == [".md", ".png"]
+    assert "| t.py::test[1] | Stack | cuda | FULL-T1 | 1 | 300.0 µs | 100.0 µs | 100.0 µs | 3.00x | 1.0 MiB |" \
+        in (tmp_path / "bench.md").read_text()

@@ -53,9 +53,11 @@ def _plot(rows: list[Mapping[str, Any]], path: Path) -> Path | None:
     except ImportError:  # optional: pip install pytest-cudagraph[plot]
         return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for module in sorted({r["module"] for r in graphed}):
-        mine = sorted((r for r in graphed if r["module"] == module), key=lambda r: r["tokens"])
-        ax.plot([r["tokens"] for r in mine], [r["speedup"] for r in mine], marker="o", label=module)
+    # One line per test: parametrised tests of one module are separate series.
+    for test in sorted({r["test"] for r in graphed}):
+        mine = sorted((r for r in graphed if r["test"] == test), key=lambda r: r["tokens"])
+        label = test.rsplit("::", 1)[-1]
+        ax.plot([r["tokens"] for r in mine], [r["speedup"] for r in mine], marker="o", label=label)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xlabel("tokens (descriptor)")
     ax.set_ylabel("speedup of run() over eager")
