@@ -80,6 +80,8 @@ def test_mlp(cudagraph_benchmark, cudagraph_device):
 def bench_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None) -> pytest.Pytester:
     isolate_plugins(monkeypatch)
     monkeypatch.setenv("PYTEST_PLUGINS", "pytest_cudagraph.plugin,pytest_benchmark.plugin,xdist.plugin")
+    # When this suite itself runs under xdist, the inner run must not think it does.
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     pytester.makepyfile(test_bench_inner=BENCH_TEST)
     return pytester
 

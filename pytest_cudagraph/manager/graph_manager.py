@@ -63,6 +63,8 @@ class _Entry:
         # their structure is taken apart once, not on every run().
         self.leaves, self.treespec = tree_flatten(self.graph.output)
         self.single = isinstance(self.graph.output, torch.Tensor)
+        # (real tokens, real requests) -> the output leaves cut to them (views)
+        self.cuts: dict[tuple[int, int], list[Any]] = {}
 
 
 class GraphManager:
@@ -131,6 +133,7 @@ class GraphManager:
         )
         self._tensor_specs = [(n, spec) for n, spec in self._inputs.items() if spec.kind != "const"]
         self._tensor_names = {n for n, _ in self._tensor_specs}
+        self._views: dict[tuple[str, int, int], torch.Tensor] = {}
         self._is_padding: torch.Tensor | None = None
         if "is_padding" not in self._inputs and self._forward_takes("is_padding"):
             self._is_padding = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.device)
@@ -591,49 +594,71 @@ class GraphManager:
 
     def load_inputs(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> None:
         """Copy a real batch into the static buffers and pad the rest of ``desc``'s rows."""
+        with torch.no_grad():
+            self._load(desc, inputs, batch)
+
+    def _load(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> None:
         entry = self._entries.get(desc)
         reqs = entry.num_reqs if entry is not None else self.capture_reqs(desc)
-        with torch.no_grad():
-            for name, spec in self._tensor_specs:
-                buf = spec.buffer
-                assert buf is not None
-                value = inputs[name]
-                if spec.kind == "fixed":
-                    buf.copy_(value)
-                    continue
-                real = spec.rows(batch.num_tokens, batch.num_reqs)
-                rows = spec.rows(desc.num_tokens, reqs)
-                buf[:real].copy_(value)
-                if rows > real:
-                    if spec.pad == "edge":
-                        buf[real:rows].copy_(value[-1:].expand(rows - real, *spec.trailing))
-                    else:
-                        buf[real:rows].fill_(spec.pad)
-            if self._is_padding is not None:
-                self._is_padding[: batch.num_tokens].fill_(False)
-                self._is_padding[batch.num_tokens : desc.num_tokens].fill_(True)
+        views = self._views
+        for name, spec in self._tensor_specs:
+            buf = spec.buffer
+            assert buf is not None
+            value = inputs[name]
+            if spec.kind == "fixed":
+                buf.copy_(value)
+                continue
+            real = spec.rows(batch.num_tokens, batch.num_reqs)
+            rows = spec.rows(desc.num_tokens, reqs)
+            # Views of the static buffers are made once per row count: on the
+            # replay path a slice costs as much as the copy's launch.
+            key = (name, 0, real)
+            head = views.get(key)
+            if head is None:
+                head = views[key] = buf[:real]
+            head.copy_(value)
+            if rows > real:
+                key = (name, real, rows)
+                tail = views.get(key)
+                if tail is None:
+                    tail = views[key] = buf[real:rows]
+                if spec.pad == "edge":
+                    tail.copy_(value[-1:].expand(rows - real, *spec.trailing))
+                else:
+                    tail.fill_(spec.pad)
+        if self._is_padding is not None:
+            self._is_padding[: batch.num_tokens].fill_(False)
+            self._is_padding[batch.num_tokens : desc.num_tokens].fill_(True)
 
     def _replay(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> Any:
         entry = self._entries[desc]
-        self.load_inputs(desc, inputs, batch)
-        entry.graph.replay()
-        return self.real_rows(desc, batch)
+        with torch.no_grad():
+            self._load(desc, inputs, batch)
+            entry.graph.replay()
+            return self._cut(entry, batch)
 
     def real_rows(self, desc: BatchDescriptor, batch: Batch) -> Any:
         """The last replay's outputs of ``desc``, cut to the batch's real rows."""
-        entry = self._entries[desc]
-        cut = []
-        for leaf, kind in zip(entry.leaves, entry.out_rows, strict=False):
-            if kind == "tokens":
-                leaf = leaf[: batch.num_tokens]
-            elif kind == "reqs":
-                leaf = leaf[: batch.num_reqs]
-            if isinstance(leaf, torch.Tensor) and not self.output_views:
-                leaf = leaf.clone()
-            cut.append(leaf)
+        with torch.no_grad():
+            return self._cut(self._entries[desc], batch)
+
+    def _cut(self, entry: _Entry, batch: Batch) -> Any:
+        key = (batch.num_tokens, batch.num_reqs)
+        cut = entry.cuts.get(key)
+        if cut is None:
+            cut = []
+            for leaf, kind in zip(entry.leaves, entry.out_rows, strict=False):
+                if kind == "tokens":
+                    leaf = leaf[: batch.num_tokens]
+                elif kind == "reqs":
+                    leaf = leaf[: batch.num_reqs]
+                cut.append(leaf)
+            entry.cuts[key] = cut
+        if not self.output_views:
+            cut = [t.clone() if isinstance(t, torch.Tensor) else t for t in cut]
         if entry.single:
             return cut[0]
-        return tree_unflatten(cut, entry.treespec)
+        return tree_unflatten(list(cut), entry.treespec)
 
     def replay(self, desc: BatchDescriptor) -> Any:
         """Replay ``desc``'s graph on whatever the static buffers hold; return its full output.
