@@ -103,6 +103,8 @@ def test_fixture_makes_one_benchmark_entry_per_descriptor_and_kind(bench_pyteste
     table = (bench_pytester.path / "bench.md").read_text()
     assert "| test_bench_inner.py::test_mlp | MLP | emulate | FULL-T8-R8 | 8 |" in table
     assert "no speedup is claimed" in table
+    assert "| test_bench_inner.py::test_mlp | 2 |" in table  # memory: measured beside vLLM's estimate
+    assert all(b["extra_info"]["full_graphs"] == 2 for b in data["benchmarks"])
     result.stdout.fnmatch_lines(["*cudagraph: benchmark report written to*bench.md"])
 
 

@@ -48,6 +48,7 @@ class Backend(ABC):
     name: str
     device: torch.device
     measure_device_memory: bool = False
+    checked: bool = True
 
     def begin(self) -> None:  # noqa: B027 - optional hook
         """Called once before a sequence of captures."""

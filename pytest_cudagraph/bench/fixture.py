@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from ..manager import GraphManager
-from ..plan import CaptureConfig
+from ..plan import CaptureConfig, GraphMode
 from .measure import DescriptorBench, measure_manager
+from .memory import estimate_full_graph_memory
 from .timing import Timing
 
 __all__ = ["KINDS", "BenchmarkRunner"]
@@ -61,7 +62,7 @@ class BenchmarkRunner:
         if "max_num_reqs" not in config and "capture_sizes" in config:
             config["max_num_reqs"] = max(config["capture_sizes"])
         manager = GraphManager(module.eval(), make_inputs, CaptureConfig(**config), backend=self._backend,
-                               device=self._device, pad_values=pad_values)
+                               device=self._device, pad_values=pad_values, measure_device_memory=True)
         try:
             manager.capture()
             if self._session.disabled:
@@ -76,13 +77,25 @@ class BenchmarkRunner:
                 measure_manager(manager, rounds=1, calls_per_round=1, warmup=0)
                 return None
             results = measure_manager(manager, rounds=rounds, calls_per_round=calls_per_round, warmup=warmup)
+            # vLLM's estimate of all FULL graphs from the two largest, beside
+            # what capturing all of them measured (device-wide).
+            full = [d for d in manager.captured_descriptors if d.mode is GraphMode.FULL]
+            measured = sum(manager.device_memory[d] for d in full)
+            estimate = estimate_full_graph_memory(manager, measured=measured) if full else None
         finally:
             manager.release()
         group = type(module).__name__
+        memory = {
+            "full_graphs": len(full),
+            "full_graph_memory_measured_bytes": measured,
+            "full_graph_memory_estimate_bytes": estimate.estimate if estimate is not None else None,
+        }
         for bench in results:
+            bench.extra.update(memory)
             self._add(group, bench)
             row = bench.row()
-            row.update(test=self._node.nodeid, module=group, backend=manager.backend, device=str(manager.device))
+            row.update(test=self._node.nodeid, module=group, backend=manager.backend, device=str(manager.device),
+                       **memory)
             self._record(row)
         return results
 
@@ -101,6 +114,7 @@ class BenchmarkRunner:
             # No speedup claims from the emulator: its times are the CPU's.
             "speedup_over_eager": bench.speedup,
             "replay_speedup_over_eager": bench.replay_speedup,
+            **bench.extra,
         }
         timings: dict[str, Timing] = {"eager": bench.eager, "run": bench.run, "replay": bench.replay}
         for kind in KINDS:

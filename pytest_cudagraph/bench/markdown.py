@@ -29,6 +29,17 @@ def write_bench_report(rows: Iterable[Mapping[str, Any]], path: Path) -> list[Pa
             f"{_us(row['eager_s'])} | {_us(row['run_s'])} | {_us(row['replay_s'])} | {speedup} | "
             f"{format_bytes(int(row['graph_memory_bytes']))} |"
         )
+    tests = {row["test"]: row for row in rows if row.get("full_graphs")}
+    if tests:
+        lines.append("")
+        lines.append("| test | FULL graphs | measured (device) | vLLM's estimate (2 largest, extrapolated) | error |")
+        lines.append("|---|---:|---:|---:|---:|")
+        for test, row in tests.items():
+            measured = int(row["full_graph_memory_measured_bytes"])
+            estimate = row["full_graph_memory_estimate_bytes"]
+            error = f"{(estimate - measured) / measured:+.0%}" if estimate is not None and measured else "n/a"
+            shown = format_bytes(int(estimate)) if estimate is not None else "n/a"
+            lines.append(f"| {test} | {row['full_graphs']} | {format_bytes(measured)} | {shown} | {error} |")
     if any(row["emulated"] for row in rows):
         lines.append("")
         lines.append("Rows on the `emulate` backend are CPU times of the emulator: no speedup is claimed.")

@@ -80,6 +80,13 @@ class GraphManager:
     unless ``output_views=True``: then they are views of graph memory, valid
     until the next ``run`` of any descriptor.
 
+    ``checked_capture`` (CUDA): True (the default, or
+    ``PYTEST_CUDAGRAPH_FAST_CAPTURE=1`` for False) routes every op of the
+    capture through the guard, which names an uncapturable op before the device
+    sees it and keeps every tensor the graph reads alive with it; False
+    captures several times faster, lets such an op fail the capture and then
+    names it by an eager run under the guard.
+
     ``measure_device_memory=True`` also records, per graph, the device memory
     the driver took (``device_memory``), at about a millisecond a capture.
 
@@ -101,6 +108,7 @@ class GraphManager:
         output_views: bool = False,
         progress: bool | None = None,
         measure_device_memory: bool = False,
+        checked_capture: bool | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise ValueError(f"module must be a torch.nn.Module; got {type(module).__name__}")
@@ -118,6 +126,8 @@ class GraphManager:
         self._pad_values = dict(pad_values or {})
         self._backend: Backend = make_backend(backend, device if device is not None else self._module_device())
         self._backend.measure_device_memory = bool(measure_device_memory)
+        if checked_capture is not None:
+            self._backend.checked = bool(checked_capture)
         self.device = self._backend.device
         self._check_module_device()
 
@@ -153,6 +163,7 @@ class GraphManager:
             output_views=self.output_views,
             progress=False,
             measure_device_memory=self._backend.measure_device_memory,
+            checked_capture=self._backend.checked,
         )
 
     # -- set-up helpers -------------------------------------------------
