@@ -12,6 +12,7 @@ from ..context import running
 from ..manager import GraphManager
 from ..manager.layout import call_make_inputs
 from ..plan import Batch, BatchDescriptor
+from ..plan.properties import exact_batch
 from .timing import Timing, time_rounds
 
 __all__ = ["DescriptorBench", "measure_manager"]
@@ -63,14 +64,6 @@ class DescriptorBench:
         }
 
 
-def _exact_batch(manager: GraphManager, desc: BatchDescriptor) -> Batch:
-    reqs = manager.capture_reqs(desc)
-    u = desc.uniform_token_count
-    return Batch(num_tokens=desc.num_tokens, num_reqs=reqs, uniform_token_count=u,
-                 max_query_len=desc.max_query_len or u, num_active_loras=desc.num_active_loras,
-                 num_ubatches=desc.num_ubatches)
-
-
 def measure_manager(
     manager: GraphManager,
     *,
@@ -89,7 +82,7 @@ def measure_manager(
     results = []
     device = manager.device
     for desc in descriptors if descriptors is not None else manager.captured_descriptors:
-        batch = _exact_batch(manager, desc)
+        batch = exact_batch(manager.plan, desc)
         inputs = call_make_inputs(manager.make_inputs, batch.num_tokens, batch.num_reqs)
         kwargs = dict(inputs)
         for name, spec in manager.input_specs.items():

@@ -13,6 +13,7 @@ from ..context import running
 from ..manager import GraphManager
 from ..manager.layout import call_make_inputs
 from ..plan import Batch, BatchDescriptor, GraphMode
+from ..plan.properties import exact_batch
 from .compare import Difference, first_difference
 
 __all__ = ["VerifyContext", "clone_tree"]
@@ -111,11 +112,7 @@ class VerifyContext:
 
     def exact_batch(self, desc: BatchDescriptor) -> Batch:
         """A real batch of exactly the descriptor's shape (no padding)."""
-        reqs = self.manager.capture_reqs(desc)
-        u = desc.uniform_token_count
-        return Batch(num_tokens=desc.num_tokens, num_reqs=reqs, uniform_token_count=u,
-                     max_query_len=desc.max_query_len or u, num_active_loras=desc.num_active_loras,
-                     num_ubatches=desc.num_ubatches)
+        return exact_batch(self.manager.plan, desc)
 
     def make(self, batch: Batch) -> dict[str, Any]:
         return call_make_inputs(self.manager.make_inputs, batch.num_tokens, batch.num_reqs)
