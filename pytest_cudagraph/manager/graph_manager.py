@@ -144,6 +144,7 @@ class GraphManager:
         self._tensor_specs = [(n, spec) for n, spec in self._inputs.items() if spec.kind != "const"]
         self._tensor_names = {n for n, _ in self._tensor_specs}
         self._views: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._is_padding: torch.Tensor | None = None
         if "is_padding" not in self._inputs and self._forward_takes("is_padding"):
             self._is_padding = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.device)
@@ -536,7 +537,9 @@ class GraphManager:
                 raise ValueError(f"input '{name}' must be {spec.expected()}; got {type(value).__name__}")
             if value.dtype != spec.dtype:
                 raise ValueError(f"input '{name}' has dtype {value.dtype}; expected {spec.expected()}")
-            if value.device != self.device and not (value.device.type == self.device.type == "cpu"):
+            # Cheaper than comparing torch.device objects, on the replay path.
+            on_device = value.is_cpu if self._device_index < 0 else value.get_device() == self._device_index
+            if not on_device:
                 raise ValueError(
                     f"input '{name}' is on {value.device}; the graphs read it from {self.device}: "
                     f"move it with .to('{self.device}')"
@@ -643,10 +646,20 @@ class GraphManager:
 
     def _replay(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> Any:
         entry = self._entries[desc]
-        with torch.no_grad():
-            self._load(desc, inputs, batch)
-            entry.graph.replay()
-            return self._cut(entry, batch)
+        # Static buffers and graph outputs never require grad, so autograd has
+        # nothing to record unless an input does; entering no_grad costs as
+        # much as a kernel launch on this path, so only then.
+        if torch.is_grad_enabled() and any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values()
+        ):
+            with torch.no_grad():
+                return self._replay_entry(entry, desc, inputs, batch)
+        return self._replay_entry(entry, desc, inputs, batch)
+
+    def _replay_entry(self, entry: _Entry, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> Any:
+        self._load(desc, inputs, batch)
+        entry.graph.replay()
+        return self._cut(entry, batch)
 
     def real_rows(self, desc: BatchDescriptor, batch: Batch) -> Any:
         """The last replay's outputs of ``desc``, cut to the batch's real rows."""
