@@ -52,7 +52,7 @@ class Finding:
         if self.max_abs is not None:
             ulp = f", max ULP {self.max_ulp}" if self.max_ulp is not None else ""
             parts.append(f"max abs diff {self.max_abs:.3g}{ulp}")
-        if self.submodule is not None:
+        if self.submodule is not None and not self.ops:
             parts.append(f"first divergent submodule: '{self.submodule}'" if self.submodule else
                          "first divergent submodule: the top-level module")
         if self.segment is not None:

@@ -125,7 +125,7 @@ def infer_layout(
         if not isinstance(values[-1], torch.Tensor):
             if any(isinstance(v, torch.Tensor) for v in values) or any(v != values[-1] for v in values):
                 raise ValueError(
-                    f"input '{name}' is a Python value that changes with the batch shape "
+                    f"input '{name}' is a Python value that changes from batch to batch "
                     f"({values[0]!r} at 7 tokens, {values[1]!r} at 11); a graph freezes Python "
                     "values at capture. Pass it as a tensor, or read the padded shape from "
                     "pytest_cudagraph.current_descriptor()"

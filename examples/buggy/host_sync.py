@@ -1,0 +1,30 @@
+"""A host sync: the module reads a device value as a Python number.
+
+Caught by ``capture_safety``. The plugin prints:
+
+    HostSync on emulate (cpu): 0/4 descriptors captured and verified (every descriptor), 0 real batches, 4 failure(s) in capture_safety; capture 0 ms, graph memory 0 B
+    FAIL capture_safety         FULL-T8-R4
+         1 op(s) cannot be captured in a graph; the first is Tensor.item() (host sync) in the top-level module
+         first divergent submodule: the top-level module
+           - Tensor.item() (host sync) in the top-level module
+
+    (CPU emulator, `pytest --cudagraph-verify`, capture sizes 1, 2, 4, 8; the capture_safety failure shown)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import Base
+
+
+class HostSync(Base):
+    """Scales by a Python float read from the device: a host sync."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) / self.lin.weight.abs().max().item()
+
+
+class HostSyncFixed(Base):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) / self.lin.weight.abs().max()

@@ -1,0 +1,31 @@
+"""A Python branch on the batch size: in a graph the padded size decides, not the real one.
+
+Caught by ``real_batches``. The plugin prints:
+
+    ShapeBranch on emulate (cpu): 4/4 descriptors captured and verified (every descriptor), 26 real batches, 1 failure(s) in real_batches; capture 2 ms, graph memory 864 B
+    FAIL real_batches           FULL-T4-R4
+         real rows differ from eager on the unpadded batch within tolerance (the output: values differ)
+         real batch (num_reqs=2, num_tokens=3, num_active_loras=0, num_ubatches=1); output <the output> at index [0, 0]; graph gave 0.3531811535358429, eager gave 0.17659057676792145; max abs diff 1.09, max ULP 8388608; first divergent submodule: the top-level module
+
+    (CPU emulator, `pytest --cudagraph-verify`, capture sizes 1, 2, 4, 8; the real_batches failure shown)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import Base
+
+
+class ShapeBranch(Base):
+    """Takes another path for batches of 4 tokens or more."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= 4:  # a batch of 3 padded to 4 takes this path in the graph
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+class NoShapeBranch(Base):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 2

@@ -1,0 +1,37 @@
+"""The gallery cannot rot: each buggy module fails its check with its message; each fix passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.buggy.common import token_inputs
+from examples.buggy.python_scalar import ScaledByTemperature, scalar_inputs, tensor_inputs
+from examples.buggy.shape_branch import NoShapeBranch, ShapeBranch
+from tests.bugs import PAIRS
+
+# Every descriptor, also without --cudagraph-verify: some bugs show at one size only.
+CONFIG = {"capture_sizes": (1, 2, 4, 8), "max_num_reqs": 4, "exhaustive": True}
+GALLERY = [(p.check, p.buggy, p.correct, p.message) for p in PAIRS] + [
+    ("real_batches", ShapeBranch, NoShapeBranch, r"real rows differ from eager on the unpadded batch"),
+]
+
+
+@pytest.mark.parametrize(("check", "buggy", "fixed", "message"), GALLERY, ids=[g[1].__name__ for g in GALLERY])
+def test_bug_is_caught(cudagraph_verify, cudagraph_device, check, buggy, fixed, message):
+    torch.manual_seed(0)
+    with pytest.raises(pytest.fail.Exception, match=rf"(?s)FAIL {check} .*{message}"):
+        cudagraph_verify(buggy().to(cudagraph_device), token_inputs(cudagraph_device), **CONFIG)
+
+
+@pytest.mark.parametrize(("check", "buggy", "fixed", "message"), GALLERY, ids=[g[2].__name__ for g in GALLERY])
+def test_fix_passes(cudagraph_verify, cudagraph_device, check, buggy, fixed, message):
+    torch.manual_seed(0)
+    assert cudagraph_verify(fixed().to(cudagraph_device), token_inputs(cudagraph_device), **CONFIG).ok
+
+
+def test_python_scalar_input_is_refused(cudagraph_verify, cudagraph_device):
+    module = ScaledByTemperature().to(cudagraph_device)
+    with pytest.raises(ValueError, match="input 'temperature' is a Python value that changes from batch to batch"):
+        cudagraph_verify(module, scalar_inputs(cudagraph_device), **CONFIG)
+    assert cudagraph_verify(module, tensor_inputs(cudagraph_device), **CONFIG).ok
