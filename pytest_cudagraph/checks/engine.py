@@ -158,7 +158,7 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
         safety = capture_safety(ctx, selected)
         report.add(safety)
         if not all(o.passed for o in safety):
-            _skip_rest(report, names, selected, "capture_safety failed: nothing was captured")
+            _skip_rest(report, names, "capture_safety failed: nothing was captured")
             return
     before = record_addresses(ctx)
     try:
@@ -168,7 +168,7 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
             "capture_safety", exc.descriptor, False, str(exc),
             Finding(submodule=exc.module_path, ops=[f"{exc.op} ({exc.reason})"] if exc.op else []),
         )])
-        _skip_rest(report, names, selected, "capture failed: nothing was verified")
+        _skip_rest(report, names, "capture failed: nothing was verified")
         return
     report.descriptors = manager.captured_descriptors
     report.capture_seconds = manager.capture_seconds
@@ -196,11 +196,11 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
 def _guarded(name: str, desc: BatchDescriptor | None, fn: Callable[[], Outcome | None]) -> Any:
     try:
         return fn()
-    except (CaptureError, RuntimeError, ValueError, IndexError, TypeError) as exc:
+    except Exception as exc:  # a check that cannot run is a finding, not a crash of verify()
         return Outcome(name, desc, False, f"the check could not run: {type(exc).__name__}: {exc}")
 
 
-def _skip_rest(report: VerifyReport, names: tuple[str, ...], selected: list[BatchDescriptor], why: str) -> None:
+def _skip_rest(report: VerifyReport, names: tuple[str, ...], why: str) -> None:
     for name in names:
         if name == "capture_safety":
             continue
