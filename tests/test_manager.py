@@ -457,3 +457,29 @@ def test_releasing_one_manager_leaves_another_correct():
         ref = eager(keep_module, **inputs, is_padding=torch.zeros(100, dtype=torch.bool, device="cuda"))
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
         del filler
+
+
+def test_garbage_collection_is_off_during_a_capture_sequence_and_restored(backend, device):
+    import gc
+
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def forward(self, x):
+            seen.append(gc.isenabled())
+            return x * 2
+
+    mgr = make(Spy(), lambda t, r: {"x": torch.randn(t, 4, device=device)}, backend, device, capture_sizes=(1, 2))
+    assert gc.isenabled()
+    seen.clear()
+    mgr.capture()
+    assert seen and not any(seen)
+    assert gc.isenabled()
+
+    def boom(x):
+        raise RuntimeError("boom")
+
+    mgr.module.forward = boom  # a failing sequence restores it too
+    with pytest.raises(CaptureError, match="boom"):
+        mgr.capture()
+    assert gc.isenabled()

@@ -71,13 +71,11 @@ class CudaBackend(Backend):
 
     def begin(self) -> None:
         # Stale cuBLAS workspaces are dropped so that the capture stream's
-        # workspace is allocated inside this pool. (A graph that dies while
-        # this sequence runs, captured on a stream that PyTorch's stream pool
-        # also gave this manager, drops that workspace again: release
-        # managers explicitly rather than leaving them to the collector.)
+        # workspace is allocated inside this pool. The manager keeps the
+        # garbage collector off for the sequence; the checked capture also
+        # collects first, for PyTorch versions whose torch.cuda.graph itself
+        # collects garbage on entry.
         if self.checked:
-            # Graphs another manager left to the garbage collector die now,
-            # not in the middle of this sequence.
             gc.collect()
         torch.cuda.synchronize(self.device)
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 import sys
 import time
@@ -286,6 +287,12 @@ class GraphManager:
             self.release()
         started = time.perf_counter()
         self._tracker.refresh()
+        # No cyclic garbage collection while the sequence runs: a collected
+        # graph of another manager, captured on a stream PyTorch's stream pool
+        # also handed to this one, would drop that stream's cuBLAS workspace
+        # in the middle of it (pytorch#193402).
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             self._backend.begin()
             for desc in self._progress(order):
@@ -293,6 +300,9 @@ class GraphManager:
         except BaseException:
             self.release()
             raise
+        finally:
+            if collecting:
+                gc.enable()
         self._settle_row_kinds()
         self.capture_seconds = time.perf_counter() - started
 
