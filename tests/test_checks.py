@@ -123,11 +123,11 @@ def test_exhaustive_verification_property_tests_the_managers_dispatch(backend, d
     from pytest_cudagraph import GraphManager, GraphMode
     from tests.bugs import NoMemo
 
-    report = run(NoMemo, backend, device, checks=["replay_matches_eager"], mode="FULL_AND_PIECEWISE")
+    report = run(NoMemo, backend, device, checks=["replay_matches_eager", "dispatch"], mode="FULL_AND_PIECEWISE")
     (outcome,) = [o for o in report.outcomes if o.check == "dispatch"]
     assert outcome.passed and not outcome.skipped and outcome.figures["examples"] == 200
 
-    quick = run(NoMemo, backend, device, checks=["replay_matches_eager"], exhaustive=False)
+    quick = run(NoMemo, backend, device, checks=["replay_matches_eager", "dispatch"], exhaustive=False)
     (outcome,) = [o for o in quick.outcomes if o.check == "dispatch"] or [None]
     assert outcome is None  # quick mode captures a subset: dispatch is not property-tested
 
@@ -140,8 +140,40 @@ def test_exhaustive_verification_property_tests_the_managers_dispatch(backend, d
         return answer
 
     monkeypatch.setattr(GraphManager, "dispatch", drops_odd)
-    broken = run(NoMemo, backend, device, checks=["replay_matches_eager"], mode="FULL_AND_PIECEWISE")
+    broken = run(NoMemo, backend, device, checks=["replay_matches_eager", "dispatch"], mode="FULL_AND_PIECEWISE")
+    assert not [o for o in run(NoMemo, backend, device, checks=["replay_matches_eager"]).outcomes
+                if o.check == "dispatch"]  # not selected, not run
     (outcome,) = [o for o in broken.outcomes if o.check == "dispatch"]
     assert not outcome.passed
     assert "dispatch property" in outcome.message and ("completeness" in outcome.message
                                                        or "reachability" in outcome.message)
+
+
+def test_rng_catches_a_graph_that_never_advances_the_generator(monkeypatch):
+    from pytest_cudagraph.backends.emulate import EmulatedGraph
+    from tests.bugs import DrawsNoise
+
+    honest = EmulatedGraph.replay
+
+    def frozen(self):  # reads the seed but puts the generator back: every replay draws the same
+        with torch.random.fork_rng(devices=[]):
+            honest(self)
+
+    monkeypatch.setattr(EmulatedGraph, "replay", frozen)
+    report = run(DrawsNoise, "emulate", torch.device("cpu"), checks=["rng"])
+    assert any(o.check == "rng" and "two successive replays drew the same random values" in o.message
+               for o in report.failures), report.format()
+
+
+def test_verify_puts_module_state_and_the_generator_back(backend, device):
+    from tests.bugs import RegisteredState
+
+    torch.manual_seed(123)
+    module = RegisteredState().to(device)
+    before = module.acc.clone()
+    rng_before = torch.random.get_rng_state()
+    report = verify(module, token_inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend,
+                    device=device)
+    assert report.ok
+    assert torch.equal(module.acc, before)  # the counter buffer ran hundreds of times, then was put back
+    assert torch.equal(torch.random.get_rng_state(), rng_before)

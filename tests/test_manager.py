@@ -483,3 +483,24 @@ def test_garbage_collection_is_off_during_a_capture_sequence_and_restored(backen
     with pytest.raises(CaptureError, match="boom"):
         mgr.capture()
     assert gc.isenabled()
+
+
+def test_a_failure_inside_a_submodule_names_it(backend, device):
+    class Fails(torch.nn.Module):
+        def forward(self, x):
+            if x.shape[0] == 4:
+                raise RuntimeError("no batch of 4 here")
+            return x + 1
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Fails()
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    mgr = make(Outer(), lambda t, r: {"x": torch.randn(t, 4, device=device)}, backend, device, capture_sizes=(2, 4))
+    with pytest.raises(CaptureError, match="in submodule 'inner'") as info:
+        mgr.capture()
+    assert info.value.module_path == "inner"

@@ -398,7 +398,7 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     assert (rep["module"], rep["backend"], rep["mode"], rep["passed"]) == ("Tiny", AUTO_BACKEND, "FULL", True)
     assert rep["planned_descriptors"] == 3
     assert [d["label"] for d in rep["descriptors"]] == ["FULL-T4-R4", "FULL-T1-R1"]
-    assert rep["checks"] == list(CHECKS)
+    assert rep["checks"] == [*CHECKS, "dispatch"]
     assert {o["check"] for o in rep["outcomes"]} == set(CHECKS)
     assert all(o["passed"] for o in rep["outcomes"])
     assert rep["real_batches"] > 0 and rep["capture_seconds"] >= 0

@@ -95,11 +95,12 @@ class CudaBackend(Backend):
             return out
 
     def capture(self, fn: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
-        # Only the Python-level host methods are watched here (they would sync
-        # and invalidate the capture): every other op a graph cannot hold fails
-        # the capture loudly on a GPU, and the manager then names it by running
-        # the forward eagerly under the full guard. A dispatch mode over every
-        # op would cost more than the capture itself.
+        # The Python-level host methods are always watched. The checked
+        # capture (the default) also routes every op through the guard's
+        # dispatch mode, which names an uncapturable op before the device sees
+        # it and collects the tensors the graph reads; the unchecked capture
+        # lets such an op fail the capture loudly, and the manager then names
+        # it by running the forward eagerly under the full guard.
         with torch.cuda.device(self.device):
             if self._pool is None:
                 # One pool for every graph of this manager: smaller graphs,

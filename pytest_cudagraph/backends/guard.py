@@ -71,6 +71,8 @@ class ModuleTracker:
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = module
         self._stack: list[str] = []
+        #: The submodule that was running when a tracked forward last failed.
+        self.failed_path = ""
         self.refresh()
 
     def refresh(self) -> None:
@@ -92,6 +94,11 @@ class ModuleTracker:
             handles.append(sub.register_forward_hook(self._leave))
         try:
             yield
+        except BaseException:
+            # Where the forward was when it failed, for the error message:
+            # the stack itself is cleared below.
+            self.failed_path = self.path
+            raise
         finally:
             for h in handles:
                 h.remove()

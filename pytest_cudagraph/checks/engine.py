@@ -18,11 +18,11 @@ from .suite import (
     DESCRIPTOR_CHECKS,
     address_stability,
     capture_safety,
-    eager_output_lifetime,
+    output_lifetime,
     record_addresses,
 )
 
-__all__ = ["CHECKS", "select_descriptors", "verify"]
+__all__ = ["CHECKS", "DISPATCH_CHECK", "select_descriptors", "verify"]
 
 #: Every check, in the order it runs.
 CHECKS: tuple[str, ...] = (
@@ -52,18 +52,23 @@ def select_descriptors(descs: Iterable[BatchDescriptor], *, exhaustive: bool) ->
     return [d for d in ordered if d in keep]
 
 
+#: Property-tests the manager's dispatch; runs in exhaustive verification.
+DISPATCH_CHECK = "dispatch"
+
+
 def _check_names(checks: Iterable[str] | None) -> tuple[str, ...]:
     if checks is None:
-        return CHECKS
+        return (*CHECKS, DISPATCH_CHECK)
     if isinstance(checks, str):
         checks = [c.strip() for c in checks.split(",") if c.strip()]
     chosen = tuple(checks)
-    unknown = [c for c in chosen if c not in CHECKS]
+    known = (*CHECKS, DISPATCH_CHECK)
+    unknown = [c for c in chosen if c not in known]
     if unknown:
-        raise ValueError(f"unknown check(s) {unknown}; the checks are {', '.join(CHECKS)}")
+        raise ValueError(f"unknown check(s) {unknown}; the checks are {', '.join(known)}")
     if not chosen:
-        raise ValueError(f"checks must name at least one of {', '.join(CHECKS)}")
-    return tuple(c for c in CHECKS if c in chosen)
+        raise ValueError(f"checks must name at least one of {', '.join(known)}")
+    return tuple(c for c in known if c in chosen)
 
 
 def verify(
@@ -114,6 +119,32 @@ def verify(
     for name, value in (("rtol", rtol), ("atol", atol)):
         if value is not None and (not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"{name} must be a number >= 0 or None (dtype default); got {value!r}")
+    # Verification runs make_inputs and the module many times (probes,
+    # warm-ups, captures, eager references): the random generators are put
+    # back afterwards, and so are the module's buffers.
+    rng_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=rng_devices):
+        return _verify(module, make_inputs, config, names, backend=backend, device=device, rtol=rtol, atol=atol,
+                       batch_invariant=batch_invariant, exhaustive=exhaustive, pad_values=pad_values,
+                       scratch_state=scratch_state, seed=seed)
+
+
+def _verify(
+    module: torch.nn.Module,
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    config: CaptureConfig,
+    names: tuple[str, ...],
+    *,
+    backend: str | None,
+    device: torch.device | str | None,
+    rtol: float | None,
+    atol: float | None,
+    batch_invariant: bool,
+    exhaustive: bool,
+    pad_values: Mapping[str, Any] | None,
+    scratch_state: Mapping[str, ScratchRegion] | None,
+    seed: int,
+) -> VerifyReport:
     torch.manual_seed(seed)
     was_training = module.training
     module.eval()
@@ -139,10 +170,11 @@ def verify(
             "num_ubatches": config.num_ubatches,
         },
     )
+    ctx = VerifyContext(manager, rtol=rtol, atol=atol, batch_invariant=batch_invariant, seed=seed,
+                        exhaustive=exhaustive, scratch_state=scratch_state or {})
     try:
-        ctx = VerifyContext(manager, rtol=rtol, atol=atol, batch_invariant=batch_invariant, seed=seed,
-                            exhaustive=exhaustive, scratch_state=scratch_state or {})
-        _run(ctx, report, selected, names)
+        with ctx.preserved_state():
+            _run(ctx, report, selected, names)
         report.real_batches = ctx.real_batches_run
     finally:
         manager.release()
@@ -180,12 +212,10 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
             if check is not None:
                 report.add([_guarded(name, desc, partial(check, ctx, desc))])
     if "output_lifetime" in names:
-        eager_path = _guarded("output_lifetime", None, lambda: eager_output_lifetime(ctx))
-        if eager_path is not None:
-            report.add([eager_path])
+        report.add([_guarded("output_lifetime", None, partial(output_lifetime, ctx, selected))])
     if "address_stability" in names:
         report.add([address_stability(ctx, before)])
-    if ctx.exhaustive:
+    if ctx.exhaustive and DISPATCH_CHECK in names:
         # Exhaustive runs also prove the dispatcher over the graphs captured.
         from .dispatch import dispatch_properties
 

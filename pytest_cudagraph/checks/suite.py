@@ -19,7 +19,7 @@ from .context import VerifyContext, clone_tree
 from .divergence import locate_divergence
 from .report import Finding, Outcome
 
-__all__ = ["DESCRIPTOR_CHECKS", "address_stability", "capture_safety", "record_addresses"]
+__all__ = ["DESCRIPTOR_CHECKS", "address_stability", "capture_safety", "output_lifetime", "record_addresses"]
 
 
 def _finding(diff: Difference, batch: Batch | None = None, submodule: str | None = None) -> Finding:
@@ -298,12 +298,8 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     )
 
 
-def output_lifetime(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
-    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
-    return _lifetime(ctx, desc, batch)
-
-
-def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> Outcome:
+def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> Outcome | None:
+    """None when an output returned by run() kept its values through two later runs."""
     with ctx.preserved_state():
         first = ctx.run(ctx.make(batch), batch)
         kept = clone_tree(first)
@@ -312,7 +308,7 @@ def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> Outcom
         ctx.manager._backend.synchronize()
     diff = first_difference(first, kept)
     if diff is None:
-        return Outcome("output_lifetime", desc, True)
+        return None
     path = "graph" if desc.mode is not GraphMode.NONE else "eager (NONE)"
     return Outcome(
         "output_lifetime", desc, False,
@@ -322,16 +318,27 @@ def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> Outcom
     )
 
 
-def eager_output_lifetime(ctx: VerifyContext) -> Outcome | None:
-    """The same contract on the eager path: a batch larger than every graph."""
+def output_lifetime(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> Outcome:
+    """Outputs of run() keep their values after later runs, on every graph and on the eager path.
+
+    On the graph path run() copies the real rows out, so this guards the
+    manager's contract; on the eager path (a batch larger than every graph)
+    the module's own outputs are returned, and a module returning a buffer it
+    rewrites fails here.
+    """
     manager = ctx.manager
+    for desc in descs:
+        failed = _lifetime(ctx, desc, ctx.padded_batch(desc) or ctx.exact_batch(desc))
+        if failed is not None:
+            return failed
     n = manager.max_tokens + 1
-    r = min(manager.config.max_num_reqs, max(1, (n + 1) // 2))
-    batch = Batch(num_tokens=n, num_reqs=r)
-    desc = manager.dispatch(**batch.dispatch_args())
-    if desc.mode is not GraphMode.NONE:
-        return None
-    return _lifetime(ctx, desc, batch)
+    batch = Batch(num_tokens=n, num_reqs=min(manager.config.max_num_reqs, max(1, (n + 1) // 2)))
+    eager_desc = manager.dispatch(**batch.dispatch_args())
+    if eager_desc.mode is GraphMode.NONE:
+        failed = _lifetime(ctx, eager_desc, batch)
+        if failed is not None:
+            return failed
+    return Outcome("output_lifetime", None, True, figures={"graphs": len(descs), "eager_path": True})
 
 
 def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
@@ -372,7 +379,9 @@ def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             "generator)",
             _finding(diff, batch),
         )
-    if first_difference(again, draws["graph", s0]) is None:
+    # ``again`` follows the seed-s1 replay without reseeding: the generator
+    # must have moved on since.
+    if first_difference(again, draws["graph", s1]) is None:
         return Outcome("rng", desc, False,
                        "two successive replays drew the same random values: the graph does not advance the "
                        "generator", Finding(output=""))
@@ -418,6 +427,5 @@ DESCRIPTOR_CHECKS: dict[str, Callable[[VerifyContext, BatchDescriptor], Outcome]
     "padding_isolation": padding_isolation,
     "state": state,
     "determinism": determinism,
-    "output_lifetime": output_lifetime,
     "rng": rng,
 }

@@ -18,7 +18,7 @@ from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker, Vio
 from ..context import running
 from ..errors import CaptureError
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
-from .layout import InputSpec, PadValue, call_make_inputs, infer_layout
+from .layout import PROBES, InputSpec, PadValue, call_make_inputs, infer_layout
 
 __all__ = ["Batch", "GraphManager"]
 
@@ -34,8 +34,10 @@ def _tensors_of(modules: list[torch.nn.Module]) -> list[Any]:
         for value in sub.__dict__.values():
             if isinstance(value, torch.Tensor):
                 found.append(value)
-            elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
-                found.extend(value)
+            elif isinstance(value, (list, tuple)):
+                found.extend(v for v in value if isinstance(v, torch.Tensor))
+            elif isinstance(value, dict) and value is not sub._modules:
+                found.extend(v for v in value.values() if isinstance(v, torch.Tensor))
     return found
 
 
@@ -116,7 +118,14 @@ class GraphManager:
         if not callable(make_inputs):
             raise ValueError("make_inputs must be a callable (num_tokens, num_reqs) -> dict of inputs")
         if isinstance(config, Mapping):
-            config = CaptureConfig(**config)
+            keywords = dict(config)
+            try:
+                config = CaptureConfig(**keywords)
+            except TypeError as exc:
+                raise ValueError(
+                    f"config {keywords!r} is not a CaptureConfig's keywords ({exc}); it needs "
+                    "capture_sizes and max_num_reqs, and may set mode, decode_query_len, lora_cases, ..."
+                ) from None
         if not isinstance(config, CaptureConfig):
             raise ValueError(f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}")
         self.module = module
@@ -145,6 +154,7 @@ class GraphManager:
         self._tensor_specs = [(n, spec) for n, spec in self._inputs.items() if spec.kind != "const"]
         self._tensor_names = {n for n, _ in self._tensor_specs}
         self._views: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._probed_rows: list[RowKind] | None = None
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._is_padding: torch.Tensor | None = None
         if "is_padding" not in self._inputs and self._forward_takes("is_padding"):
@@ -294,6 +304,8 @@ class GraphManager:
         collecting = gc.isenabled()
         gc.disable()
         try:
+            if self._probed_rows is None:
+                self._probed_rows = self._probe_output_rows()
             self._backend.begin()
             for desc in self._progress(order):
                 self._capture_one(desc)
@@ -303,7 +315,8 @@ class GraphManager:
         finally:
             if collecting:
                 gc.enable()
-        self._settle_row_kinds()
+        if self._probed_rows is None:
+            self._settle_row_kinds()
         self.capture_seconds = time.perf_counter() - started
 
     def _progress(self, order: list[BatchDescriptor]) -> Iterable[BatchDescriptor]:
@@ -346,9 +359,12 @@ class GraphManager:
             except _Uncapturable:
                 raise
             except Exception:
-                pass  # no op to name: the original error stands
+                # No op to name: the original error stands, and now we know
+                # which submodule was running when it came.
+                self._tracker.failed_path = self._tracker.path
 
         started = time.perf_counter()
+        self._tracker.failed_path = ""
         modules = list(self.module.modules())
         guard = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation)
         try:
@@ -379,13 +395,16 @@ class GraphManager:
         except CaptureError:
             raise
         except Exception as exc:
-            where = self._tracker.path
+            where = self._tracker.failed_path
             raise CaptureError(
                 f"capture of {desc} failed on the {self.backend} backend"
                 f"{f' in submodule {where!r}' if where else ''}: {type(exc).__name__}: {exc}",
                 module_path=where, descriptor=desc, backend=self.backend,
             ) from exc
         out_rows = self._row_kinds(graph.output, desc.num_tokens, reqs)
+        probed = self._probed_rows
+        if probed is not None and len(probed) == len(out_rows):
+            out_rows = list(probed)
         self._entries[desc] = _Entry(graph, reqs, out_rows, time.perf_counter() - started, sample)
 
     @staticmethod
@@ -404,6 +423,44 @@ class GraphManager:
             else:
                 kinds.append("whole")
         return kinds
+
+    def _probe_output_rows(self) -> list[RowKind] | None:
+        """Which rows each output leaf has, learned as the inputs' are: by running
+        the module eagerly at the two probe shapes (state restored after).
+
+        A descriptor alone cannot tell a per-request output from a per-token
+        one when it holds as many tokens as requests. None if the module cannot
+        run at the probe shapes; then each descriptor's own shapes decide.
+        """
+        snapshot = {name: t.detach().clone() for name, t in self.module.named_buffers()}
+        leaves = []
+        try:
+            for num_tokens, num_reqs in PROBES:
+                kwargs = self._full_kwargs(call_make_inputs(self._make_inputs, num_tokens, num_reqs))
+                if self._is_padding is not None:
+                    kwargs["is_padding"] = torch.zeros(num_tokens, dtype=torch.bool, device=self.device)
+                marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
+                with torch.no_grad(), running(marker):
+                    leaves.append(tree_flatten(self.module(**kwargs))[0])
+        except Exception:
+            return None
+        finally:
+            with torch.no_grad():
+                for name, t in self.module.named_buffers():
+                    if name in snapshot:
+                        t.copy_(snapshot[name])
+        (t1, r1), (t2, r2) = PROBES
+        kinds: list[RowKind] = []
+        for a, b in zip(leaves[0], leaves[1], strict=False):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() == 0 or b.dim() == 0:
+                kinds.append("whole")
+            elif (a.shape[0], b.shape[0]) == (t1, t2):
+                kinds.append("tokens")
+            elif (a.shape[0], b.shape[0]) == (r1, r2):
+                kinds.append("reqs")
+            else:
+                kinds.append("whole")
+        return kinds if len(leaves[0]) == len(leaves[1]) else None
 
     def _settle_row_kinds(self) -> None:
         # One descriptor alone cannot tell an output of fixed size from one
