@@ -5,7 +5,6 @@ Caught by ``capture_safety``. The plugin prints:
     HostSync on emulate (cpu): 0/4 descriptors captured and verified (every descriptor), 0 real batches, 4 failure(s) in capture_safety; capture 0 ms, graph memory 0 B
     FAIL capture_safety         FULL-T8-R4
          1 op(s) cannot be captured in a graph; the first is Tensor.item() (host sync) in the top-level module
-         first divergent submodule: the top-level module
            - Tensor.item() (host sync) in the top-level module
 
     (CPU emulator, `pytest --cudagraph-verify`, capture sizes 1, 2, 4, 8; the capture_safety failure shown)

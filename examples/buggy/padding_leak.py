@@ -2,7 +2,7 @@
 
 Caught by ``padding_isolation``. The plugin prints:
 
-    MaskByMultiply on emulate (cpu): 4/4 descriptors captured and verified (every descriptor), 27 real batches, 2 failure(s) in padding_isolation; capture 3 ms, graph memory 1.6 KiB
+    MaskByMultiply on emulate (cpu): 4/4 descriptors captured and verified (every descriptor), 27 real batches, 2 failure(s) in padding_isolation; capture 2 ms, graph memory 1.6 KiB
     FAIL padding_isolation      FULL-T8-R4
          real rows change when padded rows hold NaN instead of zeros: padding leaks into real rows (the output: values differ)
          real batch (num_reqs=3, num_tokens=5, num_active_loras=0, num_ubatches=1); output <the output> at index [0, 0]; graph gave nan, eager gave -1.329487919807434
