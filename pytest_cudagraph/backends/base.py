@@ -38,8 +38,10 @@ class CapturedGraph(ABC):
         otherwise let the allocator hand that memory to someone else, or back
         to the driver, and a replay would read garbage or fault the device.
         Held, the graph reads stale values, which the checks report.
+        Successive calls add to what is held.
         """
-        self._held = tensors
+        held: list[Any] = self.__dict__.setdefault("_held", [])
+        held.extend(tensors)
 
 
 class Backend(ABC):

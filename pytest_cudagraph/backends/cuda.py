@@ -32,7 +32,6 @@ class CudaGraph(CapturedGraph):
         self.output = output
         self.nbytes = nbytes
         self.device_bytes = device_bytes
-        self.reads: list[torch.Tensor] = []
 
     def replay(self) -> None:
         self.graph.replay()
@@ -140,7 +139,7 @@ class CudaBackend(Backend):
                 torch.cuda.synchronize(self.device)
                 taken = free_before - torch.cuda.mem_get_info(self.device)[0]
         captured = CudaGraph(graph, output, max(grown, 0), max(taken, 0))
-        captured.reads = reads  # held with the graph (checked capture)
+        captured.hold(reads)  # what the checked capture saw the graph read
         return captured
 
     def _recover(self) -> None:

@@ -6,8 +6,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..context import running
 from ..manager import GraphManager
 from ..manager.layout import call_make_inputs
@@ -84,12 +82,7 @@ def measure_manager(
     for desc in descriptors if descriptors is not None else manager.captured_descriptors:
         batch = exact_batch(manager.plan, desc)
         inputs = call_make_inputs(manager.make_inputs, batch.num_tokens, batch.num_reqs)
-        kwargs = dict(inputs)
-        for name, spec in manager.input_specs.items():
-            if spec.kind == "const" and name not in kwargs:
-                kwargs[name] = spec.value
-        if manager.uses_padding_mask:
-            kwargs["is_padding"] = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
+        kwargs = manager.eager_kwargs(inputs, batch.num_tokens)
         eager_desc = BatchDescriptor(mode=desc.mode.NONE, num_tokens=batch.num_tokens, num_reqs=batch.num_reqs,
                                      num_active_loras=desc.num_active_loras)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ..context import running
 from ..manager import GraphManager
@@ -128,7 +128,7 @@ class VerifyContext:
     def replay(self, desc: BatchDescriptor) -> Any:
         """Replay on whatever the static buffers hold; a copy of the full output."""
         out = self.manager.replay(desc)
-        self.manager._backend.synchronize()
+        self.manager.synchronize()
         return clone_tree(out)
 
     def eager(self, kwargs: Mapping[str, Any], desc: BatchDescriptor | None = None) -> Any:
@@ -139,12 +139,7 @@ class VerifyContext:
 
     def eager_real(self, inputs: Mapping[str, Any], batch: Batch) -> Any:
         """Eager on an unpadded real batch, with an all-False mask if the module takes one."""
-        kwargs = dict(inputs)
-        for name, spec in self.manager.input_specs.items():
-            if spec.kind == "const" and name not in kwargs:
-                kwargs[name] = spec.value
-        if self.manager.uses_padding_mask:
-            kwargs["is_padding"] = torch.zeros(batch.num_tokens, dtype=torch.bool, device=self.manager.device)
+        kwargs = self.manager.eager_kwargs(inputs, batch.num_tokens)
         desc = BatchDescriptor(mode=GraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=batch.num_reqs,
                                num_active_loras=self.manager.plan.effective_loras(batch.num_active_loras))
         return self.eager(kwargs, desc)
@@ -208,6 +203,3 @@ class VerifyContext:
 
     def seed_all(self, seed: int) -> None:
         torch.manual_seed(seed)
-
-    def tensors_of(self, tree: Any) -> list[torch.Tensor]:
-        return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]

@@ -103,7 +103,7 @@ def locate_divergence(
             padded = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                       for k, v in diag.forward_inputs(desc.num_tokens, diag.capture_reqs(desc)).items()}
             diag.replay(desc)
-            diag._backend.synchronize()
+            diag.synchronize()
             graph = [(name, [t.detach().clone() for t in ts]) for name, ts in held]
         finally:
             diag.release()

@@ -222,7 +222,7 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                         fill(spec.buffer[real:rows])
             ctx.seed_all(ctx.seed)
             manager.replay(desc)
-            manager._backend.synchronize()
+            manager.synchronize()
             out = clone_tree(manager.real_rows(desc, batch))
             results.append((label, out, ctx.snapshot()))
     base_label, base_out, base_state = results[0]
@@ -254,7 +254,7 @@ def state(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         graph_inputs = clone_tree(inputs)
         ctx.seed_all(ctx.seed)
         ctx.run(graph_inputs, batch)
-        ctx.manager._backend.synchronize()
+        ctx.manager.synchronize()
         graph_state = ctx.snapshot()
         ctx.restore(state0)
         eager_inputs = clone_tree(inputs)
@@ -305,7 +305,7 @@ def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> Outcom
         kept = clone_tree(first)
         for _ in range(2):
             ctx.run(ctx.make(batch), batch)
-        ctx.manager._backend.synchronize()
+        ctx.manager.synchronize()
     diff = first_difference(first, kept)
     if diff is None:
         return None

@@ -58,7 +58,6 @@ class _Entry:
     graph: CapturedGraph
     num_reqs: int  # request rows the graph was captured with
     out_rows: list[RowKind]
-    capture_seconds: float
     sample: dict[str, Any]  # the make_inputs batch the graph was captured on
 
     def __post_init__(self) -> None:
@@ -363,7 +362,6 @@ class GraphManager:
                 # which submodule was running when it came.
                 self._tracker.failed_path = self._tracker.path
 
-        started = time.perf_counter()
         self._tracker.failed_path = ""
         modules = list(self.module.modules())
         guard = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation)
@@ -405,7 +403,7 @@ class GraphManager:
         probed = self._probed_rows
         if probed is not None and len(probed) == len(out_rows):
             out_rows = list(probed)
-        self._entries[desc] = _Entry(graph, reqs, out_rows, time.perf_counter() - started, sample)
+        self._entries[desc] = _Entry(graph, reqs, out_rows, sample)
 
     @staticmethod
     def _row_kinds(output: Any, num_tokens: int, num_reqs: int) -> list[RowKind]:
@@ -436,9 +434,7 @@ class GraphManager:
         leaves = []
         try:
             for num_tokens, num_reqs in PROBES:
-                kwargs = self._full_kwargs(call_make_inputs(self._make_inputs, num_tokens, num_reqs))
-                if self._is_padding is not None:
-                    kwargs["is_padding"] = torch.zeros(num_tokens, dtype=torch.bool, device=self.device)
+                kwargs = self.eager_kwargs(call_make_inputs(self._make_inputs, num_tokens, num_reqs), num_tokens)
                 marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
                 with torch.no_grad(), running(marker):
                     leaves.append(tree_flatten(self.module(**kwargs))[0])
@@ -653,17 +649,24 @@ class GraphManager:
         )
         return batch
 
-    def _full_kwargs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    def eager_kwargs(self, inputs: Mapping[str, Any], num_tokens: int) -> dict[str, Any]:
+        """Keyword arguments for an eager forward on an unpadded batch: the
+        inputs, the Python values frozen into the graphs, and an all-False
+        ``is_padding`` mask when the manager passes one."""
         kwargs = dict(inputs)
         for name, spec in self._inputs.items():
             if spec.kind == "const" and name not in kwargs:
                 kwargs[name] = spec.value
+        if self._is_padding is not None:
+            kwargs["is_padding"] = torch.zeros(num_tokens, dtype=torch.bool, device=self.device)
         return kwargs
 
+    def synchronize(self) -> None:
+        """Wait for the device work queued so far (a no-op on the emulator)."""
+        self._backend.synchronize()
+
     def _run_eager(self, inputs: Mapping[str, Any], batch: Batch, desc: BatchDescriptor) -> Any:
-        kwargs = self._full_kwargs(inputs)
-        if self._is_padding is not None:
-            kwargs["is_padding"] = torch.zeros(batch.num_tokens, dtype=torch.bool, device=self.device)
+        kwargs = self.eager_kwargs(inputs, batch.num_tokens)
         with torch.no_grad(), running(desc):
             return self.module(**kwargs)
 
