@@ -31,7 +31,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pytest_cudagraph import CaptureConfig, GraphManager
-from pytest_cudagraph.bench import estimate_full_graph_memory, measure_manager, time_rounds
+from pytest_cudagraph.bench import (
+    estimate_full_graph_memory,
+    estimate_pool_replica,
+    measure_manager,
+    time_rounds,
+)
 from pytest_cudagraph.plan import GraphMode
 
 SIZES_67 = [1, 2, 4, *range(8, 513, 8)]
@@ -95,14 +100,19 @@ class HandWritten:
         return out[:n].clone()
 
 
-def interleaved(a: Any, b: Any, device: torch.device, repeats: int = 5, **kw: Any) -> tuple[float, float]:
-    """Medians of a and b over rounds taken in turn, so drift hits both alike."""
+def interleaved(a: Any, b: Any, device: torch.device, pairs: int = 60, **kw: Any) -> tuple[float, float, float]:
+    """Medians of a and b, and the median ratio a/b, over rounds taken in strict turn.
+
+    One round of a, then one of b, and so on: drift of the host or the clock
+    hits both sides of each pair alike, so the ratio of a pair is the fair
+    comparison and its median the figure reported.
+    """
     ta: list[float] = []
     tb: list[float] = []
-    for _ in range(repeats):
-        ta.extend(time_rounds(a, device=device, **kw).rounds)
-        tb.extend(time_rounds(b, device=device, **kw).rounds)
-    return statistics.median(ta), statistics.median(tb)
+    for _ in range(pairs):
+        ta.extend(time_rounds(a, device=device, rounds=1, warmup=2, **kw).rounds)
+        tb.extend(time_rounds(b, device=device, rounds=1, warmup=2, **kw).rounds)
+    return statistics.median(ta), statistics.median(tb), statistics.median(x / y for x, y in zip(ta, tb, strict=True))
 
 
 def run_vs_hand(d: int, batch: int, device: torch.device) -> dict[str, Any]:
@@ -116,14 +126,14 @@ def run_vs_hand(d: int, batch: int, device: torch.device) -> dict[str, Any]:
     hand.capture()
     x = torch.randn(batch, d, device=device)
     assert torch.equal(manager.run(x=x), hand.run(x))
-    harness_s, hand_s = interleaved(lambda: manager.run(x=x), lambda: hand.run(x), device,
-                                    rounds=20, calls_per_round=50)
+    harness_s, hand_s, run_over_hand = interleaved(lambda: manager.run(x=x), lambda: hand.run(x), device,
+                                                   calls_per_round=50)
     # Speedups side by side: what the benchmark fixture reports (measure_manager)
     # and what a hand-written measurement of eager and the loop gives, in turn.
     desc = manager.dispatch(num_reqs=batch, num_tokens=batch)
     fixture_speedups, hand_speedups = [], []
     bench = None
-    for _ in range(5):
+    for _ in range(9):
         bench = measure_manager(manager, descriptors=[desc], rounds=20, calls_per_round=50)[0]
         fixture_speedups.append(bench.speedup or 0.0)
         with torch.no_grad():
@@ -135,10 +145,10 @@ def run_vs_hand(d: int, batch: int, device: torch.device) -> dict[str, Any]:
     manager.release()
     return {
         "d": d, "batch": batch,
-        "run_us": harness_s * 1e6, "hand_us": hand_s * 1e6, "run_over_hand": harness_s / hand_s,
+        "run_us": harness_s * 1e6, "hand_us": hand_s * 1e6, "run_over_hand": run_over_hand,
         "replay_us": bench.replay.median * 1e6, "eager_us": bench.eager.median * 1e6,
         "fixture_speedup": statistics.median(fixture_speedups), "hand_speedup": statistics.median(hand_speedups),
-        "speedup_ratio": statistics.median(fixture_speedups) / statistics.median(hand_speedups),
+        "speedup_ratio": statistics.median(f / h for f, h in zip(fixture_speedups, hand_speedups, strict=True)),
     }
 
 
@@ -146,16 +156,18 @@ def capture_vs_hand(d: int, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(0)
     module = Stack(d).to(device).eval()
     config = CaptureConfig(capture_sizes=SIZES_67, max_num_reqs=512)
-    results: dict[str, list[float]] = {"harness": [], "hand": []}
+    results: dict[str, list[float]] = {"checked": [], "fast": [], "hand": []}
     for _ in range(3):
-        manager = GraphManager(module, inputs_for(d, device), config, backend="cuda", device=device, progress=False)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        manager.capture()
-        torch.cuda.synchronize()
-        results["harness"].append(time.perf_counter() - t0)
-        manager.release()
-        del manager
+        for kind in ("checked", "fast"):
+            manager = GraphManager(module, inputs_for(d, device), config, backend="cuda", device=device,
+                                   progress=False, checked_capture=kind == "checked")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            manager.capture()
+            torch.cuda.synchronize()
+            results[kind].append(time.perf_counter() - t0)
+            manager.release()
+            del manager
         hand = HandWritten(module, d, SIZES_67, device)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -171,11 +183,17 @@ def capture_vs_hand(d: int, device: torch.device) -> dict[str, Any]:
     measured = sum(v for k, v in manager.device_memory.items() if k.mode is GraphMode.FULL)
     estimate = estimate_full_graph_memory(manager, measured=measured)
     sampled = estimate_full_graph_memory(manager, samples=16, floor=0, measured=measured)
+    replica = estimate_pool_replica(manager, measured=measured)
     manager.release()
+    hand_s = statistics.median(results["hand"])
     return {
         "graphs": len(SIZES_67),
-        "harness_s": statistics.median(results["harness"]), "hand_s": statistics.median(results["hand"]),
-        "capture_ratio": statistics.median(results["harness"]) / statistics.median(results["hand"]),
+        "checked_s": statistics.median(results["checked"]), "fast_s": statistics.median(results["fast"]),
+        "hand_s": hand_s, "all_s": results,
+        "capture_ratio_checked": statistics.median(results["checked"]) / hand_s,
+        "capture_ratio_fast": statistics.median(results["fast"]) / hand_s,
+        "memory_replica_estimate_bytes": replica.estimate, "memory_replica_samples": list(replica.samples),
+        "memory_replica_error": replica.error,
         "memory_measured_bytes": estimate.measured, "memory_estimate_bytes": estimate.estimate,
         "memory_samples_bytes": list(estimate.samples), "memory_error": estimate.error,
         "memory_sampled_estimate_bytes": sampled.estimate, "memory_sampled_samples": list(sampled.samples),

@@ -9,7 +9,11 @@ import torch
 
 from pytest_cudagraph import CaptureConfig, GraphManager
 from pytest_cudagraph.bench import extrapolate, measure_manager, time_rounds
-from pytest_cudagraph.bench.memory import MIN_PER_GRAPH_BYTES, estimate_full_graph_memory
+from pytest_cudagraph.bench.memory import (
+    MIN_PER_GRAPH_BYTES,
+    estimate_full_graph_memory,
+    estimate_pool_replica,
+)
 from tests import models
 from tests.conftest import isolate_plugins
 
@@ -62,6 +66,37 @@ def test_memory_estimate_on_the_emulator() -> None:
     assert estimate.error is not None
     with pytest.raises(ValueError, match="samples must be >= 1"):
         estimate_full_graph_memory(manager, samples=0)
+
+
+def test_pool_replica_needs_cuda() -> None:
+    manager = GraphManager(models.MLP(), models.mlp_inputs(), CaptureConfig(capture_sizes=[1, 2], max_num_reqs=2),
+                           backend="emulate")
+    with pytest.raises(ValueError, match="needs the cuda backend; this manager uses 'emulate'"):
+        estimate_pool_replica(manager)
+
+
+@pytest.mark.cuda
+def test_pool_replica_estimate_is_close_to_capturing_every_graph() -> None:
+    # Outputs kept alive dominate what later graphs cost; vLLM's floor of
+    # 1 MiB a graph does not see that, the replica does.
+    device = torch.device("cuda")
+    sizes = [1, 2, 4, *range(8, 257, 8)]
+    manager = GraphManager(models.MLP(d=256).to(device).eval(), models.mlp_inputs(d=256, device=device),
+                           CaptureConfig(capture_sizes=sizes, max_num_reqs=256), backend="cuda",
+                           measure_device_memory=True, progress=False)
+    manager.capture()
+    try:
+        measured = sum(manager.device_memory.values())
+        before = {n: t.clone() for n, t in manager.module.state_dict().items()}
+        replica = estimate_pool_replica(manager, measured=measured)
+        assert replica.method == "replica" and replica.full_graphs == len(sizes)
+        assert replica.samples[0] > 0 and replica.error is not None
+        assert abs(replica.error) < 0.25, replica
+        assert all(torch.equal(before[n], t) for n, t in manager.module.state_dict().items())
+        x = torch.randn(5, 256, device=device)
+        assert torch.equal(manager.run(x=x), manager.eager(x=x))  # the manager is untouched
+    finally:
+        manager.release()
 
 
 BENCH_TEST = """

@@ -108,12 +108,13 @@ def test_outputs_cut_per_token_and_per_request(backend, device):
     assert mgr.input_specs["query_start_loc"].kind == "reqs"
     assert mgr.input_specs["query_start_loc"].offset == 1
     mgr.capture()
-    for n, r in [(5, 2), (3, 3), (8, 4), (13, 4), (1, 1)]:
-        inputs = make_inputs(n, r)
-        out = mgr.run(**inputs)
-        ref = eager(module, **inputs)
-        assert out["hidden"].shape == (n, 16) and out["logits"].shape == (r, 16) and out["lens"].shape == (r,)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for _ in range(2):  # the second pass takes run()'s hot path
+        for n, r in [(5, 2), (3, 3), (8, 4), (13, 4), (1, 1)]:
+            inputs = make_inputs(n, r)
+            out = mgr.run(**inputs)
+            ref = eager(module, **inputs)
+            assert out["hidden"].shape == (n, 16) and out["logits"].shape == (r, 16) and out["lens"].shape == (r,)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 # -- padding ------------------------------------------------------------------------
@@ -122,13 +123,17 @@ def test_padded_rows_get_pad_values_and_the_mask(backend, device):
     make_inputs = models.block_inputs(device=device)
     mgr = make(module, make_inputs, backend, device, pad_values={"positions": 0, "req_ids": 7})
     mgr.capture()
-    inputs = make_inputs(5, 2)
-    mgr.run(**inputs)
     bufs = mgr.static_inputs
-    assert torch.equal(bufs["x"][:5], inputs["x"])
-    assert torch.equal(bufs["x"][5:8], torch.zeros(3, 32, device=device))
-    assert torch.equal(bufs["req_ids"][5:8], torch.full((3,), 7, device=device))
-    assert bufs["is_padding"][:8].tolist() == [False] * 5 + [True] * 3
+    for seed in range(2):  # the second batch of the same shape takes run()'s hot path
+        inputs = models.block_inputs(device=device, seed=seed)(5, 2)
+        bufs["is_padding"].fill_(seed == 0)
+        bufs["x"].fill_(9.0)
+        bufs["req_ids"].fill_(9)
+        mgr.run(**inputs)
+        assert torch.equal(bufs["x"][:5], inputs["x"])
+        assert torch.equal(bufs["x"][5:8], torch.zeros(3, 32, device=device))
+        assert torch.equal(bufs["req_ids"][5:8], torch.full((3,), 7, device=device))
+        assert bufs["is_padding"][:8].tolist() == [False] * 5 + [True] * 3
 
 
 def test_edge_padding_repeats_the_last_real_row(backend, device):
@@ -136,9 +141,11 @@ def test_edge_padding_repeats_the_last_real_row(backend, device):
                capture_sizes=(8,), max_num_reqs=8, pad_values={"query_start_loc": "edge"})
     mgr.capture()
     inputs = models.request_inputs(device=device)(6, 3)
-    mgr.run(**inputs)
     qsl = mgr.static_inputs["query_start_loc"]
-    assert qsl[:9].tolist() == [*inputs["query_start_loc"].tolist(), 6, 6, 6, 6, 6]
+    for _ in range(2):  # the second call takes run()'s hot path
+        qsl.fill_(-1)
+        mgr.run(**inputs)
+        assert qsl[:9].tolist() == [*inputs["query_start_loc"].tolist(), 6, 6, 6, 6, 6]
 
 
 # -- release and recapture -------------------------------------------------------
@@ -242,6 +249,32 @@ def test_bad_inputs_raise_value_errors_naming_the_input(backend, device):
         mgr.run_batch(good, num_reqs=5)
     # Still fine afterwards.
     assert mgr.run(**good).shape == (4, 32)
+
+
+def test_a_batch_shape_seen_before_is_still_validated_and_exact(backend, device):
+    # run() remembers what it decided for an input-shape signature; the dtype
+    # and device, which the signature leaves out, are checked on every call,
+    # and capture() or release() forget what was remembered.
+    module = models.TransformerBlock()
+    mgr = make(module, models.block_inputs(device=device), backend, device)
+    mgr.capture()
+    for seed in range(3):
+        good = models.block_inputs(device=device, seed=seed)(5, 3)
+        assert tree_equal(mgr.run(**good), mgr.run_batch(good))
+    assert len(mgr._hot) == 1
+    with pytest.raises(ValueError, match=r"input 'x' has dtype torch.float64"):
+        mgr.run(**{**good, "x": good["x"].double()})
+    with pytest.raises(ValueError, match="input 'positions' is on meta"):
+        mgr.run(**{**good, "positions": good["positions"].to("meta")})
+    mgr.release()
+    assert not mgr._hot
+    assert torch.equal(mgr.run(**good), mgr.eager(**good))  # eager while released
+    assert not mgr._hot  # eager batches are not remembered
+    mgr.capture()
+    x = good["x"].clone().requires_grad_(True)
+    out = mgr.run(**{**good, "x": x})
+    out = mgr.run(**{**good, "x": x})
+    assert not out.requires_grad and torch.allclose(out, mgr.eager(**good), atol=1e-5)
 
 
 def test_python_value_inputs_are_frozen_and_checked(backend, device):

@@ -26,6 +26,12 @@ def _reserved(device: torch.device) -> int:
         return int(torch.cuda.memory_reserved(device))
 
 
+def _graph_collects_garbage() -> bool:
+    config = getattr(torch.compiler, "config", None)
+    # Older versions collected unconditionally, before the flag existed.
+    return bool(getattr(config, "force_cudagraph_gc", True))
+
+
 class CudaGraph(CapturedGraph):
     def __init__(self, graph: torch.cuda.CUDAGraph, output: Any, nbytes: int, device_bytes: int) -> None:
         self.graph = graph
@@ -47,8 +53,7 @@ class CudaBackend(Backend):
         self.measure_device_memory = False
         #: Checked capture (the default): every op goes through the guard's
         #: dispatch mode, which names an uncapturable op before the device
-        #: sees it and keeps every tensor the graph reads alive with it; and
-        #: each capture sequence starts by collecting garbage graphs. The
+        #: sees it and keeps every tensor the graph reads alive with it. The
         #: unchecked capture is several times faster to capture and relies on
         #: the capture failing loudly, then on an eager diagnosis.
         self.checked = os.environ.get("PYTEST_CUDAGRAPH_FAST_CAPTURE", "") != "1"
@@ -71,10 +76,15 @@ class CudaBackend(Backend):
     def begin(self) -> None:
         # Stale cuBLAS workspaces are dropped so that the capture stream's
         # workspace is allocated inside this pool. The manager keeps the
-        # garbage collector off for the sequence; the checked capture also
-        # collects first, for PyTorch versions whose torch.cuda.graph itself
-        # collects garbage on entry.
-        if self.checked:
+        # cyclic garbage collector off for the sequence, so a garbage graph of
+        # another manager (captured on a pool stream this one was also handed)
+        # cannot die in the middle of it and drop that stream's workspace; one
+        # that dies after it frees the block into this private pool, which
+        # only this manager's captures use. PyTorch versions whose
+        # torch.cuda.graph collects garbage on entry would collect anyway, so
+        # there it is done once here, before the workspace exists. (A collect
+        # costs 100 ms and more in a big process: not paid otherwise.)
+        if _graph_collects_garbage():
             gc.collect()
         torch.cuda.synchronize(self.device)
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

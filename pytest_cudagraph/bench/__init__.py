@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .measure import DescriptorBench, measure_manager
-from .memory import MemoryEstimate, estimate_full_graph_memory, extrapolate
+from .memory import MemoryEstimate, estimate_full_graph_memory, estimate_pool_replica, extrapolate
 from .timing import Timing, time_rounds
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "MemoryEstimate",
     "Timing",
     "estimate_full_graph_memory",
+    "estimate_pool_replica",
     "extrapolate",
     "measure_manager",
     "time_rounds",

@@ -20,7 +20,7 @@ import torch
 from ..manager import GraphManager
 from ..plan import CaptureConfig, GraphMode
 from .measure import DescriptorBench, measure_manager
-from .memory import estimate_full_graph_memory
+from .memory import estimate_full_graph_memory, estimate_pool_replica
 from .timing import Timing
 
 __all__ = ["KINDS", "BenchmarkRunner"]
@@ -82,6 +82,9 @@ class BenchmarkRunner:
             full = [d for d in manager.captured_descriptors if d.mode is GraphMode.FULL]
             measured = sum(manager.device_memory[d] for d in full)
             estimate = estimate_full_graph_memory(manager, measured=measured) if full else None
+            # Ours: the largest graph captured, the others' pool use replayed eagerly.
+            replica = (estimate_pool_replica(manager, measured=measured)
+                       if full and manager.backend == "cuda" else None)
         finally:
             manager.release()
         group = type(module).__name__
@@ -89,6 +92,7 @@ class BenchmarkRunner:
             "full_graphs": len(full),
             "full_graph_memory_measured_bytes": measured,
             "full_graph_memory_estimate_bytes": estimate.estimate if estimate is not None else None,
+            "full_graph_memory_replica_estimate_bytes": replica.estimate if replica is not None else None,
         }
         for bench in results:
             bench.extra.update(memory)

@@ -7,18 +7,33 @@ sample stands for every further graph, floored at 1 MiB of driver overhead.
 
 That floor and a single sample are coarse for small graphs: the driver hands
 out memory in 2 MiB chunks, so one sample reads 0 or 2 MiB, and a graph of a
-small model costs far less than 1 MiB. ``samples=8, floor=0`` (the
-``sampled`` estimate) averages the later samples instead.
+small model costs far less than 1 MiB. Averaging more samples does not cure
+it: what a later graph costs is mostly the outputs it keeps alive in the pool,
+which shrink with the batch, so the largest graphs are the worst sample.
+
+``estimate_pool_replica`` estimates from what actually drives the cost: it
+captures only the largest graph (pool set-up, cuBLAS workspace, the driver's
+share) and then replays the allocation pattern of every other FULL graph with
+eager forwards inside a throwaway ``torch.cuda.MemPool``, outputs kept alive,
+as a shared graph pool keeps them. The caching allocator rounds and packs
+those blocks exactly as it does under capture. What it leaves out is the
+driver's memory for each further instantiated graph (tens of KB for small
+graphs), so it errs low by about that much.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from ..context import running
 from ..manager import GraphManager
-from ..plan import GraphMode
+from ..manager.layout import call_make_inputs
+from ..plan import BatchDescriptor, GraphMode
 
-__all__ = ["MemoryEstimate", "estimate_full_graph_memory", "extrapolate"]
+__all__ = ["MemoryEstimate", "estimate_full_graph_memory", "estimate_pool_replica", "extrapolate"]
 
 MIN_PER_GRAPH_BYTES = 1 << 20
 SAMPLES = 2
@@ -42,6 +57,7 @@ class MemoryEstimate:
     samples: tuple[int, ...]
     estimate: int
     measured: int | None  # every FULL graph captured, device-wide, when known
+    method: str = "vllm"
 
     @property
     def error(self) -> float | None:
@@ -79,3 +95,64 @@ def estimate_full_graph_memory(
         probe.release()
     return MemoryEstimate(len(full), taken_samples, extrapolate(list(taken_samples), len(full), floor=floor),
                           measured)
+
+
+def _pool_growth_of_eager_forwards(manager: GraphManager, order: list[BatchDescriptor]) -> int:
+    """Reserved bytes that eager forwards of ``order[1:]`` add to a pool that
+    already holds ``order[0]``'s forward, every output kept alive."""
+    device = manager.device
+    pool = torch.cuda.MemPool()  # type: ignore[no-untyped-call]
+    kept: list[Any] = []
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = 0
+        with torch.no_grad(), torch.cuda.use_mem_pool(pool, device=device):
+            for i, desc in enumerate(order):
+                reqs = manager.capture_reqs(desc)
+                inputs = call_make_inputs(manager.make_inputs, desc.num_tokens, reqs)
+                manager.load_inputs(desc, inputs, manager.batch_of(inputs, num_reqs=reqs))
+                kwargs = manager.forward_inputs(desc.num_tokens, reqs)
+                with running(desc):
+                    kept.append(manager.module(**kwargs))
+                if i == 0:
+                    torch.cuda.synchronize(device)
+                    base = int(torch.cuda.memory_reserved(device))
+        torch.cuda.synchronize(device)
+        return max(int(torch.cuda.memory_reserved(device)) - base, 0)
+    finally:
+        kept.clear()
+        del pool
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def estimate_pool_replica(manager: GraphManager, *, measured: int | None = None) -> MemoryEstimate:
+    """Capture the largest FULL graph, replay the others' allocations eagerly; add up.
+
+    CUDA only (``torch.cuda.MemPool``). ``manager`` is not touched: the sample
+    is captured by a sibling manager and released; the eager forwards write
+    the static input buffers, which the next ``run`` overwrites anyway.
+    Module buffers a forward updates in place are restored afterwards.
+    """
+    if manager.backend != "cuda":
+        raise ValueError(f"estimate_pool_replica needs the cuda backend; this manager uses {manager.backend!r}")
+    full = list(manager.plan.capture_descriptors.get(GraphMode.FULL, ()))
+    if not full:
+        return MemoryEstimate(0, (), 0, measured, "replica")
+    probe = manager.sibling()
+    probe._backend.measure_device_memory = True  # device-wide: the driver's share counts
+    try:
+        probe.capture(full[:1])
+        first = probe.device_memory[full[0]]
+    finally:
+        probe.release()
+    snapshot = {name: t.detach().clone() for name, t in manager.module.named_buffers()}
+    try:
+        later = _pool_growth_of_eager_forwards(manager, full) if len(full) > 1 else 0
+    finally:
+        with torch.no_grad():
+            for name, t in manager.module.named_buffers():
+                if name in snapshot:
+                    t.copy_(snapshot[name])
+    return MemoryEstimate(len(full), (first, later), first + later, measured, "replica")

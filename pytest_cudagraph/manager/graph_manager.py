@@ -24,6 +24,14 @@ __all__ = ["Batch", "GraphManager"]
 
 RowKind = Literal["tokens", "reqs", "whole"]
 
+# run_batch's keyword defaults; its hot path keys other values apart.
+_DEFAULT_BATCH_ARGS = (None, None, 0, None, 1)
+
+
+# What every nn.Module keeps in its __dict__ (hook tables, the parameter and
+# buffer dicts, ...): never user state, so never walked.
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+
 
 def _tensors_of(modules: list[torch.nn.Module]) -> list[Any]:
     """Every tensor the modules hold: parameters, buffers and tensor attributes."""
@@ -31,12 +39,14 @@ def _tensors_of(modules: list[torch.nn.Module]) -> list[Any]:
     for sub in modules:
         found.extend(sub._parameters.values())
         found.extend(sub._buffers.values())
-        for value in sub.__dict__.values():
+        for name, value in sub.__dict__.items():
+            if name in _MODULE_INTERNALS:
+                continue
             if isinstance(value, torch.Tensor):
                 found.append(value)
             elif isinstance(value, (list, tuple)):
                 found.extend(v for v in value if isinstance(v, torch.Tensor))
-            elif isinstance(value, dict) and value is not sub._modules:
+            elif isinstance(value, dict):
                 found.extend(v for v in value.values() if isinstance(v, torch.Tensor))
     return found
 
@@ -67,6 +77,19 @@ class _Entry:
         self.single = isinstance(self.graph.output, torch.Tensor)
         # (real tokens, real requests) -> the output leaves cut to them (views)
         self.cuts: dict[tuple[int, int], list[Any]] = {}
+
+
+@dataclass
+class _Hot:
+    """What run() decided for a batch shape, and the views it copies into and cuts."""
+
+    desc: BatchDescriptor
+    entry: _Entry
+    batch: Batch
+    # (input name, real rows of the static buffer, padded rows or None, pad value)
+    loads: list[tuple[str, torch.Tensor, torch.Tensor | None, PadValue]]
+    masks: list[tuple[torch.Tensor, bool]]  # is_padding views and the value they get
+    cut: list[Any]
 
 
 class GraphManager:
@@ -153,6 +176,9 @@ class GraphManager:
         self._tensor_specs = [(n, spec) for n, spec in self._inputs.items() if spec.kind != "const"]
         self._tensor_names = {n for n, _ in self._tensor_specs}
         self._views: dict[tuple[str, int, int], torch.Tensor] = {}
+        # run()'s hot path: the input shapes of a batch seen before -> what
+        # dispatch, validation and padding decided for it (see _hot_run).
+        self._hot: dict[tuple[Any, ...], _Hot] = {}
         self._probed_rows: list[RowKind] | None = None
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._is_padding: torch.Tensor | None = None
@@ -294,6 +320,7 @@ class GraphManager:
             raise ValueError(f"descriptor {unknown[0]} is not in this manager's plan")
         if self._entries:
             self.release()
+        self._hot.clear()
         started = time.perf_counter()
         self._tracker.refresh()
         # No cyclic garbage collection while the sequence runs: a collected
@@ -367,17 +394,20 @@ class GraphManager:
         guard = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation)
         try:
             try:
-                # Unguarded, as fast as eager; a failure is diagnosed. The
-                # tracker (which names submodules) runs only around capture.
+                # Warm-up and capture run as fast as the module allows: no
+                # hooks on submodules. Only a failure pays for naming where
+                # it came from, by an eager rerun under the tracker.
                 self._backend.warmup(forward)
                 held = _tensors_of(modules)
+                graph = self._backend.capture(forward, guard)
+            except Exception as exc:
                 with self._tracker.track():
-                    graph = self._backend.capture(forward, guard)
-            except _Uncapturable:
-                raise
-            except Exception:
-                with self._tracker.track():
-                    diagnose()
+                    diagnose()  # raises _Uncapturable naming op and submodule, if it can
+                if isinstance(exc, _Uncapturable):
+                    # The rerun did not meet the op again (it came from a
+                    # capture-only branch): name what the capture saw.
+                    raise _Uncapturable(Violation(exc.violation.op, exc.violation.reason,
+                                                  self._tracker.failed_path)) from None
                 raise
             # Tensors bound before capture are what the graph reads; those bound
             # during capture live in its own pool.
@@ -485,6 +515,7 @@ class GraphManager:
     def release(self) -> None:
         """Drop every graph and the pool. Static buffers stay; capture() again works."""
         self._entries.clear()
+        self._hot.clear()
         self._backend.release()
 
     def __enter__(self) -> GraphManager:
@@ -525,7 +556,70 @@ class GraphManager:
 
     def run(self, **inputs: Any) -> Any:
         """Run one real batch given as keyword inputs; see ``run_batch``."""
+        # run_batch's hot path, inlined: this is the call a serving loop makes.
+        try:
+            hot = self._hot.get(tuple([inputs[name].shape for name, _ in self._tensor_specs]))
+        except (KeyError, AttributeError):
+            hot = None
+        if hot is not None and inputs.keys() == self._tensor_names and self._same_kind(inputs):
+            return self._replay_hot(hot, inputs)
         return self.run_batch(inputs)
+
+    def _same_kind(self, inputs: Mapping[str, Any]) -> bool:
+        # What the shape key leaves out and a copy into the static buffers
+        # would silently convert: dtype and device. Checked on every call.
+        index = self._device_index
+        for name, spec in self._tensor_specs:
+            value = inputs[name]
+            if value.dtype != spec.dtype:
+                return False
+            if (not value.is_cpu) if index < 0 else value.get_device() != index:
+                return False
+        return True
+
+    def _make_hot(self, desc: BatchDescriptor, batch: Batch) -> _Hot:
+        entry = self._entries[desc]
+        loads: list[tuple[str, torch.Tensor, torch.Tensor | None, PadValue]] = []
+        for name, spec in self._tensor_specs:
+            assert spec.buffer is not None
+            if spec.kind == "fixed":
+                loads.append((name, spec.buffer, None, 0))
+                continue
+            real = spec.rows(batch.num_tokens, batch.num_reqs)
+            rows = spec.rows(desc.num_tokens, entry.num_reqs)
+            loads.append((name, spec.buffer[:real], spec.buffer[real:rows] if rows > real else None, spec.pad))
+        masks: list[tuple[torch.Tensor, bool]] = []
+        if self._is_padding is not None:
+            masks.append((self._is_padding[: batch.num_tokens], False))
+            if desc.num_tokens > batch.num_tokens:
+                masks.append((self._is_padding[batch.num_tokens : desc.num_tokens], True))
+        self._cut(entry, batch)  # fills entry.cuts for this batch
+        return _Hot(desc, entry, batch, loads, masks, entry.cuts[(batch.num_tokens, batch.num_reqs)])
+
+    def _replay_hot(self, hot: _Hot, inputs: Mapping[str, Any]) -> Any:
+        # The same work as _replay, with every view made in advance.
+        if torch.is_grad_enabled() and any(v.requires_grad for v in inputs.values()):
+            with torch.no_grad():
+                return self._replay_hot(hot, inputs)
+        for name, head, tail, pad in hot.loads:
+            value = inputs[name]
+            head.copy_(value)
+            if tail is not None:
+                if pad == "edge":
+                    tail.copy_(value[-1:].expand_as(tail))
+                else:
+                    tail.fill_(pad)
+        for mask, flag in hot.masks:
+            mask.fill_(flag)
+        entry = hot.entry
+        entry.graph.replay()
+        if self.output_views:
+            cut = hot.cut
+        else:
+            cut = [t.clone() if isinstance(t, torch.Tensor) else t for t in hot.cut]
+        if entry.single:
+            return cut[0]
+        return tree_unflatten(list(cut), entry.treespec)
 
     def run_batch(
         self,
@@ -542,6 +636,22 @@ class GraphManager:
         ``num_reqs`` defaults to what request-shaped inputs say, or to the
         token count (capped at ``max_num_reqs``) when there are none.
         """
+        key: tuple[Any, ...] | None = None
+        if inputs.keys() == self._tensor_names:
+            # The hot path: a batch of input shapes and arguments seen before
+            # replays what validation and dispatch decided then. Shapes are the
+            # key; dtype and device, which a copy into the static buffers would
+            # silently convert, are checked on every call.
+            try:
+                key = tuple([inputs[name].shape for name, _ in self._tensor_specs])
+                args = (num_reqs, uniform_token_count, num_active_loras, max_query_len, num_ubatches)
+                if args != _DEFAULT_BATCH_ARGS:
+                    key = (args, key)
+                hot = self._hot.get(key)
+            except (AttributeError, TypeError):  # not tensors, or unhashable: the slow path says why
+                key = hot = None
+            if hot is not None and self._same_kind(inputs):
+                return self._replay_hot(hot, inputs)
         batch = self.batch_of(
             inputs,
             num_reqs=num_reqs,
@@ -559,8 +669,11 @@ class GraphManager:
             num_ubatches=batch.num_ubatches,
         )
         if desc.mode is GraphMode.NONE:
-            return self._run_eager(inputs, batch, desc)
-        return self._replay(desc, inputs, batch)
+            return self._run_eager(inputs, batch, desc)  # not remembered: capture() may add its graph
+        out = self._replay(desc, inputs, batch)
+        if key is not None:
+            self._hot[key] = self._make_hot(desc, batch)
+        return out
 
     def batch_of(
         self,

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# What one device session runs on a GPU machine; logs and results go to $OUT.
+#   bash scripts/gpu_session.sh tests fast examples bench pytest-bench
+# The plugin is loaded with -p: on the device machine the package is used from
+# the tree (PYTHONPATH), not installed, so its entry point is not registered.
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+P="-p pytest_cudagraph.plugin -p no:cacheprovider"
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python -c "import torch; print('torch', torch.__version__, 'devices', torch.cuda.device_count())"
+} >"$OUT/env.txt" 2>&1
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "$name rc=$? ${SECONDS}s-$t0s" | awk '{split($3,a,"s-"); print $1, $2, (a[1]-a[2]) "s"}' >>"$OUT/steps.txt"
+}
+for s in "$@"; do
+  case $s in
+    tests) step tests 150 python -m pytest tests -m cuda -n 8 $P -q -rfE ;;
+    fast) PYTEST_CUDAGRAPH_FAST_CAPTURE=1 step fast 120 python -m pytest tests -m cuda -n 8 $P -q -rfE ;;
+    examples) step examples 120 python -m pytest --cudagraph-verify examples/ $P --cudagraph-report="$OUT/examples.json" ;;
+    bench) step bench 200 python benchmarks/bench_replay.py --out "$OUT/bench.json" ;;
+    pytest-bench) step pytest-bench 90 python -m pytest benchmarks/ $P -q --benchmark-json="$OUT/pytest_bench.json" --cudagraph-bench-report="$OUT/bench.md" ;;
+    *) echo "unknown step $s" >>"$OUT/steps.txt" ;;
+  esac
+done
+cat "$OUT/steps.txt"
