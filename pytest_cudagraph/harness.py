@@ -150,7 +150,9 @@ class ManagerFactory:
             config_kw.setdefault("max_num_reqs", max(config_kw["capture_sizes"]))
             config = CaptureConfig(**config_kw)
         extra = {k: v for k, v in chosen.items() if k in ("pad_values", "output_views", "progress")}
-        manager = GraphManager(module, make_inputs, config, backend=backend, device=device, **extra)
+        # Checked capture, as verify() does: a test is where bugs are named.
+        manager = GraphManager(module, make_inputs, config, backend=backend, device=device,
+                               checked_capture=True, **extra)
         self.managers.append(manager)
         return manager
 

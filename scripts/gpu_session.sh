@@ -16,13 +16,14 @@ P="-p pytest_cudagraph.plugin -p no:cacheprovider"
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - t0))s" >>"$OUT/steps.txt"
+  timeout "$limit" "$@" 2>&1 | grep -v "Warning\|warner" | tail -n 80 >"$OUT/$name.log"
+  echo "$name rc=${PIPESTATUS[0]} $((SECONDS - t0))s" >>"$OUT/steps.txt"
 }
 for s in "$@"; do
   case $s in
     tests) step tests 150 python -m pytest tests -m cuda -n 8 $P -q -rfE ;;
-    fast) PYTEST_CUDAGRAPH_FAST_CAPTURE=1 step fast 120 python -m pytest tests -m cuda -n 8 $P -q -rfE ;;
+    fast) PYTEST_CUDAGRAPH_CAPTURE=fast step fast 120 python -m pytest tests -m cuda -n 8 $P -q -rfE ;;
+    checked) PYTEST_CUDAGRAPH_CAPTURE=checked step checked 120 python -m pytest tests -m cuda -n 8 $P -q -rfE ;;
     examples) step examples 120 python -m pytest --cudagraph-verify examples/ $P --cudagraph-report="$OUT/examples.json" ;;
     bench) step bench 200 python benchmarks/bench_replay.py --out "$OUT/bench.json" ;;
     pytest-bench) step pytest-bench 90 python -m pytest benchmarks/ $P -q --benchmark-json="$OUT/pytest_bench.json" --cudagraph-bench-report="$OUT/bench.md" ;;

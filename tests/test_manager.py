@@ -537,3 +537,25 @@ def test_a_failure_inside_a_submodule_names_it(backend, device):
     with pytest.raises(CaptureError, match="in submodule 'inner'") as info:
         mgr.capture()
     assert info.value.module_path == "inner"
+
+
+def test_capture_mode_is_resolved_from_environment_then_argument_then_default(monkeypatch):
+    from pytest_cudagraph.backends.base import CAPTURE_ENV, resolve_checked
+
+    monkeypatch.delenv(CAPTURE_ENV, raising=False)
+    assert resolve_checked(None, default=False) is False
+    assert resolve_checked(None, default=True) is True
+    assert resolve_checked(True, default=False) is True
+    monkeypatch.setenv(CAPTURE_ENV, "fast")
+    assert resolve_checked(True, default=True) is False
+    monkeypatch.setenv(CAPTURE_ENV, "Checked")
+    assert resolve_checked(False, default=False) is True
+    monkeypatch.setenv(CAPTURE_ENV, "slow")
+    with pytest.raises(ValueError, match="PYTEST_CUDAGRAPH_CAPTURE must be 'checked' or 'fast'; got 'slow'"):
+        resolve_checked(None, default=False)
+    monkeypatch.delenv(CAPTURE_ENV)
+    mgr = GraphManager(models.MLP(), models.mlp_inputs(), CaptureConfig(capture_sizes=[1], max_num_reqs=1),
+                       backend="emulate")
+    assert mgr._backend.checked is False  # a plain manager captures fast
+    assert GraphManager(models.MLP(), models.mlp_inputs(), CaptureConfig(capture_sizes=[1], max_num_reqs=1),
+                        backend="emulate", checked_capture=True)._backend.checked is True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -44,13 +45,33 @@ class CapturedGraph(ABC):
         held.extend(tensors)
 
 
+#: Overrides every capture's mode when set: "checked" or "fast".
+CAPTURE_ENV = "PYTEST_CUDAGRAPH_CAPTURE"
+
+
+def resolve_checked(checked: bool | None, *, default: bool) -> bool:
+    """Whether a CUDA capture is checked: the environment, then the argument, then the default.
+
+    A ``GraphManager`` captures fast by default (as fast as a hand-written
+    loop); ``verify()`` and the plugin's fixtures, whose job is to find bugs,
+    capture checked. ``PYTEST_CUDAGRAPH_CAPTURE=fast|checked`` overrides both,
+    to run a whole suite one way.
+    """
+    forced = os.environ.get(CAPTURE_ENV, "").strip().lower()
+    if forced in ("checked", "fast"):
+        return forced == "checked"
+    if forced:
+        raise ValueError(f"{CAPTURE_ENV} must be 'checked' or 'fast'; got {forced!r}")
+    return default if checked is None else bool(checked)
+
+
 class Backend(ABC):
     """Warm-up, capture into one shared pool, and release."""
 
     name: str
     device: torch.device
     measure_device_memory: bool = False
-    checked: bool = True
+    checked: bool = False
 
     def begin(self) -> None:  # noqa: B027 - optional hook
         """Called once before a sequence of captures."""

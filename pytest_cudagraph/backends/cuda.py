@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -51,12 +50,13 @@ class CudaBackend(Backend):
         #: Also measure device-wide memory per graph (cudaMemGetInfo, which
         #: costs about a millisecond a call); benchmarks turn it on.
         self.measure_device_memory = False
-        #: Checked capture (the default): every op goes through the guard's
-        #: dispatch mode, which names an uncapturable op before the device
-        #: sees it and keeps every tensor the graph reads alive with it. The
-        #: unchecked capture is several times faster to capture and relies on
-        #: the capture failing loudly, then on an eager diagnosis.
-        self.checked = os.environ.get("PYTEST_CUDAGRAPH_FAST_CAPTURE", "") != "1"
+        #: Checked capture: every op goes through the guard's dispatch mode,
+        #: which names an uncapturable op before the device sees it and keeps
+        #: every tensor the graph reads alive with it. The fast capture (the
+        #: manager's default; see resolve_checked) costs what a hand-written
+        #: loop does and relies on the capture failing loudly, then on an
+        #: eager diagnosis.
+        self.checked = False
         self._pool: Any = None
         # Separate streams for warm-up and capture. PyTorch caches one cuBLAS
         # workspace per stream, and destroying *any* graph captured on a
@@ -105,19 +105,20 @@ class CudaBackend(Backend):
 
     def capture(self, fn: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
         # The Python-level host methods are always watched. The checked
-        # capture (the default) also routes every op through the guard's
-        # dispatch mode, which names an uncapturable op before the device sees
-        # it and collects the tensors the graph reads; the unchecked capture
-        # lets such an op fail the capture loudly, and the manager then names
-        # it by running the forward eagerly under the full guard.
+        # capture also routes every op through the guard's dispatch mode,
+        # which names an uncapturable op before the device sees it and
+        # collects the tensors the graph reads; the fast capture lets such an
+        # op fail the capture loudly, and the manager then names it by running
+        # the forward eagerly under the full guard.
         with torch.cuda.device(self.device):
             if self._pool is None:
                 # One pool for every graph of this manager: smaller graphs,
                 # captured after larger ones, reuse the larger ones' memory.
                 self._pool = torch.cuda.graph_pool_handle()
+            # What torch.cuda.graph does on entry (synchronize, return cached
+            # blocks), done once here so that the growth of reserved memory
+            # measured around the capture is this graph's alone.
             torch.cuda.synchronize(self.device)
-            # Return cached blocks first so that growth of reserved memory is
-            # the pool's growth for this graph alone.
             torch.cuda.empty_cache()
             before = _reserved(self.device)
             free_before = torch.cuda.mem_get_info(self.device)[0] if self.measure_device_memory else 0
@@ -125,14 +126,19 @@ class CudaBackend(Backend):
             first_error: BaseException | None = None
             reads: list[torch.Tensor] = []
             checking = GuardDispatchMode(guard, reads) if self.checked else contextlib.nullcontext()
+            stream = self._streams()[1]
             try:
-                with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, stream=self._streams()[1]):
-                    with guard.function_mode(), checking:
-                        try:
-                            output = fn()
-                        except BaseException as exc:
-                            first_error = exc
-                            raise
+                with torch.no_grad(), torch.cuda.stream(stream):
+                    graph.capture_begin(pool=self._pool)
+                    try:
+                        with guard.function_mode(), checking:
+                            try:
+                                output = fn()
+                            except BaseException as exc:
+                                first_error = exc
+                                raise
+                    finally:
+                        graph.capture_end()
             except BaseException as exc:
                 del graph
                 self._recover()

@@ -127,8 +127,15 @@ def _pool_growth_of_eager_forwards(manager: GraphManager, order: list[BatchDescr
         torch.cuda.empty_cache()
 
 
-def estimate_pool_replica(manager: GraphManager, *, measured: int | None = None) -> MemoryEstimate:
+def estimate_pool_replica(
+    manager: GraphManager, *, measured: int | None = None, device_wide: bool = True
+) -> MemoryEstimate:
     """Capture the largest FULL graph, replay the others' allocations eagerly; add up.
+
+    ``device_wide=True`` counts the sample graph device-wide (the driver's
+    share included), to compare with ``device_memory``; False counts only
+    the pool, to compare with ``graph_memory``, which other processes on the
+    same GPU (pytest-xdist workers, say) cannot disturb.
 
     CUDA only (``torch.cuda.MemPool``). ``manager`` is not touched: the sample
     is captured by a sibling manager and released; the eager forwards write
@@ -141,10 +148,10 @@ def estimate_pool_replica(manager: GraphManager, *, measured: int | None = None)
     if not full:
         return MemoryEstimate(0, (), 0, measured, "replica")
     probe = manager.sibling()
-    probe._backend.measure_device_memory = True  # device-wide: the driver's share counts
+    probe._backend.measure_device_memory = device_wide
     try:
         probe.capture(full[:1])
-        first = probe.device_memory[full[0]]
+        first = (probe.device_memory if device_wide else probe.graph_memory)[full[0]]
     finally:
         probe.release()
     snapshot = {name: t.detach().clone() for name, t in manager.module.named_buffers()}

@@ -148,8 +148,10 @@ def _verify(
     torch.manual_seed(seed)
     was_training = module.training
     module.eval()
+    # Checked capture: verification is where an op that cannot be captured
+    # should be named before the device sees it.
     manager = GraphManager(module, make_inputs, config, backend=backend or "auto", device=device,
-                           pad_values=pad_values)
+                           pad_values=pad_values, checked_capture=True)
     selected = select_descriptors(manager.plan.capture_order, exhaustive=exhaustive)
     report = VerifyReport(
         module=type(module).__name__,

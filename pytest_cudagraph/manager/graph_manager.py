@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..backends.base import Backend, CapturedGraph, make_backend
+from ..backends.base import Backend, CapturedGraph, make_backend, resolve_checked
 from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker, Violation
 from ..context import running
 from ..errors import CaptureError
@@ -105,12 +105,13 @@ class GraphManager:
     unless ``output_views=True``: then they are views of graph memory, valid
     until the next ``run`` of any descriptor.
 
-    ``checked_capture`` (CUDA): True (the default, or
-    ``PYTEST_CUDAGRAPH_FAST_CAPTURE=1`` for False) routes every op of the
-    capture through the guard, which names an uncapturable op before the device
-    sees it and keeps every tensor the graph reads alive with it; False
-    captures several times faster, lets such an op fail the capture and then
-    names it by an eager run under the guard.
+    ``checked_capture`` (CUDA): False (the default) captures as fast as a
+    hand-written loop; an op that cannot be captured fails the capture, and
+    the manager then names it, with its submodule, by an eager run under the
+    guard. True routes every op of the capture through the guard, which names
+    such an op before the device sees it and keeps every tensor the graph
+    reads alive with it (``verify()`` and the plugin's fixtures capture this
+    way). ``PYTEST_CUDAGRAPH_CAPTURE=fast|checked`` overrides both.
 
     ``measure_device_memory=True`` also records, per graph, the device memory
     the driver took (``device_memory``), at about a millisecond a capture.
@@ -158,8 +159,7 @@ class GraphManager:
         self._pad_values = dict(pad_values or {})
         self._backend: Backend = make_backend(backend, device if device is not None else self._module_device())
         self._backend.measure_device_memory = bool(measure_device_memory)
-        if checked_capture is not None:
-            self._backend.checked = bool(checked_capture)
+        self._backend.checked = resolve_checked(checked_capture, default=False)
         self.device = self._backend.device
         self._check_module_device()
 
@@ -186,6 +186,7 @@ class GraphManager:
             self._is_padding = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.device)
         self._entries: dict[BatchDescriptor, _Entry] = {}
         self._tracker = ModuleTracker(module)
+        self._modules: list[torch.nn.Module] = []  # the module tree, read at each capture()
         self.capture_seconds = 0.0
 
     def sibling(self) -> GraphManager:
@@ -323,6 +324,7 @@ class GraphManager:
         self._hot.clear()
         started = time.perf_counter()
         self._tracker.refresh()
+        self._modules = list(self.module.modules())
         # No cyclic garbage collection while the sequence runs: a collected
         # graph of another manager, captured on a stream PyTorch's stream pool
         # also handed to this one, would drop that stream's cuBLAS workspace
@@ -390,7 +392,7 @@ class GraphManager:
                 self._tracker.failed_path = self._tracker.path
 
         self._tracker.failed_path = ""
-        modules = list(self.module.modules())
+        modules = self._modules
         guard = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation)
         try:
             try:
