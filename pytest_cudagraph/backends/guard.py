@@ -207,31 +207,51 @@ class CaptureGuard:
         The eight methods are replaced on ``torch.Tensor`` for the duration,
         rather than watched through a ``TorchFunctionMode``: a mode sees every
         torch call, which doubles the cost of a capture, while these wrappers
-        cost nothing to the calls they do not name.
+        cost nothing to the calls they do not name. The wrappers are built
+        once and report to the innermost active guard.
         """
-        originals = {func: getattr(torch.Tensor, func.__name__) for func in _HOST_METHODS}
-        for func, (reason, name) in _HOST_METHODS.items():
-            setattr(torch.Tensor, func.__name__, self._reporting(originals[func], reason, name))
+        wrappers = _host_wrappers()
+        _ACTIVE.append(self)
+        for name, (_original, wrapper) in wrappers.items():
+            setattr(torch.Tensor, name, wrapper)
         try:
             yield
         finally:
-            for func, original in originals.items():
-                setattr(torch.Tensor, func.__name__, original)
+            _ACTIVE.pop()
+            if not _ACTIVE:
+                for name, (original, _wrapper) in wrappers.items():
+                    setattr(torch.Tensor, name, original)
 
-    def _reporting(self, method: Any, reason: str, name: str) -> Any:
-        guard = self
 
-        @functools.wraps(method)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            guard.report(name, reason)
-            # The aten op beneath (``_local_scalar_dense``) is the same event.
-            guard._in_host_method += 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                guard._in_host_method -= 1
+#: Guards whose function_mode is active, innermost last.
+_ACTIVE: list[CaptureGuard] = []
+_WRAPPERS: dict[str, tuple[Any, Any]] = {}
 
-        return wrapper
+
+def _host_wrappers() -> dict[str, tuple[Any, Any]]:
+    """Method name -> (the original, a wrapper that reports it to the active guard)."""
+    if not _WRAPPERS:
+        for func, (reason, label) in _HOST_METHODS.items():
+            original = getattr(torch.Tensor, func.__name__)
+            _WRAPPERS[func.__name__] = (original, _reporting(original, reason, label))
+    return _WRAPPERS
+
+
+def _reporting(method: Any, reason: str, name: str) -> Any:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not _ACTIVE:
+            return method(*args, **kwargs)
+        guard = _ACTIVE[-1]
+        guard.report(name, reason)
+        # The aten op beneath (``_local_scalar_dense``) is the same event.
+        guard._in_host_method += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            guard._in_host_method -= 1
+
+    return wrapper
 
 
 class GuardDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]

@@ -33,15 +33,22 @@ _DEFAULT_BATCH_ARGS = (None, None, 0, None, 1)
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
 
 
-def _tensors_of(modules: list[torch.nn.Module]) -> list[Any]:
-    """Every tensor the modules hold: parameters, buffers and tensor attributes."""
+def _tensor_holders(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, list[str]]]:
+    """Each module with the names of its own attributes (not nn.Module's
+    bookkeeping): read once a capture sequence, so that each graph's walk
+    over them is short."""
+    return [(sub, [k for k in sub.__dict__ if k not in _MODULE_INTERNALS]) for sub in modules]
+
+
+def _tensors_of(holders: list[tuple[torch.nn.Module, list[str]]]) -> list[Any]:
+    """Every tensor the modules hold now: parameters, buffers and tensor attributes."""
     found: list[Any] = []
-    for sub in modules:
+    for sub, names in holders:
         found.extend(sub._parameters.values())
         found.extend(sub._buffers.values())
-        for name, value in sub.__dict__.items():
-            if name in _MODULE_INTERNALS:
-                continue
+        attrs = sub.__dict__
+        for name in names:
+            value = attrs.get(name)
             if isinstance(value, torch.Tensor):
                 found.append(value)
             elif isinstance(value, (list, tuple)):
@@ -186,7 +193,8 @@ class GraphManager:
             self._is_padding = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.device)
         self._entries: dict[BatchDescriptor, _Entry] = {}
         self._tracker = ModuleTracker(module)
-        self._modules: list[torch.nn.Module] = []  # the module tree, read at each capture()
+        # The module tree and its attribute names, read at each capture().
+        self._holders: list[tuple[torch.nn.Module, list[str]]] = []
         self.capture_seconds = 0.0
 
     def sibling(self) -> GraphManager:
@@ -324,7 +332,7 @@ class GraphManager:
         self._hot.clear()
         started = time.perf_counter()
         self._tracker.refresh()
-        self._modules = list(self.module.modules())
+        self._holders = _tensor_holders(list(self.module.modules()))
         # No cyclic garbage collection while the sequence runs: a collected
         # graph of another manager, captured on a stream PyTorch's stream pool
         # also handed to this one, would drop that stream's cuBLAS workspace
@@ -392,7 +400,7 @@ class GraphManager:
                 self._tracker.failed_path = self._tracker.path
 
         self._tracker.failed_path = ""
-        modules = self._modules
+        holders = self._holders
         guard = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation)
         try:
             try:
@@ -400,7 +408,7 @@ class GraphManager:
                 # hooks on submodules. Only a failure pays for naming where
                 # it came from, by an eager rerun under the tracker.
                 self._backend.warmup(forward)
-                held = _tensors_of(modules)
+                held = _tensors_of(holders)
                 graph = self._backend.capture(forward, guard)
             except Exception as exc:
                 with self._tracker.track():
