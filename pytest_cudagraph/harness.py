@@ -32,7 +32,8 @@ CONFIG_KEYWORDS: tuple[str, ...] = (
     "ubatch_min_tokens",
 )
 #: ``GraphManager``'s keywords besides the module, inputs and config.
-MANAGER_KEYWORDS: tuple[str, ...] = ("backend", "device", "pad_values", "output_views", "progress")
+MANAGER_KEYWORDS: tuple[str, ...] = ("backend", "device", "pad_values", "output_views", "progress",
+                                     "eager_submodules")
 
 _NO_SIZES = (
     "needs capture_sizes: pass capture_sizes=..., set @pytest.mark.cudagraph(capture_sizes=...), "
@@ -149,7 +150,8 @@ class ManagerFactory:
             config_kw = {k: v for k, v in chosen.items() if k in CONFIG_KEYWORDS}
             config_kw.setdefault("max_num_reqs", max(config_kw["capture_sizes"]))
             config = CaptureConfig(**config_kw)
-        extra = {k: v for k, v in chosen.items() if k in ("pad_values", "output_views", "progress")}
+        extra = {k: v for k, v in chosen.items() if k in ("pad_values", "output_views", "progress",
+                                                           "eager_submodules")}
         # Checked capture, as verify() does: a test is where bugs are named.
         manager = GraphManager(module, make_inputs, config, backend=backend, device=device,
                                checked_capture=True, **extra)

@@ -61,6 +61,7 @@ _MARKER_DEFAULTS: tuple[tuple[str, str], ...] = (
     ("batch_invariant", "False"),
     ("pad_values", "None"),
     ("scratch_state", "None"),
+    ("eager_submodules", "None"),
     ("seed", "0"),
 )
 MARKER_KEYWORDS: tuple[str, ...] = tuple(name for name, _ in _MARKER_DEFAULTS)

@@ -11,7 +11,7 @@ import torch
 
 from .guard import CaptureGuard
 
-__all__ = ["BACKEND_NAMES", "Backend", "CapturedGraph", "make_backend"]
+__all__ = ["BACKEND_NAMES", "Backend", "CapturedGraph", "OpenCapture", "make_backend"]
 
 BACKEND_NAMES = ("auto", "cuda", "emulate")
 
@@ -65,6 +65,23 @@ def resolve_checked(checked: bool | None, *, default: bool) -> bool:
     return default if checked is None else bool(checked)
 
 
+class OpenCapture(ABC):
+    """A capture in progress: whatever the device runs until ``end`` is recorded.
+
+    Opened and ended in different stack frames when a forward is captured in
+    pieces (a forward hook ends it, the next one opens another), so it keeps
+    its own contexts rather than living in a ``with`` block.
+    """
+
+    @abstractmethod
+    def end(self, output: Any) -> CapturedGraph:
+        """Stop recording; the graph of what ran, whose result is ``output``."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Stop recording after a failure and leave the device fit for another capture."""
+
+
 class Backend(ABC):
     """Warm-up, capture into one shared pool, and release."""
 
@@ -72,6 +89,9 @@ class Backend(ABC):
     device: torch.device
     measure_device_memory: bool = False
     checked: bool = False
+    #: The capture run itself computes (the emulator runs the ops it records);
+    #: on CUDA nothing runs until a replay.
+    capture_executes: bool = False
 
     def begin(self) -> None:  # noqa: B027 - optional hook
         """Called once before a sequence of captures."""
@@ -81,8 +101,18 @@ class Backend(ABC):
         """Run ``fn`` eagerly as the warm-up before a capture."""
 
     @abstractmethod
+    def open_capture(self, guard: CaptureGuard) -> OpenCapture:
+        """Start recording into the shared pool, checking every op with ``guard``."""
+
     def capture(self, fn: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
-        """Capture ``fn`` into the shared pool, checking every op with ``guard``."""
+        """Capture ``fn`` whole into the shared pool, checking every op with ``guard``."""
+        capture = self.open_capture(guard)
+        try:
+            output = fn()
+        except BaseException:
+            capture.abort()
+            raise
+        return capture.end(output)
 
     @abstractmethod
     def release(self) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .base import Backend, CapturedGraph
+from .base import Backend, CapturedGraph, OpenCapture
 from .guard import CaptureGuard, GuardDispatchMode
 
 __all__ = ["CudaBackend", "CudaGraph"]
@@ -37,9 +37,100 @@ class CudaGraph(CapturedGraph):
         self.output = output
         self.nbytes = nbytes
         self.device_bytes = device_bytes
+        #: Nothing was recorded (a PIECEWISE segment between two eager pieces):
+        #: replaying it would only ask the driver to launch nothing.
+        self.empty = False
 
     def replay(self) -> None:
-        self.graph.replay()
+        if not self.empty:
+            self.graph.replay()
+
+
+class _CudaCapture(OpenCapture):
+    """capture_begin .. capture_end on the backend's capture stream.
+
+    The Python-level host methods are always watched. The checked capture
+    also routes every op through the guard's dispatch mode, which names an
+    uncapturable op before the device sees it and collects the tensors the
+    graph reads; the fast capture lets such an op fail the capture loudly,
+    and the manager then names it by running the forward eagerly under the
+    full guard.
+    """
+
+    def __init__(self, backend: CudaBackend, guard: CaptureGuard) -> None:
+        self.backend = backend
+        device = backend.device
+        self.reads: list[torch.Tensor] = []
+        self.outer = contextlib.ExitStack()  # device, no_grad, stream
+        self.inner = contextlib.ExitStack()  # the guard, inside the capture
+        self.outer.enter_context(torch.cuda.device(device))
+        # What torch.cuda.graph does on entry (synchronize, return cached
+        # blocks), done once here so that the growth of reserved memory
+        # measured around the capture is this graph's alone.
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        self.before = _reserved(device)
+        self.free_before = torch.cuda.mem_get_info(device)[0] if backend.measure_device_memory else 0
+        self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        try:
+            self.outer.enter_context(torch.no_grad())
+            self.outer.enter_context(torch.cuda.stream(backend._streams()[1]))
+            self.graph.capture_begin(pool=backend._pool)
+        except BaseException:
+            self.outer.close()
+            raise
+        try:
+            self.inner.enter_context(guard.function_mode())
+            if backend.checked:
+                self.inner.enter_context(GuardDispatchMode(guard, self.reads))
+        except BaseException:
+            self.abort()
+            raise
+
+    def end(self, output: Any) -> CapturedGraph:
+        graph = self.graph
+        assert graph is not None, "capture already ended"
+        try:
+            self.inner.close()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                graph.capture_end()
+        except BaseException:
+            self.abort()
+            raise
+        self.outer.close()
+        empty = False
+        for w in seen:
+            if "CUDA Graph is empty" in str(w.message):
+                empty = True
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self.graph = None
+        device = self.backend.device
+        grown = _reserved(device) - self.before
+        taken = grown
+        if self.backend.measure_device_memory:
+            # Device-wide: the pool's growth plus what the driver keeps for
+            # the instantiated graph, which the caching allocator never sees.
+            torch.cuda.synchronize(device)
+            taken = self.free_before - torch.cuda.mem_get_info(device)[0]
+        captured = CudaGraph(graph, output, max(grown, 0), max(taken, 0))
+        captured.empty = empty
+        captured.hold(self.reads)  # what the checked capture saw the graph read
+        return captured
+
+    def abort(self) -> None:
+        # Ending an invalidated capture raises its own, vaguer error; the
+        # caller re-raises the error that says why.
+        with contextlib.suppress(BaseException):
+            self.inner.close()
+        if self.graph is not None:
+            with contextlib.suppress(BaseException):
+                self.graph.capture_end()
+            self.graph = None
+        with contextlib.suppress(BaseException):
+            self.outer.close()
+        self.backend._recover()
 
 
 class CudaBackend(Backend):
@@ -103,60 +194,13 @@ class CudaBackend(Backend):
             torch.cuda.current_stream().wait_stream(stream)
             return out
 
-    def capture(self, fn: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
-        # The Python-level host methods are always watched. The checked
-        # capture also routes every op through the guard's dispatch mode,
-        # which names an uncapturable op before the device sees it and
-        # collects the tensors the graph reads; the fast capture lets such an
-        # op fail the capture loudly, and the manager then names it by running
-        # the forward eagerly under the full guard.
-        with torch.cuda.device(self.device):
-            if self._pool is None:
-                # One pool for every graph of this manager: smaller graphs,
-                # captured after larger ones, reuse the larger ones' memory.
+    def open_capture(self, guard: CaptureGuard) -> OpenCapture:
+        if self._pool is None:
+            # One pool for every graph of this manager: smaller graphs,
+            # captured after larger ones, reuse the larger ones' memory.
+            with torch.cuda.device(self.device):
                 self._pool = torch.cuda.graph_pool_handle()
-            # What torch.cuda.graph does on entry (synchronize, return cached
-            # blocks), done once here so that the growth of reserved memory
-            # measured around the capture is this graph's alone.
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            before = _reserved(self.device)
-            free_before = torch.cuda.mem_get_info(self.device)[0] if self.measure_device_memory else 0
-            graph = torch.cuda.CUDAGraph()
-            first_error: BaseException | None = None
-            reads: list[torch.Tensor] = []
-            checking = GuardDispatchMode(guard, reads) if self.checked else contextlib.nullcontext()
-            stream = self._streams()[1]
-            try:
-                with torch.no_grad(), torch.cuda.stream(stream):
-                    graph.capture_begin(pool=self._pool)
-                    try:
-                        with guard.function_mode(), checking:
-                            try:
-                                output = fn()
-                            except BaseException as exc:
-                                first_error = exc
-                                raise
-                    finally:
-                        graph.capture_end()
-            except BaseException as exc:
-                del graph
-                self._recover()
-                # Ending an invalidated capture raises its own, vaguer error;
-                # the error inside the forward is the one that says why.
-                if first_error is not None and first_error is not exc:
-                    raise first_error from exc
-                raise
-            grown = _reserved(self.device) - before
-            taken = grown
-            if self.measure_device_memory:
-                # Device-wide: the pool's growth plus what the driver keeps for
-                # the instantiated graph, which the caching allocator never sees.
-                torch.cuda.synchronize(self.device)
-                taken = free_before - torch.cuda.mem_get_info(self.device)[0]
-        captured = CudaGraph(graph, output, max(grown, 0), max(taken, 0))
-        captured.hold(reads)  # what the checked capture saw the graph read
-        return captured
+        return _CudaCapture(self, guard)
 
     def _recover(self) -> None:
         """Leave the device fit for another capture after a failed one.

@@ -17,6 +17,7 @@ emulated graph the properties that make real graphs bite:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .base import Backend, CapturedGraph
+from .base import Backend, CapturedGraph, OpenCapture
 from .guard import CaptureGuard
 
 __all__ = ["EmulateBackend", "EmulatedGraph"]
@@ -133,8 +134,29 @@ class EmulatedGraph(CapturedGraph):
                 step()
 
 
+class _EmulatedCapture(OpenCapture):
+    def __init__(self, guard: CaptureGuard) -> None:
+        self.recorder = _Recorder(guard)
+        self.stack = contextlib.ExitStack()
+        try:
+            self.stack.enter_context(torch.no_grad())
+            self.stack.enter_context(guard.function_mode())
+            self.stack.enter_context(self.recorder)
+        except BaseException:
+            self.stack.close()
+            raise
+
+    def end(self, output: Any) -> CapturedGraph:
+        self.stack.close()
+        return EmulatedGraph(self.recorder.steps, output, sum(self.recorder.created.values()))
+
+    def abort(self) -> None:
+        self.stack.close()
+
+
 class EmulateBackend(Backend):
     name = "emulate"
+    capture_executes = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -143,11 +165,8 @@ class EmulateBackend(Backend):
         with torch.no_grad():
             return fn()
 
-    def capture(self, fn: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
-        recorder = _Recorder(guard)
-        with torch.no_grad(), guard.function_mode(), recorder:
-            output = fn()
-        return EmulatedGraph(recorder.steps, output, sum(recorder.created.values()))
+    def open_capture(self, guard: CaptureGuard) -> OpenCapture:
+        return _EmulatedCapture(guard)
 
     def release(self) -> None:
         # Emulated graphs own their memory; dropping them frees it.

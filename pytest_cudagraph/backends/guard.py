@@ -185,8 +185,34 @@ class CaptureGuard:
         self.on_violation = on_violation
         self.violations: list[Violation] = []
         self._in_host_method = 0
+        #: Above zero while a submodule that runs eagerly anyway (a PIECEWISE
+        #: graph's eager piece) is running: its ops are not the graph's.
+        self.suspended = 0
+
+    @contextlib.contextmanager
+    def exempt(self, modules: list[torch.nn.Module]) -> Iterator[None]:
+        """Report nothing while any of ``modules`` runs."""
+
+        def enter(*_: Any) -> None:
+            self.suspended += 1
+
+        def leave(*_: Any) -> None:
+            self.suspended -= 1
+
+        handles = []
+        for m in modules:
+            handles.append(m.register_forward_pre_hook(enter))
+            handles.append(m.register_forward_hook(leave, always_call=True))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            self.suspended = 0
 
     def report(self, op: str, reason: str) -> None:
+        if self.suspended:
+            return
         violation = Violation(op=op, reason=reason, module_path=self.tracker.path)
         if violation not in self.violations:
             self.violations.append(violation)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..manager.pieces import SegmentedGraph
 from ..plan import BatchDescriptor
 from .compare import first_difference
 
@@ -63,17 +64,39 @@ def _cut(graph: torch.Tensor, eager: torch.Tensor) -> torch.Tensor | None:
 
 
 def _first_divergent(graph: list[Record], eager: list[Record], *, rtol: float | None,
-                     atol: float | None) -> str | None:
-    for (g_name, g_out), (e_name, e_out) in zip(graph, eager, strict=False):
+                     atol: float | None) -> int | None:
+    """Index in ``graph`` of the first record that differs from eager's."""
+    for i, ((g_name, g_out), (e_name, e_out)) in enumerate(zip(graph, eager, strict=False)):
         if g_name != e_name:
-            return g_name  # control flow itself differs from here on
+            return i  # control flow itself differs from here on
         for g, e in zip(g_out, e_out, strict=False):
             cut = _cut(g, e)
             if cut is None:
                 continue
             if first_difference(cut, e, rtol=rtol, atol=atol) is not None:
-                return g_name
+                return i
     return None
+
+
+def _inside_piece(name: str, pieces: list[str]) -> bool:
+    return any(name.startswith(p + ".") for p in pieces)
+
+
+def _segment_of(records: list[Record], index: int, pieces: list[str], segments: int) -> str:
+    """Which part of a PIECEWISE graph record ``index`` ran in.
+
+    Records come in the order forwards finish: a piece's submodules, then the
+    piece, after which the next graph segment begins. A module that holds a
+    piece (a layer around its attention) finishes in a later segment.
+    """
+    segment = 1
+    for i, (name, _) in enumerate(records):
+        piece = next((p for p in pieces if name == p or name.startswith(p + ".")), None)
+        if i == index:
+            return f"eager piece '{piece}'" if piece is not None else f"graph segment {segment} of {segments}"
+        if piece is not None and name == piece:
+            segment += 1
+    return f"graph segment {segment} of {segments}"
 
 
 def locate_divergence(
@@ -83,8 +106,9 @@ def locate_divergence(
     batch: Any,
     *,
     against_real: bool,
-) -> str | None:
-    """The first submodule whose graph output differs from eager, or None.
+) -> tuple[str | None, str | None]:
+    """The first submodule whose graph output differs from eager, or None, and
+    for a graph captured in pieces, the segment or eager piece it ran in.
 
     ``against_real``: compare with eager on the unpadded batch (real rows,
     within tolerance); else with eager on the same padded inputs, bit for bit.
@@ -105,6 +129,9 @@ def locate_divergence(
             diag.replay(desc)
             diag.synchronize()
             graph = [(name, [t.detach().clone() for t in ts]) for name, ts in held]
+            captured = diag.graph(desc)
+            pieces = captured.pieces if isinstance(captured, SegmentedGraph) else []
+            segments = captured.segments if isinstance(captured, SegmentedGraph) else 1
         finally:
             diag.release()
         ctx.restore(state0)
@@ -114,6 +141,17 @@ def locate_divergence(
                 ctx.eager_real(inputs, batch)
             else:
                 ctx.eager(padded, desc)
+        eager = eager_rec.records
+        if pieces:
+            # Inside an eager piece only its result is bridged into the graph
+            # on replay; its submodules' capture-time outputs are stale.
+            graph = [r for r in graph if not _inside_piece(r[0], pieces)]
+            eager = [r for r in eager if not _inside_piece(r[0], pieces)]
         if against_real:
-            return _first_divergent(graph, eager_rec.records, rtol=ctx.rtol, atol=ctx.atol)
-        return _first_divergent(graph, eager_rec.records, rtol=0.0, atol=0.0)
+            index = _first_divergent(graph, eager, rtol=ctx.rtol, atol=ctx.atol)
+        else:
+            index = _first_divergent(graph, eager, rtol=0.0, atol=0.0)
+        if index is None:
+            return None, None
+        segment = _segment_of(graph, index, pieces, segments) if pieces else None
+        return graph[index][0], segment

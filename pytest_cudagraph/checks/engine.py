@@ -11,6 +11,7 @@ import torch
 
 from ..errors import CaptureError
 from ..manager import GraphManager
+from ..manager.pieces import EagerSpec
 from ..plan import BatchDescriptor, CaptureConfig, GraphMode
 from .context import ScratchRegion, VerifyContext
 from .report import Finding, Outcome, VerifyReport
@@ -93,6 +94,7 @@ def verify(
     exhaustive: bool = True,
     pad_values: Mapping[str, Any] | None = None,
     scratch_state: Mapping[str, ScratchRegion] | None = None,
+    eager_submodules: EagerSpec = None,
     seed: int = 0,
 ) -> VerifyReport:
     """Capture every descriptor of ``module`` and check each against eager.
@@ -101,7 +103,9 @@ def verify(
     ``report.format()`` names the check, the descriptor, the real batch, the
     output and first differing index, and the first divergent submodule.
     ``exhaustive=False`` verifies only the smallest and largest descriptor of
-    each mode. Bad arguments raise ``ValueError``.
+    each mode. ``eager_submodules`` (see ``GraphManager``) captures PIECEWISE
+    descriptors as graph segments around those submodules. Bad arguments
+    raise ``ValueError``.
     """
     names = _check_names(checks)
     sizes = tuple(capture_sizes)
@@ -126,7 +130,7 @@ def verify(
     with torch.random.fork_rng(devices=rng_devices):
         return _verify(module, make_inputs, config, names, backend=backend, device=device, rtol=rtol, atol=atol,
                        batch_invariant=batch_invariant, exhaustive=exhaustive, pad_values=pad_values,
-                       scratch_state=scratch_state, seed=seed)
+                       scratch_state=scratch_state, eager_submodules=eager_submodules, seed=seed)
 
 
 def _verify(
@@ -143,6 +147,7 @@ def _verify(
     exhaustive: bool,
     pad_values: Mapping[str, Any] | None,
     scratch_state: Mapping[str, ScratchRegion] | None,
+    eager_submodules: EagerSpec,
     seed: int,
 ) -> VerifyReport:
     torch.manual_seed(seed)
@@ -151,7 +156,7 @@ def _verify(
     # Checked capture: verification is where an op that cannot be captured
     # should be named before the device sees it.
     manager = GraphManager(module, make_inputs, config, backend=backend or "auto", device=device,
-                           pad_values=pad_values, checked_capture=True)
+                           pad_values=pad_values, checked_capture=True, eager_submodules=eager_submodules)
     selected = select_descriptors(manager.plan.capture_order, exhaustive=exhaustive)
     report = VerifyReport(
         module=type(module).__name__,

@@ -32,7 +32,7 @@ class Finding:
     expected: Any = None  # eager's value there
     real_batch: dict[str, Any] | None = None  # the real batch's shape, when one was run
     submodule: str | None = None  # first divergent submodule ("" = top level)
-    segment: str | None = None
+    segment: str | None = None  # PIECEWISE in pieces: "graph segment 2 of 3" or "eager piece '...'"
     max_abs: float | None = None
     max_ulp: int | None = None
     ops: list[str] = field(default_factory=list)  # capture_safety: every offending op
@@ -56,7 +56,7 @@ class Finding:
             parts.append(f"first divergent submodule: '{self.submodule}'" if self.submodule else
                          "first divergent submodule: the top-level module")
         if self.segment is not None:
-            parts.append(f"segment {self.segment}")
+            parts.append(f"in {self.segment}")
         return "; ".join(parts)
 
 

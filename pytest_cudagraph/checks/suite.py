@@ -22,7 +22,8 @@ from .report import Finding, Outcome
 __all__ = ["DESCRIPTOR_CHECKS", "address_stability", "capture_safety", "output_lifetime", "record_addresses"]
 
 
-def _finding(diff: Difference, batch: Batch | None = None, submodule: str | None = None) -> Finding:
+def _finding(diff: Difference, batch: Batch | None = None, submodule: str | None = None,
+             segment: str | None = None) -> Finding:
     return Finding(
         output=diff.path,
         index=diff.index,
@@ -30,6 +31,7 @@ def _finding(diff: Difference, batch: Batch | None = None, submodule: str | None
         expected=diff.expected,
         real_batch=batch.shape() if batch is not None else None,
         submodule=submodule,
+        segment=segment,
         max_abs=diff.max_abs,
         max_ulp=diff.max_ulp,
     )
@@ -53,7 +55,8 @@ def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list
         with ctx.preserved_state():
             kwargs = ctx.load(desc, ctx.make(batch), batch)
             try:
-                with tracker.track(), torch.no_grad(), running(desc), guard.function_mode(), GuardDispatchMode(guard):
+                with tracker.track(), torch.no_grad(), running(desc), guard.exempt(manager.eager_modules(desc)), \
+                        guard.function_mode(), GuardDispatchMode(guard):
                     ctx.module(**kwargs)
             except Exception as exc:
                 outcomes.append(Outcome(
@@ -123,11 +126,11 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
                 "bit for bit",
                 _finding(diff, batch),
             )
-    submodule = locate_divergence(ctx, desc, inputs, batch, against_real=False)
+    submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=False)
     what = ("with fresh inputs after capture, replay differs from eager: values or tensors computed at capture "
             "were frozen into the graph" if fresh else
             "replay differs from eager on the inputs the graph was captured with")
-    return Outcome(check, desc, False, f"{what} ({_where(diff)})", _finding(diff, batch, submodule))
+    return Outcome(check, desc, False, f"{what} ({_where(diff)})", _finding(diff, batch, submodule, segment))
 
 
 def replay_matches_eager(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
@@ -180,13 +183,13 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 worst_abs = max(worst_abs, exact.max_abs)
                 worst_ulp = max(worst_ulp, exact.max_ulp or 0)
         if diff is not None:
-            submodule = locate_divergence(ctx, desc, inputs, batch, against_real=True) \
-                if diff.index is not None else None
+            submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=True) \
+                if diff.index is not None else (None, None)
             tol = "bit for bit (batch_invariant)" if ctx.batch_invariant else "within tolerance"
             return Outcome(
                 "real_batches", desc, False,
                 f"real rows differ from eager on the unpadded batch {tol} ({_where(diff)})",
-                _finding(diff, batch, submodule),
+                _finding(diff, batch, submodule, segment),
                 figures={"batches": len(batches)},
             )
     return Outcome("real_batches", desc, True,

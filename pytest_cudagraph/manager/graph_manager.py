@@ -19,6 +19,7 @@ from ..context import running
 from ..errors import CaptureError
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
 from .layout import PROBES, InputSpec, PadValue, call_make_inputs, infer_layout
+from .pieces import EagerSpec, capture_in_pieces, resolve_eager_submodules
 
 __all__ = ["Batch", "GraphManager"]
 
@@ -123,6 +124,12 @@ class GraphManager:
     ``measure_device_memory=True`` also records, per graph, the device memory
     the driver took (``device_memory``), at about a millisecond a capture.
 
+    ``eager_submodules`` (module types, dotted names, or a predicate
+    ``(name, module) -> bool``): in PIECEWISE descriptors the forward is
+    captured as graph segments with these submodules run eagerly between them
+    on every replay, on what the previous segment computed from the real
+    batch; FULL descriptors still capture them inside the one graph.
+
     ``pad_values`` maps input names to the value padded rows get (default 0;
     ``"edge"`` repeats the last real row). If ``module.forward`` takes an
     ``is_padding`` argument that ``make_inputs`` does not give, the manager
@@ -142,6 +149,7 @@ class GraphManager:
         progress: bool | None = None,
         measure_device_memory: bool = False,
         checked_capture: bool | None = None,
+        eager_submodules: EagerSpec = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise ValueError(f"module must be a torch.nn.Module; got {type(module).__name__}")
@@ -193,6 +201,8 @@ class GraphManager:
             self._is_padding = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.device)
         self._entries: dict[BatchDescriptor, _Entry] = {}
         self._tracker = ModuleTracker(module)
+        self._eager_spec = eager_submodules
+        self.eager_pieces = resolve_eager_submodules(module, eager_submodules)
         # The module tree and its attribute names, read at each capture().
         self._holders: list[tuple[torch.nn.Module, list[str]]] = []
         self.capture_seconds = 0.0
@@ -210,6 +220,7 @@ class GraphManager:
             progress=False,
             measure_device_memory=self._backend.measure_device_memory,
             checked_capture=self._backend.checked,
+            eager_submodules=self._eager_spec,
         )
 
     # -- set-up helpers -------------------------------------------------
@@ -386,8 +397,10 @@ class GraphManager:
             # cannot be captured (raising _Uncapturable) before torch fails on it.
             full = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation)
 
+            exempt = self.eager_modules(desc)
+
             def guarded() -> Any:
-                with full.function_mode(), GuardDispatchMode(full):
+                with full.exempt(exempt), full.function_mode(), GuardDispatchMode(full):
                     return forward()
 
             try:
@@ -409,7 +422,11 @@ class GraphManager:
                 # it came from, by an eager rerun under the tracker.
                 self._backend.warmup(forward)
                 held = _tensors_of(holders)
-                graph = self._backend.capture(forward, guard)
+                graph: CapturedGraph
+                if self.eager_pieces and desc.mode is GraphMode.PIECEWISE:
+                    graph = capture_in_pieces(self._backend, forward, guard, self.eager_pieces, desc)
+                else:
+                    graph = self._backend.capture(forward, guard)
             except Exception as exc:
                 with self._tracker.track():
                     diagnose()  # raises _Uncapturable naming op and submodule, if it can
@@ -427,7 +444,7 @@ class GraphManager:
             raise CaptureError(
                 f"cannot capture {v.describe()} while capturing {desc} on the {self.backend} "
                 f"backend. A graph cannot read device values on the host or size outputs "
-                f"from data: keep shapes static and values on the device",
+                f"from data: keep shapes static and values on the device{self._piece_hint(desc, v.module_path)}",
                 op=v.op, reason=v.reason, module_path=v.module_path, descriptor=desc, backend=self.backend,
             ) from None
         except CaptureError:
@@ -436,7 +453,8 @@ class GraphManager:
             where = self._tracker.failed_path
             raise CaptureError(
                 f"capture of {desc} failed on the {self.backend} backend"
-                f"{f' in submodule {where!r}' if where else ''}: {type(exc).__name__}: {exc}",
+                f"{f' in submodule {where!r}' if where else ''}: {type(exc).__name__}: {exc}"
+                f"{self._piece_hint(desc, where)}",
                 module_path=where, descriptor=desc, backend=self.backend,
             ) from exc
         out_rows = self._row_kinds(graph.output, desc.num_tokens, reqs)
@@ -444,6 +462,23 @@ class GraphManager:
         if probed is not None and len(probed) == len(out_rows):
             out_rows = list(probed)
         self._entries[desc] = _Entry(graph, reqs, out_rows, sample)
+
+    def eager_modules(self, desc: BatchDescriptor) -> list[torch.nn.Module]:
+        """The submodules ``desc``'s graph runs eagerly: the eager pieces in a
+        PIECEWISE graph, none in a FULL one. Their ops are not the graph's."""
+        return [m for _, m in self.eager_pieces] if desc.mode is GraphMode.PIECEWISE else []
+
+    def _piece_hint(self, desc: BatchDescriptor, path: str) -> str:
+        # An eager piece runs eagerly only in PIECEWISE graphs; a FULL graph
+        # holds the whole forward, pieces included.
+        if desc.mode is GraphMode.PIECEWISE:
+            return ""
+        for piece, _ in self.eager_pieces:
+            if path == piece or path.startswith(piece + "."):
+                return (f". '{piece}' is an eager piece, but only PIECEWISE graphs run it eagerly: a FULL "
+                        f"graph captures the whole forward. Make it capturable, or use mode='PIECEWISE' "
+                        f"(no FULL graphs)")
+        return ""
 
     @staticmethod
     def _row_kinds(output: Any, num_tokens: int, num_reqs: int) -> list[RowKind]:
