@@ -237,7 +237,7 @@ def test_eager_submodules_are_named_by_type_name_or_predicate():
         resolve_eager_submodules(module, ["blocks.2.mix"])
     with pytest.raises(ValueError, match="names type\\(s\\) DeviceMix, but no submodule of PieceNet is one"):
         resolve_eager_submodules(module, DeviceMix)
-    with pytest.raises(ValueError, match="type int is not an nn.Module subclass"):
+    with pytest.raises(ValueError, match=r"type int is not an nn\.Module subclass"):
         resolve_eager_submodules(module, [int])
     with pytest.raises(ValueError, match="predicate must return a bool"):
         resolve_eager_submodules(module, lambda name, m: name)
