@@ -29,31 +29,48 @@ NUM_SLOTS = MAX_REQS * MAX_CTX
 PAD_SLOT = NUM_SLOTS  # the extra last slot: written by padded tokens, never read
 
 
+class Attention(nn.Module):
+    """Writes this step's keys and values into the KV cache, then attends.
+
+    The piece an engine keeps out of PIECEWISE graphs (its kernels take
+    per-batch metadata): the decoder's tests run it eagerly between graph
+    segments there (``eager_submodules=[Attention]``), while FULL graphs
+    capture it with the rest.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(NUM_SLOTS + 1, D))
+        self.register_buffer("v_cache", torch.zeros(NUM_SLOTS + 1, D))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                context: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        t = q.shape[0]
+        # In place: a graph replays the same writes at the same slots' addresses.
+        self.k_cache.index_copy_(0, slot_mapping, k)
+        self.v_cache.index_copy_(0, slot_mapping, v)
+        keys = self.k_cache[context].view(t, MAX_CTX, HEADS, D // HEADS).transpose(1, 2)
+        values = self.v_cache[context].view(t, MAX_CTX, HEADS, D // HEADS).transpose(1, 2)
+        query = q.reshape(t, HEADS, 1, D // HEADS)
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[:, None, None, :])
+        return attn.reshape(t, D)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(D)
         self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.attn = Attention()
         self.out = nn.Linear(D, D, bias=False)
         self.norm2 = nn.LayerNorm(D)
         self.up = nn.Linear(D, 4 * D)
         self.down = nn.Linear(4 * D, D)
-        self.register_buffer("k_cache", torch.zeros(NUM_SLOTS + 1, D))
-        self.register_buffer("v_cache", torch.zeros(NUM_SLOTS + 1, D))
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 context: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        t = h.shape[0]
         q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
-        # Write this step's keys and values into the cache, in place: the
-        # graph replays the same writes at the same slots' addresses.
-        self.k_cache.index_copy_(0, slot_mapping, k)
-        self.v_cache.index_copy_(0, slot_mapping, v)
-        keys = self.k_cache[context].view(t, MAX_CTX, HEADS, D // HEADS).transpose(1, 2)
-        values = self.v_cache[context].view(t, MAX_CTX, HEADS, D // HEADS).transpose(1, 2)
-        query = q.view(t, HEADS, 1, D // HEADS)
-        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[:, None, None, :])
-        h = h + self.out(attn.reshape(t, D))
+        h = h + self.out(self.attn(q, k, v, slot_mapping, context, visible))
         return h + self.down(F.gelu(self.up(self.norm2(h))))
 
 
@@ -96,7 +113,9 @@ class TinyDecoder(nn.Module):
 # position 0; padded requests repeat the batch's end in query_start_loc.
 PAD_VALUES = {"slot_mapping": PAD_SLOT, "query_start_loc": "edge"}
 #: Where padded rows may write: the padding slot of every layer's cache.
-SCRATCH_STATE = {f"layers.{i}.{name}": PAD_SLOT for i in range(2) for name in ("k_cache", "v_cache")}
+SCRATCH_STATE = {f"layers.{i}.attn.{name}": PAD_SLOT for i in range(2) for name in ("k_cache", "v_cache")}
+#: What PIECEWISE graphs run eagerly between their segments.
+EAGER_SUBMODULES = [Attention]
 
 
 def make_inputs(num_tokens: int, num_reqs: int, *, device: str | torch.device = "cpu",
