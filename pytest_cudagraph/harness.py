@@ -79,10 +79,14 @@ class Verifier:
         settings: Settings,
         marker: Mapping[str, Any],
         sink: Callable[[dict[str, Any]], None],
+        *,
+        descriptor: str | None = None,
     ) -> None:
         self.settings = settings
         self.marker = dict(marker)
         self._sink = sink
+        #: The one descriptor to verify (--cudagraph-split=descriptor), by label.
+        self.descriptor = descriptor
         self.reports: list[VerifyReport] = []
 
     def keywords(self, **call: Any) -> dict[str, Any]:
@@ -103,7 +107,19 @@ class Verifier:
         keywords = self.keywords(**call)
         if "capture_sizes" not in keywords:
             pytest.fail(f"cudagraph_verify {_NO_SIZES}", pytrace=False)
-        report = verify(module, make_inputs, **keywords)
+        if self.descriptor is not None:
+            keywords["descriptors"] = (self.descriptor,)
+        try:
+            report = verify(module, make_inputs, **keywords)
+        except ValueError as exc:
+            if self.descriptor is None or "not in the plan" not in str(exc):
+                raise
+            pytest.fail(
+                f"cudagraph_verify: this item verifies descriptor {self.descriptor} (--cudagraph-split="
+                f"descriptor, planned from the marker), but the call's keywords plan other descriptors: {exc}. "
+                "Set the plan in the marker only, or run with --cudagraph-split=test",
+                pytrace=False,
+            )
         self.reports.append(report)
         self._sink(make_record(report.to_dict(), keywords))
         if not report.ok:

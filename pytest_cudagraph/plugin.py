@@ -78,6 +78,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write the cudagraph_benchmark results as a Markdown table fit for a CI job summary "
         "(and PATH.png, speedup against tokens, when matplotlib is installed). ini: cudagraph_bench_report",
     )
+    group.addoption(
+        "--cudagraph-devices",
+        action="store",
+        default=None,
+        dest="cudagraph_devices",
+        metavar="0,1,...",
+        help="CUDA devices for pytest-xdist workers: worker gw<N> uses the N-th (round robin); default "
+        "every visible device. Without xdist the first is used. ini: cudagraph_devices",
+    )
+    group.addoption(
+        "--cudagraph-split",
+        action="store",
+        default=None,
+        dest="cudagraph_split",
+        metavar="test|descriptor",
+        help="test: one item per cudagraph_verify test (default); descriptor: one item per descriptor of "
+        "tests whose marker (or --cudagraph-sizes) sets the capture sizes, so that pytest-xdist spreads "
+        "one model's descriptors over workers. ini: cudagraph_split",
+    )
     parser.addini("cudagraph_verify", "exhaustive verification (as --cudagraph-verify)", type="bool", default=False)
     parser.addini("cudagraph_backend", "graph backend: auto, cuda or emulate (as --cudagraph-backend)", default="")
     parser.addini("cudagraph_sizes", "capture sizes, such as 1,2,4,8 (as --cudagraph-sizes)", default="")
@@ -85,6 +104,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   default="")
     parser.addini("cudagraph_bench_report", "path of the Markdown benchmark report (as --cudagraph-bench-report)",
                   default="")
+    parser.addini("cudagraph_devices", "CUDA devices for xdist workers, such as 0,1 (as --cudagraph-devices)",
+                  default="")
+    parser.addini("cudagraph_split", "test or descriptor (as --cudagraph-split)", default="")
 
 
 # -- configuration and run state -------------------------------------------
@@ -131,6 +153,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if not hasattr(config, "workerinput"):
                 raise
             item.stash[settings.MARKER_ERROR_KEY] = str(exc)  # an xdist worker: error at set-up
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # --cudagraph-split=descriptor: one item per descriptor, so that xdist
+    # spreads one model's descriptors over workers.
+    if "_cudagraph_slice" not in metafunc.fixturenames:
+        return
+    run = _state(metafunc.config).settings
+    if run.split != "descriptor":
+        return
+    try:
+        marker = settings.marker_keywords(metafunc.definition)
+    except pytest.UsageError:
+        return  # reported at collection of the item
+    labels = settings.split_labels(run, marker)
+    if labels:
+        metafunc.parametrize("_cudagraph_slice", labels, indirect=True, ids=labels)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Each xdist worker takes its own GPU (gw<N> -> the N-th of
+    # --cudagraph-devices, or of every visible device), before any test runs,
+    # so that "cuda" means that GPU for the fixtures and the tests alike.
+    config = session.config
+    run = _state(config).settings
+    worker = config.workerinput["workerid"] if hasattr(config, "workerinput") else None
+    if (worker is None and run.devices is None) or run.backend == "emulate":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    count = torch.cuda.device_count()
+    index = settings.worker_device_index(worker, run.devices, count)
+    if index is None:
+        return
+    if index >= count:
+        raise pytest.UsageError(
+            f"--cudagraph-devices names device {index}, but only {count} CUDA device(s) are visible"
+        )
+    torch.cuda.set_device(index)
 
 
 def _cuda_available() -> bool:
@@ -194,14 +257,21 @@ def cudagraph_backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def cudagraph_device(cudagraph_backend: str) -> torch.device:
-    """The test's device: the current CUDA device for the cuda backend, the CPU for emulate."""
+    """The test's device: the current CUDA device for the cuda backend (under pytest-xdist, the
+    worker's own GPU), the CPU for emulate."""
     from .harness import default_device
 
     return default_device(cudagraph_backend)
 
 
 @pytest.fixture
-def cudagraph_verify(request: pytest.FixtureRequest) -> Verifier:
+def _cudagraph_slice(request: pytest.FixtureRequest) -> str | None:
+    """The descriptor this item verifies under --cudagraph-split=descriptor (None: all)."""
+    return getattr(request, "param", None)
+
+
+@pytest.fixture
+def cudagraph_verify(request: pytest.FixtureRequest, _cudagraph_slice: str | None) -> Verifier:
     """``cudagraph_verify(module, make_inputs, **keywords) -> VerifyReport``.
 
     Runs ``pytest_cudagraph.checks.verify`` with keywords from the call, then
@@ -212,7 +282,7 @@ def cudagraph_verify(request: pytest.FixtureRequest) -> Verifier:
 
     state = _state(request.config)
     record = functools.partial(state.add_pending, request.node.nodeid)
-    return Verifier(state.settings, settings.marker_keywords(request.node), record)
+    return Verifier(state.settings, settings.marker_keywords(request.node), record, descriptor=_cudagraph_slice)
 
 
 @pytest.fixture

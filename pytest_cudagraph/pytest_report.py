@@ -119,7 +119,12 @@ def header_line(settings: Settings, resolved_backend: str | None = None) -> str:
     )
     sizes = ",".join(map(str, settings.sizes)) if settings.sizes is not None else "per test"
     report = str(settings.report) if settings.report is not None else "none"
-    return f"cudagraph: backend={backend}, verify={verify}, sizes={sizes}, report={report}"
+    line = f"cudagraph: backend={backend}, verify={verify}, sizes={sizes}, report={report}"
+    if settings.split != "test":
+        line += f", split={settings.split}"
+    if settings.devices is not None:
+        line += f", devices={','.join(map(str, settings.devices))}"
+    return line
 
 
 def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str | None = None) -> str:
@@ -128,10 +133,14 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
     seconds = 0.0
     memory = 0
     failures: list[str] = []
+    devices: list[str] = []
     calls = 0
     for record in records:
         calls += 1
         rep = record["report"]
+        device = str(rep.get("device", ""))
+        if device.startswith("cuda") and device not in devices:
+            devices.append(device)
         captured += len(rep.get("descriptors", []))
         planned += int(rep.get("planned_descriptors", 0))
         seconds += float(rep.get("capture_seconds", 0.0))
@@ -152,6 +161,8 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
         f"capture {format_seconds(seconds)}",
         f"graph memory {format_bytes(memory)}",
     ]
+    if devices:  # which GPU did the work: under pytest-xdist each worker has its own
+        parts.insert(0, "on " + ", ".join(devices))
     line = f"{nodeid}: " + ", ".join(parts)
     if calls > 1:
         line += f" ({calls} verify calls)"

@@ -62,6 +62,7 @@ _MARKER_DEFAULTS: tuple[tuple[str, str], ...] = (
     ("pad_values", "None"),
     ("scratch_state", "None"),
     ("eager_submodules", "None"),
+    ("descriptors", "None"),
     ("seed", "0"),
 )
 MARKER_KEYWORDS: tuple[str, ...] = tuple(name for name, _ in _MARKER_DEFAULTS)
@@ -88,6 +89,10 @@ class Settings:
     sizes: tuple[int, ...] | None = None
     report: Path | None = None
     bench_report: Path | None = None
+    #: CUDA device indices workers take in turn (None: every visible device).
+    devices: tuple[int, ...] | None = None
+    #: "test": one item per verification; "descriptor": one per descriptor.
+    split: str = "test"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +100,8 @@ class Settings:
             "backend": self.backend,
             "sizes": list(self.sizes) if self.sizes is not None else None,
             "report": str(self.report) if self.report is not None else None,
+            "devices": list(self.devices) if self.devices is not None else None,
+            "split": self.split,
         }
 
 
@@ -136,6 +143,42 @@ def parse_sizes(value: object, source: str) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
+SPLITS = ("test", "descriptor")
+
+
+def parse_devices(value: object, source: str) -> tuple[int, ...]:
+    """CUDA device indices from '0,1' (commas and/or spaces); UsageError naming ``source`` otherwise."""
+    expected = "expected a comma-separated list of CUDA device indices, such as 0,1"
+    items = [p for p in re.split(r"[,\s]+", str(value).strip()) if p] if isinstance(value, str) else None
+    if not items or not all(re.fullmatch(r"\d+", p) for p in items):
+        raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
+    devices = tuple(int(p) for p in items)
+    if len(set(devices)) != len(devices):
+        raise pytest.UsageError(f"{source}: {expected}, each once; got {value!r}")
+    return devices
+
+
+def parse_split(value: object, source: str) -> str:
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text not in SPLITS:
+        raise pytest.UsageError(f"{source}: expected one of {', '.join(SPLITS)}; got {value!r}")
+    return str(text)
+
+
+def worker_device_index(worker: str | None, devices: tuple[int, ...] | None, count: int) -> int | None:
+    """The CUDA device an xdist worker uses: ``gw<N>`` takes the N-th of ``devices``
+    (every visible device by default), round robin. None without xdist and without
+    ``devices`` (the current device stays), or without a device."""
+    pool = devices if devices is not None else tuple(range(count))
+    if not pool:
+        return None
+    if worker is None:
+        return pool[0] if devices is not None else None
+    match = re.fullmatch(r"gw(\d+)", worker)
+    number = int(match.group(1)) if match else 0
+    return pool[number % len(pool)]
+
+
 def _ini_bool(config: pytest.Config, name: str) -> bool:
     try:
         return bool(config.getini(name))
@@ -175,8 +218,25 @@ def session_settings(config: pytest.Config) -> Settings:
     elif sizes_ini is not None:
         sizes = parse_sizes(sizes_ini, "ini option cudagraph_sizes")
 
+    devices_opt = config.getoption("cudagraph_devices", default=None)
+    devices_ini = _ini_str(config, "cudagraph_devices")
+    devices: tuple[int, ...] | None = None
+    if devices_opt is not None:
+        devices = parse_devices(devices_opt, "--cudagraph-devices")
+    elif devices_ini is not None:
+        devices = parse_devices(devices_ini, "ini option cudagraph_devices")
+
+    split_opt = config.getoption("cudagraph_split", default=None)
+    split_ini = _ini_str(config, "cudagraph_split")
+    if split_opt is not None:
+        split = parse_split(split_opt, "--cudagraph-split")
+    elif split_ini is not None:
+        split = parse_split(split_ini, "ini option cudagraph_split")
+    else:
+        split = "test"
+
     return Settings(verify=verify, backend=backend, sizes=sizes, report=_path(config, "cudagraph_report"),
-                    bench_report=_path(config, "cudagraph_bench_report"))
+                    bench_report=_path(config, "cudagraph_bench_report"), devices=devices, split=split)
 
 
 def _path(config: pytest.Config, name: str) -> Path | None:
@@ -289,3 +349,35 @@ def verify_keywords(
     if test.sizes is not None:
         keywords["capture_sizes"] = test.sizes
     return keywords
+
+
+# -- splitting a verification by descriptor ---------------------------------
+_PLAN_KEYWORDS = ("capture_sizes", "max_num_reqs", "mode", "decode_query_len", "lora_cases", "varlen_decode",
+                  "max_capture_size", "num_ubatches", "ubatch_min_tokens")
+
+
+def split_labels(run: Settings, marker: Mapping[str, Any]) -> list[str] | None:
+    """The descriptor labels a test is split into under ``--cudagraph-split=descriptor``.
+
+    Known at collection only when the marker (or ``--cudagraph-sizes``) sets
+    the plan; None otherwise, and the test stays one item. Plan errors are
+    left for the test to report.
+    """
+    from .plan import CaptureConfig, CapturePlan
+    from .plan.selection import select_descriptors
+
+    keywords = verify_keywords(run, marker, None)
+    if "capture_sizes" not in keywords:
+        return None
+    config = {k: v for k, v in keywords.items() if k in _PLAN_KEYWORDS}
+    config.setdefault("max_num_reqs", max(config["capture_sizes"]))
+    try:
+        plan = CapturePlan(CaptureConfig(**config))
+    except (TypeError, ValueError):
+        return None
+    selected = select_descriptors(plan.capture_order, exhaustive=run.verify)
+    wanted = marker.get("descriptors")
+    labels = [d.label() for d in selected]
+    if wanted is not None:
+        labels = [label for label in labels if label in set(wanted)]
+    return labels or None

@@ -25,6 +25,9 @@ for s in "$@"; do
     fast) PYTEST_CUDAGRAPH_CAPTURE=fast step fast 120 python -m pytest tests -m cuda -n 8 $P -q -rfE ;;
     checked) PYTEST_CUDAGRAPH_CAPTURE=checked step checked 120 python -m pytest tests -m cuda -n 8 $P -q -rfE ;;
     examples) step examples 120 python -m pytest --cudagraph-verify examples/ $P --cudagraph-report="$OUT/examples.json" ;;
+    examples-n0) step examples-n0 200 python -m pytest --cudagraph-verify examples/ $P -n 0 --cudagraph-report="$OUT/examples_n0.json" ;;
+    examples-n2) step examples-n2 200 python -m pytest --cudagraph-verify examples/ $P -n 2 --cudagraph-split=descriptor --cudagraph-report="$OUT/examples_n2.json" ;;
+    ablation) step ablation 120 python benchmarks/capture_ablation.py ;;
     bench) step bench 200 python benchmarks/bench_replay.py --out "$OUT/bench.json" ;;
     pytest-bench) step pytest-bench 90 python -m pytest benchmarks/ $P -q --benchmark-json="$OUT/pytest_bench.json" --cudagraph-bench-report="$OUT/bench.md" ;;
     *) echo "unknown step $s" >>"$OUT/steps.txt" ;;

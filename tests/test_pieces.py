@@ -190,7 +190,7 @@ def test_full_graphs_capture_whole_and_name_a_piece_they_cannot_hold(backend, de
 
 
 def test_verify_checks_piecewise_graphs_and_names_the_segment(backend, device):
-    report = verify(PieceNet(), piece_inputs(device), capture_sizes=SIZES, max_num_reqs=4, mode="PIECEWISE",
+    report = verify(PieceNet().to(device), piece_inputs(device), capture_sizes=SIZES, max_num_reqs=4, mode="PIECEWISE",
                     backend=backend, device=device, pad_values={"query_start_loc": "edge"},
                     eager_submodules=[HostPlannedMix])
     assert report.ok, report.format()
@@ -213,6 +213,7 @@ def test_verify_checks_piecewise_graphs_and_names_the_segment(backend, device):
 
     module = PieceNet()
     module.inp = Memo()
+    module.to(device)
     report = verify(module, piece_inputs(device), capture_sizes=(4,), max_num_reqs=4, mode="PIECEWISE",
                     backend=backend, device=device, pad_values={"query_start_loc": "edge"},
                     eager_submodules=[HostPlannedMix], checks=["fresh_inputs"])

@@ -298,7 +298,7 @@ def test_marker_backend_beats_option(inner: pytest.Pytester) -> None:
 def test_ini_twins(inner: pytest.Pytester) -> None:
     inner.makeini(
         "[pytest]\ncudagraph_verify = true\ncudagraph_backend = emulate\n"
-        "cudagraph_sizes = 4 2 1\ncudagraph_report = out/cg.json\n"
+        "cudagraph_sizes = 4 2 1\ncudagraph_report = out/cg.json\ncudagraph_split = test\ncudagraph_devices = 0\n"
     )
     inner.makepyfile(
         """
@@ -313,10 +313,12 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1)
     path = inner.path / "out" / "cg.json"
     result.stdout.fnmatch_lines(
-        [f"cudagraph: backend=emulate, verify=every descriptor and every check, sizes=1,2,4, report={path}"]
+        [f"cudagraph: backend=emulate, verify=every descriptor and every check, sizes=1,2,4, report={path}, "
+         "devices=0"]
     )
     data = json.loads(path.read_text())
-    assert data["settings"] == {"verify": True, "backend": "emulate", "sizes": [1, 2, 4], "report": str(path)}
+    assert data["settings"] == {"verify": True, "backend": "emulate", "sizes": [1, 2, 4], "report": str(path),
+                                "devices": [0], "split": "test"}
     # the options beat their ini twins
     result = inner.runpytest("--cudagraph-sizes=1,2", "--cudagraph-report=other.json")
     result.assert_outcomes(failed=1)  # 2 descriptors planned now, not 3
@@ -386,7 +388,8 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines([f"cudagraph: JSON report written to {path}"])
     data = json.loads(path.read_text())
     assert data["version"] == 1
-    assert data["settings"] == {"verify": False, "backend": "auto", "sizes": None, "report": str(path)}
+    assert data["settings"] == {"verify": False, "backend": "auto", "sizes": None, "report": str(path),
+                                "devices": None, "split": "test"}
     assert set(data["tests"]) == {"test_rep.py::test_twice", "test_rep.py::test_buggy"}  # only verifying tests
 
     twice = data["tests"]["test_rep.py::test_twice"]

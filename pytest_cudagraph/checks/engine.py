@@ -13,6 +13,7 @@ from ..errors import CaptureError
 from ..manager import GraphManager
 from ..manager.pieces import EagerSpec
 from ..plan import BatchDescriptor, CaptureConfig, GraphMode
+from ..plan.selection import select_descriptors
 from .context import ScratchRegion, VerifyContext
 from .report import Finding, Outcome, VerifyReport
 from .suite import (
@@ -38,19 +39,6 @@ CHECKS: tuple[str, ...] = (
     "address_stability",
     "rng",
 )
-
-
-def select_descriptors(descs: Iterable[BatchDescriptor], *, exhaustive: bool) -> list[BatchDescriptor]:
-    """All descriptors, or (quick) the smallest and largest of each mode, in capture order."""
-    ordered = list(descs)
-    if exhaustive:
-        return ordered
-    keep: set[BatchDescriptor] = set()
-    for mode in {d.mode for d in ordered}:
-        same = [d for d in ordered if d.mode is mode]
-        keep.add(min(same, key=lambda d: (d.num_tokens, d.num_active_loras)))
-        keep.add(max(same, key=lambda d: (d.num_tokens, -d.num_active_loras)))
-    return [d for d in ordered if d in keep]
 
 
 #: Property-tests the manager's dispatch; runs in exhaustive verification.
@@ -95,6 +83,7 @@ def verify(
     pad_values: Mapping[str, Any] | None = None,
     scratch_state: Mapping[str, ScratchRegion] | None = None,
     eager_submodules: EagerSpec = None,
+    descriptors: Iterable[str] | None = None,
     seed: int = 0,
 ) -> VerifyReport:
     """Capture every descriptor of ``module`` and check each against eager.
@@ -104,7 +93,9 @@ def verify(
     output and first differing index, and the first divergent submodule.
     ``exhaustive=False`` verifies only the smallest and largest descriptor of
     each mode. ``eager_submodules`` (see ``GraphManager``) captures PIECEWISE
-    descriptors as graph segments around those submodules. Bad arguments
+    descriptors as graph segments around those submodules. ``descriptors``
+    (labels such as ``"FULL-T8-R4"``) verifies only those; the dispatch check
+    then runs only with the first descriptor verified in full. Bad arguments
     raise ``ValueError``.
     """
     names = _check_names(checks)
@@ -130,7 +121,8 @@ def verify(
     with torch.random.fork_rng(devices=rng_devices):
         return _verify(module, make_inputs, config, names, backend=backend, device=device, rtol=rtol, atol=atol,
                        batch_invariant=batch_invariant, exhaustive=exhaustive, pad_values=pad_values,
-                       scratch_state=scratch_state, eager_submodules=eager_submodules, seed=seed)
+                       scratch_state=scratch_state, eager_submodules=eager_submodules,
+                       descriptors=None if descriptors is None else tuple(descriptors), seed=seed)
 
 
 def _verify(
@@ -148,6 +140,7 @@ def _verify(
     pad_values: Mapping[str, Any] | None,
     scratch_state: Mapping[str, ScratchRegion] | None,
     eager_submodules: EagerSpec,
+    descriptors: tuple[str, ...] | None,
     seed: int,
 ) -> VerifyReport:
     torch.manual_seed(seed)
@@ -158,6 +151,16 @@ def _verify(
     manager = GraphManager(module, make_inputs, config, backend=backend or "auto", device=device,
                            pad_values=pad_values, checked_capture=True, eager_submodules=eager_submodules)
     selected = select_descriptors(manager.plan.capture_order, exhaustive=exhaustive)
+    # The dispatch check concerns the whole plan: in a verification split by
+    # descriptor it runs once, with the first one.
+    run_dispatch = True
+    if descriptors is not None:
+        labels = {d.label(): d for d in manager.plan.capture_order}
+        unknown = [label for label in descriptors if label not in labels]
+        if unknown:
+            raise ValueError(f"descriptors {unknown} are not in the plan; its descriptors are {', '.join(labels)}")
+        run_dispatch = bool(selected) and selected[0].label() in descriptors
+        selected = [d for d in selected if d.label() in descriptors]
     report = VerifyReport(
         module=type(module).__name__,
         backend=manager.backend,
@@ -181,7 +184,7 @@ def _verify(
                         exhaustive=exhaustive, scratch_state=scratch_state or {})
     try:
         with ctx.preserved_state():
-            _run(ctx, report, selected, names)
+            _run(ctx, report, selected, names if run_dispatch else tuple(n for n in names if n != DISPATCH_CHECK))
         report.real_batches = ctx.real_batches_run
     finally:
         manager.release()
