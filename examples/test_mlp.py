@@ -13,5 +13,6 @@ from examples.mlp import MLPBlock, make_inputs
 def test_mlp_graphs_match_eager(cudagraph_verify, cudagraph_device):
     module = MLPBlock().to(cudagraph_device)
     report = cudagraph_verify(module, functools.partial(make_inputs, device=cudagraph_device))
-    assert report.ok
-    assert len(report.descriptors) >= 4
+    # Every descriptor of the plan, or under --cudagraph-split=descriptor the
+    # one this item verifies.
+    assert report.ok and report.descriptors

@@ -54,15 +54,23 @@ def default_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _backend_and_device(test: Settings, chosen: Mapping[str, Any]) -> tuple[str, torch.device | str | None]:
+def _backend_and_device(
+    test: Settings, chosen: Mapping[str, Any], module: torch.nn.Module | None = None
+) -> tuple[str, torch.device | str | None]:
     """Backend and device for a manager: given ones win; with no device the settings' pair is used.
 
     A device given without a backend keeps 'auto' so that the device decides.
+    On CUDA a module already on a GPU stays on its GPU (under pytest-xdist,
+    the worker's), whatever the current device.
     """
     device = chosen.get("device")
     if device is not None:
         return test.backend, device
     backend = concrete_backend(test.backend)
+    if backend == "cuda" and module is not None:
+        on = next((t.device for t in (*module.parameters(), *module.buffers())), None)
+        if on is not None and on.type == "cuda":
+            return backend, on
     return backend, default_device(backend)
 
 
@@ -89,11 +97,11 @@ class Verifier:
         self.descriptor = descriptor
         self.reports: list[VerifyReport] = []
 
-    def keywords(self, **call: Any) -> dict[str, Any]:
+    def keywords(self, module: torch.nn.Module | None = None, **call: Any) -> dict[str, Any]:
         """The keywords ``verify`` gets for these call keywords (without module and inputs)."""
         check_keywords(call, VERIFY_KEYWORDS, "cudagraph_verify")
         keywords = verify_keywords(self.settings, self.marker, call)
-        backend, device = _backend_and_device(resolve(self.settings, self.marker, call), keywords)
+        backend, device = _backend_and_device(resolve(self.settings, self.marker, call), keywords, module)
         keywords["backend"] = backend
         keywords["device"] = device
         return keywords
@@ -104,7 +112,7 @@ class Verifier:
         make_inputs: Callable[[int, int], Mapping[str, Any]],
         **call: Any,
     ) -> VerifyReport:
-        keywords = self.keywords(**call)
+        keywords = self.keywords(module, **call)
         if "capture_sizes" not in keywords:
             pytest.fail(f"cudagraph_verify {_NO_SIZES}", pytrace=False)
         if self.descriptor is not None:
@@ -159,7 +167,7 @@ class ManagerFactory:
             marker = {k: v for k, v in marker.items() if k not in CONFIG_KEYWORDS}
         chosen = verify_keywords(self.settings, marker, keywords)
         test = resolve(self.settings, marker, keywords)
-        backend, device = _backend_and_device(test, chosen)
+        backend, device = _backend_and_device(test, chosen, module)
         if config is None:
             if "capture_sizes" not in chosen:
                 pytest.fail(f"cudagraph_manager {_NO_SIZES}", pytrace=False)

@@ -12,7 +12,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def device(backend: str) -> torch.device:
-    return torch.device("cuda", 0) if backend == "cuda" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)

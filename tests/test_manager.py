@@ -426,7 +426,7 @@ def test_cpu_tensor_on_the_cuda_path_is_named():
         def forward(self, x):
             return self.lin(x) + torch.ones(8)  # a CPU tensor read by a CUDA kernel
 
-    mgr = make(HostConst(), lambda t, r: {"x": torch.randn(t, 8, device="cuda")}, "cuda", torch.device("cuda", 0))
+    mgr = make(HostConst(), lambda t, r: {"x": torch.randn(t, 8, device="cuda")}, "cuda", torch.device("cuda", torch.cuda.current_device()))
     with pytest.raises(CaptureError, match="CPU tensor on the CUDA path") as info:
         mgr.capture()
     assert info.value.module_path == ""
@@ -447,7 +447,7 @@ def test_an_illegal_call_the_guard_cannot_see_still_leaves_the_manager_usable():
             return y
 
     module = Syncs()
-    mgr = make(module, lambda t, r: {"x": torch.randn(t, 8, device="cuda")}, "cuda", torch.device("cuda", 0))
+    mgr = make(module, lambda t, r: {"x": torch.randn(t, 8, device="cuda")}, "cuda", torch.device("cuda", torch.cuda.current_device()))
     with pytest.raises(CaptureError) as info:
         mgr.capture()
     assert info.value.descriptor == mgr.plan.capture_order[0]
@@ -460,7 +460,7 @@ def test_an_illegal_call_the_guard_cannot_see_still_leaves_the_manager_usable():
 @pytest.mark.cuda
 def test_many_release_recapture_cycles_share_no_dead_pool():
     module = models.TransformerBlock().cuda().eval()
-    mgr = make(module, models.block_inputs(device="cuda"), "cuda", torch.device("cuda", 0), mode="FULL_AND_PIECEWISE")
+    mgr = make(module, models.block_inputs(device="cuda"), "cuda", torch.device("cuda", torch.cuda.current_device()), mode="FULL_AND_PIECEWISE")
     for _ in range(4):
         mgr.capture()
         mgr.release()
@@ -473,7 +473,7 @@ def test_releasing_one_manager_leaves_another_correct():
     # PyTorch drops a stream's cuBLAS workspace whenever a graph captured on
     # that stream dies; a workspace shared across managers would then be
     # handed to other tensors while live graphs still write to it.
-    dev = torch.device("cuda", 0)
+    dev = torch.device("cuda", torch.cuda.current_device())
     keep_module = models.TransformerBlock().cuda().eval()
     make_inputs = models.block_inputs(device="cuda", seed=3)
     keep = make(keep_module, make_inputs, "cuda", dev, capture_sizes=(64, 128), max_num_reqs=64)

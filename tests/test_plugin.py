@@ -396,7 +396,7 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     assert twice["outcome"] == "passed"
     first, second = twice["verifications"]
     assert first["keywords"] == {"capture_sizes": [1, 2, 4], "backend": AUTO_BACKEND, "exhaustive": False,
-                                 "device": "cuda:0" if AUTO_BACKEND == "cuda" else "cpu"}
+                                 "device": f"cuda:{torch.cuda.current_device()}" if AUTO_BACKEND == "cuda" else "cpu"}
     rep = first["report"]
     assert (rep["module"], rep["backend"], rep["mode"], rep["passed"]) == ("Tiny", AUTO_BACKEND, "FULL", True)
     assert rep["planned_descriptors"] == 3
