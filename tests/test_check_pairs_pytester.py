@@ -44,4 +44,6 @@ def test_buggy_module_fails_through_the_plugin(pair: Pair, run_inner) -> None:
 def test_correct_twin_passes_through_the_plugin(pair: Pair, run_inner) -> None:
     result = run_inner(pair.correct)
     result.assert_outcomes(passed=1)
-    result.stdout.re_match_lines([r".*test_module: \d+/\d+ descriptors captured, \d+ checks passed, 0 failed.*"])
+    result.stdout.re_match_lines(
+        [r".*test_module: (on cuda:\d+, )?\d+/\d+ descriptors captured, \d+ checks passed, 0 failed.*"]
+    )
