@@ -252,13 +252,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--skip-cuda", action="store_true")
     parser.add_argument("--profile-capture", action="store_true")
+    parser.add_argument("--capture-only", action="store_true", help="only the capture and memory targets")
     args = parser.parse_args()
     results: dict[str, Any] = {"date": str(datetime.date.today()), "torch": torch.__version__}
-    results["emulator"] = [emulator_ratio(256, 1), emulator_ratio(256, 64), emulator_ratio(1024, 64)]
+    if not args.capture_only:
+        results["emulator"] = [emulator_ratio(256, 1), emulator_ratio(256, 64), emulator_ratio(1024, 64)]
     if torch.cuda.is_available() and not args.skip_cuda:
         device = torch.device("cuda", 0)
         results["device"] = torch.cuda.get_device_name(device)
-        results["run_vs_hand"] = [run_vs_hand(256, 1, device), run_vs_hand(1024, 64, device)]
+        if not args.capture_only:
+            results["run_vs_hand"] = [run_vs_hand(256, 1, device), run_vs_hand(1024, 64, device)]
         results["capture"] = capture_vs_hand(256, device)
         if args.profile_capture:
             results["capture_profile"] = profile_capture(device)

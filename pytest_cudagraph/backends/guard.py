@@ -230,25 +230,46 @@ class CaptureGuard:
     def function_mode(self) -> Iterator[None]:
         """Report the Python-level tensor methods that hand device data to the host.
 
-        The eight methods are replaced on ``torch.Tensor`` for the duration,
-        rather than watched through a ``TorchFunctionMode``: a mode sees every
-        torch call, which doubles the cost of a capture, while these wrappers
-        cost nothing to the calls they do not name. The wrappers are built
-        once and report to the innermost active guard.
+        The eight methods are replaced on ``torch.Tensor`` (see
+        ``host_methods_watched``) rather than watched through a
+        ``TorchFunctionMode``: a mode sees every torch call, which doubles the
+        cost of a capture, while these wrappers cost nothing to the calls they
+        do not name. They report to the innermost active guard.
         """
-        wrappers = _host_wrappers()
-        _ACTIVE.append(self)
+        with host_methods_watched():
+            _ACTIVE.append(self)
+            try:
+                yield
+            finally:
+                _ACTIVE.pop()
+
+
+@contextlib.contextmanager
+def host_methods_watched() -> Iterator[None]:
+    """Keep the eight host methods replaced by reporting wrappers for the duration.
+
+    Nested uses share one replacement. A capture sequence holds it from its
+    first graph to its last: replacing an attribute of ``torch.Tensor``
+    invalidates the interpreter's attribute caches for every tensor, which
+    costs more than the replacement itself, so it is done once a sequence,
+    not once a graph. With no guard active the wrappers call straight through.
+    """
+    global _PATCH_DEPTH
+    wrappers = _host_wrappers()
+    if _PATCH_DEPTH == 0:
         for name, (_original, wrapper) in wrappers.items():
             setattr(torch.Tensor, name, wrapper)
-        try:
-            yield
-        finally:
-            _ACTIVE.pop()
-            if not _ACTIVE:
-                for name, (original, _wrapper) in wrappers.items():
-                    setattr(torch.Tensor, name, original)
+    _PATCH_DEPTH += 1
+    try:
+        yield
+    finally:
+        _PATCH_DEPTH -= 1
+        if _PATCH_DEPTH == 0:
+            for name, (original, _wrapper) in wrappers.items():
+                setattr(torch.Tensor, name, original)
 
 
+_PATCH_DEPTH = 0
 #: Guards whose function_mode is active, innermost last.
 _ACTIVE: list[CaptureGuard] = []
 _WRAPPERS: dict[str, tuple[Any, Any]] = {}

@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..backends.base import Backend, CapturedGraph, make_backend, resolve_checked
-from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker, Violation
+from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker, Violation, host_methods_watched
 from ..context import running
 from ..errors import CaptureError
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
@@ -354,8 +354,9 @@ class GraphManager:
             if self._probed_rows is None:
                 self._probed_rows = self._probe_output_rows()
             self._backend.begin()
-            for desc in self._progress(order):
-                self._capture_one(desc)
+            with host_methods_watched():  # once for the sequence: see its docstring
+                for desc in self._progress(order):
+                    self._capture_one(desc)
         except BaseException:
             self.release()
             raise
