@@ -186,14 +186,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if not torch.cuda.is_available():
         return
     count = torch.cuda.device_count()
-    index = settings.worker_device_index(worker, run.devices, count)
-    if index is None:
-        return
-    if index >= count:
+    missing = [d for d in run.devices or () if d >= count]
+    if missing:  # checked once, where it can stop the run (a worker's error would crash it)
+        if worker is not None:
+            return
         raise pytest.UsageError(
-            f"--cudagraph-devices names device {index}, but only {count} CUDA device(s) are visible"
+            f"--cudagraph-devices names device(s) {missing}, but only {count} CUDA device(s) are visible"
         )
-    torch.cuda.set_device(index)
+    if worker is None and getattr(config.option, "numprocesses", None):
+        return  # the xdist controller runs no test: its workers take the devices
+    index = settings.worker_device_index(worker, run.devices, count)
+    if index is not None:
+        torch.cuda.set_device(index)
 
 
 def _cuda_available() -> bool:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -192,6 +192,20 @@ def _ini_str(config: pytest.Config, name: str) -> str | None:
     return text or None
 
 
+_T = TypeVar("_T")
+
+
+def _option_or_ini(config: pytest.Config, name: str, parse: Callable[[object, str], _T]) -> _T | None:
+    """``--cudagraph-NAME``, else ini ``cudagraph_NAME``, parsed; None when neither is set."""
+    option = config.getoption(f"cudagraph_{name}", default=None)
+    if option is not None:
+        return parse(option, f"--cudagraph-{name}")
+    ini = _ini_str(config, f"cudagraph_{name}")
+    if ini is not None:
+        return parse(ini, f"ini option cudagraph_{name}")
+    return None
+
+
 def session_settings(config: pytest.Config) -> Settings:
     """The run's settings: command-line option > ini value > default.
 
@@ -201,40 +215,10 @@ def session_settings(config: pytest.Config) -> Settings:
     verify_opt = config.getoption("cudagraph_verify")
     verify = bool(verify_opt) if verify_opt is not None else _ini_bool(config, "cudagraph_verify")
 
-    backend_opt = config.getoption("cudagraph_backend")
-    backend_ini = _ini_str(config, "cudagraph_backend")
-    if backend_opt is not None:
-        backend = parse_backend(backend_opt, "--cudagraph-backend")
-    elif backend_ini is not None:
-        backend = parse_backend(backend_ini, "ini option cudagraph_backend")
-    else:
-        backend = "auto"
-
-    sizes_opt = config.getoption("cudagraph_sizes")
-    sizes_ini = _ini_str(config, "cudagraph_sizes")
-    sizes: tuple[int, ...] | None = None
-    if sizes_opt is not None:
-        sizes = parse_sizes(sizes_opt, "--cudagraph-sizes")
-    elif sizes_ini is not None:
-        sizes = parse_sizes(sizes_ini, "ini option cudagraph_sizes")
-
-    devices_opt = config.getoption("cudagraph_devices", default=None)
-    devices_ini = _ini_str(config, "cudagraph_devices")
-    devices: tuple[int, ...] | None = None
-    if devices_opt is not None:
-        devices = parse_devices(devices_opt, "--cudagraph-devices")
-    elif devices_ini is not None:
-        devices = parse_devices(devices_ini, "ini option cudagraph_devices")
-
-    split_opt = config.getoption("cudagraph_split", default=None)
-    split_ini = _ini_str(config, "cudagraph_split")
-    if split_opt is not None:
-        split = parse_split(split_opt, "--cudagraph-split")
-    elif split_ini is not None:
-        split = parse_split(split_ini, "ini option cudagraph_split")
-    else:
-        split = "test"
-
+    backend = _option_or_ini(config, "backend", parse_backend) or "auto"
+    sizes = _option_or_ini(config, "sizes", parse_sizes)
+    devices = _option_or_ini(config, "devices", parse_devices)
+    split = _option_or_ini(config, "split", parse_split) or "test"
     return Settings(verify=verify, backend=backend, sizes=sizes, report=_path(config, "cudagraph_report"),
                     bench_report=_path(config, "cudagraph_bench_report"), devices=devices, split=split)
 
@@ -375,9 +359,11 @@ def split_labels(run: Settings, marker: Mapping[str, Any]) -> list[str] | None:
         plan = CapturePlan(CaptureConfig(**config))
     except (TypeError, ValueError):
         return None
-    selected = select_descriptors(plan.capture_order, exhaustive=run.verify)
     wanted = marker.get("descriptors")
-    labels = [d.label() for d in selected]
     if wanted is not None:
-        labels = [label for label in labels if label in set(wanted)]
+        # Named descriptors are verified whatever the quick selection says.
+        wanted = {wanted} if isinstance(wanted, str) else set(wanted)
+        labels = [d.label() for d in plan.capture_order if d.label() in wanted]
+    else:
+        labels = [d.label() for d in select_descriptors(plan.capture_order, exhaustive=bool(keywords["exhaustive"]))]
     return labels or None

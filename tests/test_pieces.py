@@ -246,3 +246,143 @@ def test_eager_submodules_are_named_by_type_name_or_predicate():
         resolve_eager_submodules(module, [3])
     with pytest.raises(ValueError, match="must be a module type, a dotted submodule name"):
         resolve_eager_submodules(module, 3)  # type: ignore[arg-type]
+
+
+class Gate(nn.Module):
+    """Returns its input (a view of it when ``view``): the result aliases graph memory."""
+
+    def __init__(self, view: bool = False) -> None:
+        super().__init__()
+        self.view = view
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h[:, :] if self.view else h
+
+
+class Gated(nn.Module):
+    def __init__(self, view: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.gate = Gate(view)
+
+    def forward(self, x: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + self.gate(h)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_piece_returning_its_own_input_gets_a_bridge_of_its_own(backend, device, view):
+    # Copying the next result into the piece's input would overwrite h, which
+    # the next segment also reads: the piece's result is copied out instead.
+    mgr = manager(Gated(view), backend, device, eager=[Gate])
+    mgr.capture()
+    for seed in range(3):
+        inputs = piece_inputs(device, seed=seed)(5, 2)
+        torch.testing.assert_close(mgr.run(**inputs), mgr.eager(**inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_piece_calling_another_piece_runs_it_inside(backend, device):
+    class Outer(nn.Module):
+        def forward(self, h: torch.Tensor, mix: nn.Module, qsl: torch.Tensor) -> torch.Tensor:
+            return mix(h, qsl) * 2
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+            self.outer = Outer()
+            self.mix = HostPlannedMix()
+
+        def forward(self, x: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+            return self.lin(self.outer(self.lin(x), self.mix, query_start_loc))
+
+    mgr = manager(Net(), backend, device, eager=["outer", "mix"])
+    mgr.capture()
+    graph = mgr.graph(mgr.plan.capture_order[0])
+    assert isinstance(graph, SegmentedGraph) and graph.pieces == ["outer"]
+    inputs = piece_inputs(device, seed=4)(7, 3)
+    torch.testing.assert_close(mgr.run(**inputs), mgr.eager(**inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_failing_piece_is_named_at_capture_and_on_replay(backend, device):
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fail = False
+
+        def forward(self, h: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                raise RuntimeError("planner out of memory")
+            return h * 2
+
+    module = PieceNet(mix=Flaky, layers=1)
+    mgr = manager(module, backend, device, eager=[Flaky])
+    module.blocks[0].mix.fail = True
+    with pytest.raises(CaptureError, match="planner out of memory") as info:
+        mgr.capture()
+    assert info.value.module_path == "blocks.0.mix"
+    module.blocks[0].mix.fail = False
+    mgr.capture()
+    module.blocks[0].mix.fail = True
+    from pytest_cudagraph.manager.pieces import EagerPieceError
+
+    with pytest.raises(EagerPieceError, match=r"eager piece 'blocks\.0\.mix' failed on replay: RuntimeError"):
+        mgr.run(**piece_inputs(device)(3, 2))
+
+
+def test_a_non_tensor_result_that_changes_is_an_error(backend, device):
+    class Counts(nn.Module):
+        def forward(self, h: torch.Tensor, query_start_loc: torch.Tensor):
+            return h + 1, int(query_start_loc[-1])  # a host value, frozen in the next segment
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+            self.counts = Counts()
+
+        def forward(self, x: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+            h, n = self.counts(self.lin(x), query_start_loc)
+            return h * n
+
+    mgr = manager(Net(), backend, device, eager=[Counts])
+    mgr.capture()
+    from pytest_cudagraph.manager.pieces import EagerPieceError
+
+    with pytest.raises(EagerPieceError, match="returned 3 on replay where it returned 4 at capture"):
+        mgr.run(**piece_inputs(device)(3, 2))
+
+
+def test_a_replaced_submodule_is_found_at_the_next_capture(backend, device):
+    module = PieceNet(layers=1)
+    mgr = manager(module, backend, device, eager=[HostPlannedMix])
+    module.blocks[0].mix = HostPlannedMix()  # after the manager was made
+    mgr.capture()
+    graph = mgr.graph(mgr.plan.capture_order[0])
+    assert isinstance(graph, SegmentedGraph) and graph.pieces == ["blocks.0.mix"]
+    inputs = piece_inputs(device)(5, 2)
+    torch.testing.assert_close(mgr.run(**inputs), mgr.eager(**inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_module_instance_is_not_a_predicate():
+    module = PieceNet()
+    with pytest.raises(ValueError, match=r"got a module instance \(HostPlannedMix\); pass its name \('blocks.0.mix'\)"):
+        resolve_eager_submodules(module, module.blocks[0].mix)
+    with pytest.raises(ValueError, match="got a module instance"):
+        resolve_eager_submodules(module, [module.blocks[0].mix])
+
+
+def test_verify_named_descriptors_are_verified_whatever_the_quick_selection(backend, device):
+    kw = {"capture_sizes": SIZES, "max_num_reqs": 4, "backend": backend, "device": device, "exhaustive": False,
+          "pad_values": {"query_start_loc": "edge"}}
+    report = verify(PieceNet(mix=DeviceMix).to(device), piece_inputs(device), descriptors="FULL-T2-R2", **kw)
+    assert [d.label() for d in report.descriptors] == ["FULL-T2-R2"] and report.ok and report.outcomes
+    with pytest.raises(ValueError, match=r"descriptors \['FULL-T3-R3'\] are not in the plan"):
+        verify(PieceNet(mix=DeviceMix).to(device), piece_inputs(device), descriptors=["FULL-T3-R3"], **kw)
+    # The plan's first descriptor carries the plan-wide dispatch check.
+    kw["exhaustive"] = True
+    first = verify(PieceNet(mix=DeviceMix).to(device), piece_inputs(device), descriptors=["FULL-T8-R4"], **kw)
+    (dispatch,) = [o for o in first.outcomes if o.check == "dispatch"]
+    assert dispatch.passed and not dispatch.skipped
+    other = verify(PieceNet(mix=DeviceMix).to(device), piece_inputs(device), descriptors=["FULL-T1-R1"], **kw)
+    assert not [o for o in other.outcomes if o.check == "dispatch"]

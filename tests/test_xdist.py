@@ -144,3 +144,31 @@ def test_each_worker_verifies_on_its_own_gpu(inner: pytest.Pytester) -> None:  #
     devices = {v["verifications"][0]["report"]["device"] for v in data["tests"].values()}
     assert devices == {"cuda:0", "cuda:1"}
     result.stdout.fnmatch_lines(["*test_big*: on cuda:1, *"])
+
+
+def test_split_items_of_a_quick_run_each_verify_their_descriptor(inner: pytest.Pytester) -> None:  # noqa: F811
+    # Without --cudagraph-verify the quick selection is split; an item named
+    # in the marker's descriptors is verified even where quick mode skips it.
+    inner.makepyfile(test_x="""
+import pytest
+from cgmods import Tiny, make_inputs
+
+
+@pytest.mark.cudagraph(capture_sizes=(1, 2, 4, 8))
+def test_quick(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs)
+
+
+@pytest.mark.cudagraph(capture_sizes=(1, 2, 4, 8), descriptors=["FULL-T2-R2"])
+def test_named(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs)
+""")
+    result = inner.runpytest("--cudagraph-split=descriptor", "--cudagraph-report=report.json")
+    result.assert_outcomes(passed=3)
+    data = json.loads((inner.path / "report.json").read_text())
+    for nodeid, test in data["tests"].items():
+        (verification,) = test["verifications"]
+        labels = [d["label"] for d in verification["report"]["descriptors"]]
+        assert labels == [nodeid.split("[")[1].rstrip("]")] and verification["report"]["outcomes"]
+    assert sorted(data["tests"]) == ["test_x.py::test_named[FULL-T2-R2]", "test_x.py::test_quick[FULL-T1-R1]",
+                                     "test_x.py::test_quick[FULL-T8-R8]"]

@@ -19,7 +19,7 @@ from ..context import running
 from ..errors import CaptureError
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
 from .layout import PROBES, InputSpec, PadValue, call_make_inputs, infer_layout
-from .pieces import EagerSpec, capture_in_pieces, resolve_eager_submodules
+from .pieces import EagerPieceError, EagerSpec, capture_in_pieces, resolve_eager_submodules
 
 __all__ = ["Batch", "GraphManager"]
 
@@ -344,6 +344,8 @@ class GraphManager:
         started = time.perf_counter()
         self._tracker.refresh()
         self._holders = _tensor_holders(list(self.module.modules()))
+        # Submodules replaced since the last capture are found again.
+        self.eager_pieces = resolve_eager_submodules(self.module, self._eager_spec)
         # No cyclic garbage collection while the sequence runs: a collected
         # graph of another manager, captured on a stream PyTorch's stream pool
         # also handed to this one, would drop that stream's cuBLAS workspace
@@ -451,7 +453,7 @@ class GraphManager:
         except CaptureError:
             raise
         except Exception as exc:
-            where = self._tracker.failed_path
+            where = self._tracker.failed_path or (exc.path if isinstance(exc, EagerPieceError) else "")
             raise CaptureError(
                 f"capture of {desc} failed on the {self.backend} backend"
                 f"{f' in submodule {where!r}' if where else ''}: {type(exc).__name__}: {exc}"

@@ -24,14 +24,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..backends.base import Backend, CapturedGraph, OpenCapture
 from ..backends.guard import CaptureGuard
 from ..context import running
 from ..plan import BatchDescriptor
 
-__all__ = ["EagerCall", "EagerSpec", "SegmentedGraph", "capture_in_pieces", "resolve_eager_submodules"]
+__all__ = [
+    "EagerCall", "EagerPieceError", "EagerSpec", "SegmentedGraph", "capture_in_pieces", "resolve_eager_submodules",
+]
 
 #: What ``eager_submodules`` accepts: module types, dotted names, or a
 #: predicate ``(name, module) -> bool``.
@@ -48,6 +50,13 @@ def resolve_eager_submodules(module: torch.nn.Module, spec: EagerSpec) -> list[t
     if spec is None:
         return []
     named = [(n, m) for n, m in module.named_modules() if n]
+    if isinstance(spec, torch.nn.Module):
+        path = next((n for n, m in named if m is spec), None)
+        hint = f"its name ({path!r})" if path else "its dotted name"
+        raise ValueError(
+            f"eager_submodules got a module instance ({type(spec).__name__}); pass {hint}, its type "
+            f"({type(spec).__name__}), or a predicate (name, module) -> bool"
+        )
     if isinstance(spec, (type, str)):
         spec = [spec]
     if callable(spec) and not isinstance(spec, type):
@@ -74,6 +83,11 @@ def resolve_eager_submodules(module: torch.nn.Module, spec: EagerSpec) -> list[t
         types: list[type] = []
         wanted: set[str] = set()
         for item in items:
+            if isinstance(item, torch.nn.Module):
+                raise ValueError(
+                    f"eager_submodules got a module instance ({type(item).__name__}); pass its dotted "
+                    f"name or its type"
+                )
             if isinstance(item, type):
                 if not issubclass(item, torch.nn.Module):
                     raise ValueError(f"eager_submodules type {item.__name__} is not an nn.Module subclass")
@@ -101,6 +115,38 @@ def resolve_eager_submodules(module: torch.nn.Module, spec: EagerSpec) -> list[t
     return outer
 
 
+class EagerPieceError(RuntimeError):
+    """An eager piece failed, at capture or on replay; ``path`` names it."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def _storages(values: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)}
+
+
+def own_result(output: Any, reads: set[int]) -> Any:
+    """``output`` with every tensor the piece does not own replaced by a copy.
+
+    A result that aliases the piece's inputs or its module's state (an input
+    returned as is, a view of it, a buffer) or overlaps itself (an expand)
+    cannot take the next replay's result: copying into it would overwrite
+    what it aliases. The copy is the piece's own bridge.
+    """
+    leaves, spec = tree_flatten(output)
+    changed = False
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        overlapping = any(st == 0 for st, size in zip(leaf.stride(), leaf.shape, strict=True) if size > 1)
+        if leaf.untyped_storage().data_ptr() in reads or overlapping:
+            leaves[i] = leaf.clone()
+            changed = True
+    return tree_unflatten(leaves, spec) if changed else output
+
+
 class EagerCall:
     """One eager piece as captured: its call, and the tensors its result goes into."""
 
@@ -111,23 +157,40 @@ class EagerCall:
         self.args = args
         self.kwargs = kwargs
         self.output = output
-        self.bridges = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        leaves, self.spec = tree_flatten(output)
+        self.bridges = [t for t in leaves if isinstance(t, torch.Tensor)]
+        # What the next segment saw of the non-tensor results: frozen there.
+        self.frozen = [(i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)]
 
     def __call__(self) -> None:
-        result = self.module(*self.args, **self.kwargs)
-        fresh = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
-        if len(fresh) != len(self.bridges):
-            raise RuntimeError(
-                f"eager piece '{self.path}' returned {len(fresh)} tensor(s) on replay but {len(self.bridges)} "
-                "at capture: the next graph segment reads them at fixed addresses, so an eager piece must "
-                "return the same structure every time"
+        try:
+            result = self.module(*self.args, **self.kwargs)
+        except Exception as exc:
+            raise EagerPieceError(
+                self.path, f"eager piece '{self.path}' failed on replay: {type(exc).__name__}: {exc}"
+            ) from exc
+        leaves, spec = tree_flatten(result)
+        if spec != self.spec:
+            raise EagerPieceError(
+                self.path,
+                f"eager piece '{self.path}' returned {spec} on replay but {self.spec} at capture: the next graph "
+                "segment reads its results at fixed places, so an eager piece must return the same structure",
             )
+        for i, value in self.frozen:
+            if leaves[i] is not value and leaves[i] != value:
+                raise EagerPieceError(
+                    self.path,
+                    f"eager piece '{self.path}' returned {leaves[i]!r} on replay where it returned {value!r} at "
+                    "capture: the graph segment after it froze the capture-time value. Return it as a tensor",
+                )
+        fresh = [t for t in leaves if isinstance(t, torch.Tensor)]
         for bridge, new in zip(self.bridges, fresh, strict=True):
-            if new.shape != bridge.shape or new.dtype != bridge.dtype:
-                raise RuntimeError(
+            if new.shape != bridge.shape or new.dtype != bridge.dtype or new.device != bridge.device:
+                raise EagerPieceError(
+                    self.path,
                     f"eager piece '{self.path}' returned a {new.dtype} tensor of shape {tuple(new.shape)} on "
-                    f"replay but {bridge.dtype} {tuple(bridge.shape)} at capture: an eager piece must return "
-                    "the same shapes for the same descriptor"
+                    f"{new.device} on replay but {bridge.dtype} {tuple(bridge.shape)} on {bridge.device} at "
+                    "capture: an eager piece must return the same shapes for the same descriptor",
                 )
             if new.data_ptr() != bridge.data_ptr():
                 bridge.copy_(new)
@@ -170,27 +233,38 @@ def capture_in_pieces(
     pieces: list[tuple[str, torch.nn.Module]],
     desc: BatchDescriptor,
 ) -> SegmentedGraph:
-    """Capture ``forward`` as graph segments, running ``pieces`` eagerly between them."""
+    """Capture ``forward`` as graph segments, inside ``pieces`` eagerly between them."""
     steps: list[CapturedGraph | EagerCall] = []
     current: list[OpenCapture] = []
-    calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    # The piece running now, with its call; a piece it calls runs inside it.
+    inside: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
 
     def cut(path: str) -> Callable[..., None]:
         def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             # The first pre-hook: the piece's own pre-hooks run eagerly, as
             # they will on replay, where the recorded call goes through them.
-            calls[id(module)] = (args, kwargs)
+            if inside:
+                inside.append((path, args, kwargs))  # called by a piece: part of that one
+                return
+            if not current:
+                raise EagerPieceError(path, f"eager piece '{path}' was entered with no graph segment open")
+            inside.append((path, args, kwargs))
             segment = current.pop().end(None)
             steps.append(segment)
             if not backend.capture_executes:
                 segment.replay()
         return before
 
-    def resume(path: str) -> Callable[..., None]:
-        def after(module: torch.nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
-            args, kwargs = calls.pop(id(module))
+    def resume(path: str) -> Callable[..., Any]:
+        def after(module: torch.nn.Module, _args: Any, _kwargs: Any, output: Any) -> Any:
+            _, args, kwargs = inside.pop()
+            if inside:
+                return None  # still inside the outer piece
+            output = own_result(output, _storages((args, kwargs)) | _storages(
+                [*module.parameters(), *module.buffers()]))
             steps.append(EagerCall(path, module, args, kwargs, output))
             current.append(backend.open_capture(guard))
+            return output
         return after
 
     handles = []
@@ -204,9 +278,15 @@ def capture_in_pieces(
             current.append(backend.open_capture(guard))
             try:
                 output = forward()
-            except BaseException:
+            except BaseException as exc:
                 if current:
                     current.pop().abort()
+                steps.clear()  # the segments ended so far die now, not with the traceback
+                if inside and not isinstance(exc, EagerPieceError):
+                    path = inside[0][0]
+                    raise EagerPieceError(
+                        path, f"eager piece '{path}' failed while {desc} was captured: {type(exc).__name__}: {exc}"
+                    ) from exc
                 raise
             steps.append(current.pop().end(output))
     finally:
