@@ -88,15 +88,35 @@ class _Entry:
 
 
 @dataclass
-class _Hot:
-    """What run() decided for a batch shape, and the views it copies into and cuts."""
+class _LoadPlan:
+    """Where a batch of one shape goes for one descriptor: views of the static
+    buffers, made once (on the replay path a slice costs as much as a copy's
+    launch)."""
 
-    desc: BatchDescriptor
-    entry: _Entry
-    batch: Batch
-    # (input name, real rows of the static buffer, padded rows or None, pad value)
+    # (input name, its real rows in the static buffer, the padded rows or None, pad value)
     loads: list[tuple[str, torch.Tensor, torch.Tensor | None, PadValue]]
     masks: list[tuple[torch.Tensor, bool]]  # is_padding views and the value they get
+
+    def apply(self, inputs: Mapping[str, Any]) -> None:
+        """Copy the real rows in and pad the rest."""
+        for name, head, tail, pad in self.loads:
+            value = inputs[name]
+            head.copy_(value)
+            if tail is not None:
+                if pad == "edge":
+                    tail.copy_(value[-1:].expand_as(tail))
+                else:
+                    tail.fill_(pad)
+        for mask, flag in self.masks:
+            mask.fill_(flag)
+
+
+@dataclass
+class _Hot:
+    """What run() decided for a batch shape: the graph, and the views it copies into and cuts."""
+
+    entry: _Entry
+    load: _LoadPlan
     cut: list[Any]
 
 
@@ -190,7 +210,8 @@ class GraphManager:
         )
         self._tensor_specs = [(n, spec) for n, spec in self._inputs.items() if spec.kind != "const"]
         self._tensor_names = {n for n, _ in self._tensor_specs}
-        self._views: dict[tuple[str, int, int], torch.Tensor] = {}
+        # (descriptor tokens, its request rows, real tokens, real requests) -> views to load
+        self._plans: dict[tuple[int, int, int, int], _LoadPlan] = {}
         # run()'s hot path: the input shapes of a batch seen before -> what
         # dispatch, validation and padding decided for it (see _hot_run).
         self._hot: dict[tuple[Any, ...], _Hot] = {}
@@ -627,47 +648,20 @@ class GraphManager:
 
     def _make_hot(self, desc: BatchDescriptor, batch: Batch) -> _Hot:
         entry = self._entries[desc]
-        loads: list[tuple[str, torch.Tensor, torch.Tensor | None, PadValue]] = []
-        for name, spec in self._tensor_specs:
-            assert spec.buffer is not None
-            if spec.kind == "fixed":
-                loads.append((name, spec.buffer, None, 0))
-                continue
-            real = spec.rows(batch.num_tokens, batch.num_reqs)
-            rows = spec.rows(desc.num_tokens, entry.num_reqs)
-            loads.append((name, spec.buffer[:real], spec.buffer[real:rows] if rows > real else None, spec.pad))
-        masks: list[tuple[torch.Tensor, bool]] = []
-        if self._is_padding is not None:
-            masks.append((self._is_padding[: batch.num_tokens], False))
-            if desc.num_tokens > batch.num_tokens:
-                masks.append((self._is_padding[batch.num_tokens : desc.num_tokens], True))
-        self._cut(entry, batch)  # fills entry.cuts for this batch
-        return _Hot(desc, entry, batch, loads, masks, entry.cuts[(batch.num_tokens, batch.num_reqs)])
+        return _Hot(entry, self._load_plan(desc, batch), self._cut_views(entry, batch))
 
     def _replay_hot(self, hot: _Hot, inputs: Mapping[str, Any]) -> Any:
-        # The same work as _replay, with every view made in advance.
-        if torch.is_grad_enabled() and any(v.requires_grad for v in inputs.values()):
+        # Static buffers and graph outputs never require grad, so autograd has
+        # nothing to record unless an input does; entering no_grad costs as
+        # much as a kernel launch on this path, so only then.
+        if torch.is_grad_enabled() and any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values()
+        ):
             with torch.no_grad():
                 return self._replay_hot(hot, inputs)
-        for name, head, tail, pad in hot.loads:
-            value = inputs[name]
-            head.copy_(value)
-            if tail is not None:
-                if pad == "edge":
-                    tail.copy_(value[-1:].expand_as(tail))
-                else:
-                    tail.fill_(pad)
-        for mask, flag in hot.masks:
-            mask.fill_(flag)
-        entry = hot.entry
-        entry.graph.replay()
-        if self.output_views:
-            cut = hot.cut
-        else:
-            cut = [t.clone() if isinstance(t, torch.Tensor) else t for t in hot.cut]
-        if entry.single:
-            return cut[0]
-        return tree_unflatten(list(cut), entry.treespec)
+        hot.load.apply(inputs)
+        hot.entry.graph.replay()
+        return self._owned(hot.entry, hot.cut)
 
     def run_batch(
         self,
@@ -718,10 +712,10 @@ class GraphManager:
         )
         if desc.mode is GraphMode.NONE:
             return self._run_eager(inputs, batch, desc)  # not remembered: capture() may add its graph
-        out = self._replay(desc, inputs, batch)
+        hot = self._make_hot(desc, batch)
         if key is not None:
-            self._hot[key] = self._make_hot(desc, batch)
-        return out
+            self._hot[key] = hot
+        return self._replay_hot(hot, inputs)
 
     def batch_of(
         self,
@@ -843,61 +837,40 @@ class GraphManager:
             self._load(desc, inputs, batch)
 
     def _load(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> None:
-        entry = self._entries.get(desc)
-        reqs = entry.num_reqs if entry is not None else self.capture_reqs(desc)
-        views = self._views
-        for name, spec in self._tensor_specs:
-            buf = spec.buffer
-            assert buf is not None
-            value = inputs[name]
-            if spec.kind == "fixed":
-                buf.copy_(value)
-                continue
-            real = spec.rows(batch.num_tokens, batch.num_reqs)
-            rows = spec.rows(desc.num_tokens, reqs)
-            # Views of the static buffers are made once per row count: on the
-            # replay path a slice costs as much as the copy's launch.
-            key = (name, 0, real)
-            head = views.get(key)
-            if head is None:
-                head = views[key] = buf[:real]
-            head.copy_(value)
-            if rows > real:
-                key = (name, real, rows)
-                tail = views.get(key)
-                if tail is None:
-                    tail = views[key] = buf[real:rows]
-                if spec.pad == "edge":
-                    tail.copy_(value[-1:].expand(rows - real, *spec.trailing))
-                else:
-                    tail.fill_(spec.pad)
-        if self._is_padding is not None:
-            self._is_padding[: batch.num_tokens].fill_(False)
-            self._is_padding[batch.num_tokens : desc.num_tokens].fill_(True)
+        self._load_plan(desc, batch).apply(inputs)
 
-    def _replay(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> Any:
-        entry = self._entries[desc]
-        # Static buffers and graph outputs never require grad, so autograd has
-        # nothing to record unless an input does; entering no_grad costs as
-        # much as a kernel launch on this path, so only then.
-        if torch.is_grad_enabled() and any(
-            isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values()
-        ):
-            with torch.no_grad():
-                return self._replay_entry(entry, desc, inputs, batch)
-        return self._replay_entry(entry, desc, inputs, batch)
-
-    def _replay_entry(self, entry: _Entry, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> Any:
-        self._load(desc, inputs, batch)
-        entry.graph.replay()
-        return self._cut(entry, batch)
+    def _load_plan(self, desc: BatchDescriptor, batch: Batch) -> _LoadPlan:
+        reqs = self.capture_reqs(desc)
+        key = (desc.num_tokens, reqs, batch.num_tokens, batch.num_reqs)
+        plan = self._plans.get(key)
+        if plan is None:
+            loads: list[tuple[str, torch.Tensor, torch.Tensor | None, PadValue]] = []
+            for name, spec in self._tensor_specs:
+                buf = spec.buffer
+                assert buf is not None
+                if spec.kind == "fixed":
+                    loads.append((name, buf, None, 0))
+                    continue
+                real = spec.rows(batch.num_tokens, batch.num_reqs)
+                rows = spec.rows(desc.num_tokens, reqs)
+                loads.append((name, buf[:real], buf[real:rows] if rows > real else None, spec.pad))
+            masks: list[tuple[torch.Tensor, bool]] = []
+            if self._is_padding is not None:
+                masks.append((self._is_padding[: batch.num_tokens], False))
+                if desc.num_tokens > batch.num_tokens:
+                    masks.append((self._is_padding[batch.num_tokens : desc.num_tokens], True))
+            plan = self._plans[key] = _LoadPlan(loads, masks)
+        return plan
 
     def real_rows(self, desc: BatchDescriptor, batch: Batch) -> Any:
         """The last replay's outputs of ``desc``, cut to the batch's real rows."""
         with torch.no_grad():
-            return self._cut(self._entries[desc], batch)
+            entry = self._entries[desc]
+            return self._owned(entry, self._cut_views(entry, batch))
 
-    def _cut(self, entry: _Entry, batch: Batch) -> Any:
+    @staticmethod
+    def _cut_views(entry: _Entry, batch: Batch) -> list[Any]:
+        """The output leaves cut to the batch's real rows: views, made once per batch shape."""
         key = (batch.num_tokens, batch.num_reqs)
         cut = entry.cuts.get(key)
         if cut is None:
@@ -909,6 +882,10 @@ class GraphManager:
                     leaf = leaf[: batch.num_reqs]
                 cut.append(leaf)
             entry.cuts[key] = cut
+        return cut
+
+    def _owned(self, entry: _Entry, cut: list[Any]) -> Any:
+        """The cut outputs in the forward's structure: copies the caller owns, or views with output_views."""
         if not self.output_views:
             cut = [t.clone() if isinstance(t, torch.Tensor) else t for t in cut]
         if entry.single:
