@@ -100,6 +100,15 @@ class HandWritten:
         return out[:n].clone()
 
 
+def timed_capture(capture: Any) -> float:
+    """Wall seconds of ``capture()``, with the device idle before and after."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    capture()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def interleaved(a: Any, b: Any, device: torch.device, pairs: int = 60, **kw: Any) -> tuple[float, float, float]:
     """Medians of a and b, and the median ratio a/b, over rounds taken in strict turn.
 
@@ -161,19 +170,11 @@ def capture_vs_hand(d: int, device: torch.device) -> dict[str, Any]:
         for kind in ("checked", "fast"):
             manager = GraphManager(module, inputs_for(d, device), config, backend="cuda", device=device,
                                    progress=False, checked_capture=kind == "checked")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            manager.capture()
-            torch.cuda.synchronize()
-            results[kind].append(time.perf_counter() - t0)
+            results[kind].append(timed_capture(manager.capture))
             manager.release()
             del manager
         hand = HandWritten(module, d, SIZES_67, device)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        hand.capture()
-        torch.cuda.synchronize()
-        results["hand"].append(time.perf_counter() - t0)
+        results["hand"].append(timed_capture(hand.capture))
         del hand
         torch.cuda.empty_cache()
     # Memory, in a capture of its own: measuring device memory per graph costs time.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_replay import SIZES_67, HandWritten, Stack, inputs_for
+from bench_replay import SIZES_67, HandWritten, Stack, inputs_for, timed_capture
 
 import pytest_cudagraph.backends.cuda as cuda_mod
 import pytest_cudagraph.manager.graph_manager as gm
@@ -60,20 +59,12 @@ def main() -> None:
                                    progress=False, checked_capture=False)
             if "probe" in patch:
                 manager._probed_rows = ["tokens"]
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            manager.capture()
-            torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(timed_capture(manager.capture))
             manager.release()
             for (owner, attr), value in saved.items():
                 setattr(owner, attr, value)
         hand = HandWritten(module, 256, SIZES_67, device)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        hand.capture()
-        torch.cuda.synchronize()
-        times["hand"].append(time.perf_counter() - t0)
+        times["hand"].append(timed_capture(hand.capture))
         del hand
         torch.cuda.empty_cache()
     hand = statistics.median(times["hand"])
