@@ -30,7 +30,7 @@ import torch
 
 from ..context import running
 from ..manager import GraphManager
-from ..manager.layout import call_make_inputs
+from ..manager.graph_manager import buffers_restored
 from ..plan import BatchDescriptor, GraphMode
 
 __all__ = ["MemoryEstimate", "estimate_full_graph_memory", "estimate_pool_replica", "extrapolate"]
@@ -109,10 +109,7 @@ def _pool_growth_of_eager_forwards(manager: GraphManager, order: list[BatchDescr
         base = 0
         with torch.no_grad(), torch.cuda.use_mem_pool(pool, device=device):
             for i, desc in enumerate(order):
-                reqs = manager.capture_reqs(desc)
-                inputs = call_make_inputs(manager.make_inputs, desc.num_tokens, reqs)
-                manager.load_inputs(desc, inputs, manager.batch_of(inputs, num_reqs=reqs))
-                kwargs = manager.forward_inputs(desc.num_tokens, reqs)
+                _, kwargs = manager.stage_sample(desc)
                 with running(desc):
                     kept.append(manager.module(**kwargs))
                 if i == 0:
@@ -154,12 +151,6 @@ def estimate_pool_replica(
         first = (probe.device_memory if device_wide else probe.graph_memory)[full[0]]
     finally:
         probe.release()
-    snapshot = {name: t.detach().clone() for name, t in manager.module.named_buffers()}
-    try:
+    with buffers_restored(manager.module):
         later = _pool_growth_of_eager_forwards(manager, full) if len(full) > 1 else 0
-    finally:
-        with torch.no_grad():
-            for name, t in manager.module.named_buffers():
-                if name in snapshot:
-                    t.copy_(snapshot[name])
     return MemoryEstimate(len(full), (first, later), first + later, measured, "replica")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -57,6 +58,20 @@ def _tensors_of(holders: list[tuple[torch.nn.Module, list[str]]]) -> list[Any]:
             elif isinstance(value, dict):
                 found.extend(v for v in value.values() if isinstance(v, torch.Tensor))
     return found
+
+
+@contextlib.contextmanager
+def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
+    """Put the module's buffers back as they were when the block ends: for
+    forwards run only to learn something (shapes, memory), not for their effect."""
+    snapshot = {name: t.detach().clone() for name, t in module.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, t in module.named_buffers():
+                if name in snapshot:
+                    t.copy_(snapshot[name])
 
 
 class _Uncapturable(Exception):
@@ -403,14 +418,21 @@ class GraphManager:
         bar: Iterable[BatchDescriptor] = tqdm(order, desc=f"Capturing graphs ({self.backend})", unit="graph")
         return bar
 
+    def stage_sample(self, desc: BatchDescriptor) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``make_inputs`` at ``desc``'s own shape, loaded into the static buffers:
+        (the sample, the keyword inputs a forward of that shape reads).
+
+        Captures run on valid data of their very shape (indices in range, say):
+        a prefix of the largest shape's inputs need not be valid.
+        """
+        reqs = self.capture_reqs(desc)
+        sample = call_make_inputs(self._make_inputs, desc.num_tokens, reqs)
+        self.load_inputs(desc, sample, self.batch_of(sample, num_reqs=reqs))
+        return sample, self.forward_inputs(desc.num_tokens, reqs)
+
     def _capture_one(self, desc: BatchDescriptor) -> None:
         reqs = self.capture_reqs(desc)
-        # Capture on valid data of this very shape (indices in range, say):
-        # a prefix of the largest shape's inputs need not be valid.
-        sample = call_make_inputs(self._make_inputs, desc.num_tokens, reqs)
-        sample_batch = self.batch_of(sample, num_reqs=reqs)
-        self.load_inputs(desc, sample, sample_batch)
-        kwargs = self.forward_inputs(desc.num_tokens, reqs)
+        sample, kwargs = self.stage_sample(desc)
 
         def forward() -> Any:
             with running(desc):
@@ -529,21 +551,16 @@ class GraphManager:
         one when it holds as many tokens as requests. None if the module cannot
         run at the probe shapes; then each descriptor's own shapes decide.
         """
-        snapshot = {name: t.detach().clone() for name, t in self.module.named_buffers()}
         leaves = []
         try:
-            for num_tokens, num_reqs in PROBES:
-                kwargs = self.eager_kwargs(call_make_inputs(self._make_inputs, num_tokens, num_reqs), num_tokens)
-                marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
-                with torch.no_grad(), running(marker):
-                    leaves.append(tree_flatten(self.module(**kwargs))[0])
+            with buffers_restored(self.module):
+                for num_tokens, num_reqs in PROBES:
+                    kwargs = self.eager_kwargs(call_make_inputs(self._make_inputs, num_tokens, num_reqs), num_tokens)
+                    marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
+                    with torch.no_grad(), running(marker):
+                        leaves.append(tree_flatten(self.module(**kwargs))[0])
         except Exception:
             return None
-        finally:
-            with torch.no_grad():
-                for name, t in self.module.named_buffers():
-                    if name in snapshot:
-                        t.copy_(snapshot[name])
         (t1, r1), (t2, r2) = PROBES
         kinds: list[RowKind] = []
         for a, b in zip(leaves[0], leaves[1], strict=False):
