@@ -32,14 +32,15 @@ def _graph_collects_garbage() -> bool:
 
 
 class CudaGraph(CapturedGraph):
-    def __init__(self, graph: torch.cuda.CUDAGraph, output: Any, nbytes: int, device_bytes: int) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: Any, nbytes: int, device_bytes: int,
+                 *, empty: bool = False) -> None:
         self.graph = graph
         self.output = output
         self.nbytes = nbytes
         self.device_bytes = device_bytes
         #: Nothing was recorded (a PIECEWISE segment between two eager pieces):
         #: replaying it would only ask the driver to launch nothing.
-        self.empty = False
+        self.empty = empty
 
     def replay(self) -> None:
         if not self.empty:
@@ -114,8 +115,7 @@ class _CudaCapture(OpenCapture):
             # the instantiated graph, which the caching allocator never sees.
             torch.cuda.synchronize(device)
             taken = self.free_before - torch.cuda.mem_get_info(device)[0]
-        captured = CudaGraph(graph, output, max(grown, 0), max(taken, 0))
-        captured.empty = empty
+        captured = CudaGraph(graph, output, max(grown, 0), max(taken, 0), empty=empty)
         captured.hold(self.reads)  # what the checked capture saw the graph read
         return captured
 

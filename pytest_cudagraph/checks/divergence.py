@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..manager.pieces import SegmentedGraph
+from ..manager.pieces import SegmentedGraph, piece_of
 from ..plan import BatchDescriptor
 from .compare import first_difference
 
@@ -78,10 +78,6 @@ def _first_divergent(graph: list[Record], eager: list[Record], *, rtol: float | 
     return None
 
 
-def _inside_piece(name: str, pieces: list[str]) -> bool:
-    return any(name.startswith(p + ".") for p in pieces)
-
-
 def _segment_of(records: list[Record], index: int, pieces: list[str], segments: int) -> str:
     """Which part of a PIECEWISE graph record ``index`` ran in.
 
@@ -91,7 +87,7 @@ def _segment_of(records: list[Record], index: int, pieces: list[str], segments: 
     """
     segment = 1
     for i, (name, _) in enumerate(records):
-        piece = next((p for p in pieces if name == p or name.startswith(p + ".")), None)
+        piece = piece_of(name, pieces)
         if i == index:
             return f"eager piece '{piece}'" if piece is not None else f"graph segment {segment} of {segments}"
         if piece is not None and name == piece:
@@ -144,9 +140,10 @@ def locate_divergence(
         eager = eager_rec.records
         if pieces:
             # Inside an eager piece only its result is bridged into the graph
-            # on replay; its submodules' capture-time outputs are stale.
-            graph = [r for r in graph if not _inside_piece(r[0], pieces)]
-            eager = [r for r in eager if not _inside_piece(r[0], pieces)]
+            # on replay; its submodules' capture-time outputs are stale. Keep
+            # records outside every piece, and each piece's own.
+            graph = [r for r in graph if piece_of(r[0], pieces) in (None, r[0])]
+            eager = [r for r in eager if piece_of(r[0], pieces) in (None, r[0])]
         if against_real:
             index = _first_divergent(graph, eager, rtol=ctx.rtol, atol=ctx.atol)
         else:

@@ -20,7 +20,7 @@ from ..context import running
 from ..errors import CaptureError
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
 from .layout import PROBES, InputSpec, PadValue, call_make_inputs, infer_layout
-from .pieces import EagerPieceError, EagerSpec, capture_in_pieces, resolve_eager_submodules
+from .pieces import EagerPieceError, EagerSpec, capture_in_pieces, piece_of, resolve_eager_submodules
 
 __all__ = ["Batch", "GraphManager"]
 
@@ -519,11 +519,11 @@ class GraphManager:
         # holds the whole forward, pieces included.
         if desc.mode is GraphMode.PIECEWISE:
             return ""
-        for piece, _ in self.eager_pieces:
-            if path == piece or path.startswith(piece + "."):
-                return (f". '{piece}' is an eager piece, but only PIECEWISE graphs run it eagerly: a FULL "
-                        f"graph captures the whole forward. Make it capturable, or use mode='PIECEWISE' "
-                        f"(no FULL graphs)")
+        piece = piece_of(path, [p for p, _ in self.eager_pieces])
+        if piece is not None:
+            return (f". '{piece}' is an eager piece, but only PIECEWISE graphs run it eagerly: a FULL "
+                    f"graph captures the whole forward. Make it capturable, or use mode='PIECEWISE' "
+                    f"(no FULL graphs)")
         return ""
 
     @staticmethod

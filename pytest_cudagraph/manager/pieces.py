@@ -32,7 +32,8 @@ from ..context import running
 from ..plan import BatchDescriptor
 
 __all__ = [
-    "EagerCall", "EagerPieceError", "EagerSpec", "SegmentedGraph", "capture_in_pieces", "resolve_eager_submodules",
+    "EagerCall", "EagerPieceError", "EagerSpec", "SegmentedGraph", "capture_in_pieces", "piece_of",
+    "resolve_eager_submodules",
 ]
 
 #: What ``eager_submodules`` accepts: module types, dotted names, or a
@@ -113,6 +114,11 @@ def resolve_eager_submodules(module: torch.nn.Module, spec: EagerSpec) -> list[t
         if not any(name.startswith(o + ".") for o, _ in outer):
             outer.append((name, sub))
     return outer
+
+
+def piece_of(path: str, pieces: Iterable[str]) -> str | None:
+    """The piece that submodule ``path`` is, or runs inside; None if it is in no piece."""
+    return next((p for p in pieces if path == p or path.startswith(p + ".")), None)
 
 
 class EagerPieceError(RuntimeError):
