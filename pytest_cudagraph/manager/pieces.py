@@ -162,7 +162,6 @@ class EagerCall:
         self.module = module
         self.args = args
         self.kwargs = kwargs
-        self.output = output
         leaves, self.spec = tree_flatten(output)
         self.bridges = [t for t in leaves if isinstance(t, torch.Tensor)]
         # What the next segment saw of the non-tensor results: frozen there.
