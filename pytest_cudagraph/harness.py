@@ -15,22 +15,18 @@ from .checks import VerifyReport, verify
 from .manager import GraphManager
 from .plan import CaptureConfig
 from .pytest_report import make_record
-from .settings import VERIFY_KEYWORDS, Settings, check_keywords, concrete_backend, resolve, verify_keywords
+from .settings import (
+    CONFIG_KEYWORDS,
+    VERIFY_KEYWORDS,
+    Settings,
+    check_keywords,
+    concrete_backend,
+    resolve,
+    verify_keywords,
+)
 
 __all__ = ["ManagerFactory", "Verifier", "default_device"]
 
-#: ``CaptureConfig``'s keywords.
-CONFIG_KEYWORDS: tuple[str, ...] = (
-    "capture_sizes",
-    "max_num_reqs",
-    "mode",
-    "decode_query_len",
-    "lora_cases",
-    "varlen_decode",
-    "max_capture_size",
-    "num_ubatches",
-    "ubatch_min_tokens",
-)
 #: ``GraphManager``'s keywords besides the module, inputs and config.
 MANAGER_KEYWORDS: tuple[str, ...] = ("backend", "device", "pad_values", "output_views", "progress",
                                      "eager_submodules")
@@ -174,8 +170,8 @@ class ManagerFactory:
             config_kw = {k: v for k, v in chosen.items() if k in CONFIG_KEYWORDS}
             config_kw.setdefault("max_num_reqs", max(config_kw["capture_sizes"]))
             config = CaptureConfig(**config_kw)
-        extra = {k: v for k, v in chosen.items() if k in ("pad_values", "output_views", "progress",
-                                                           "eager_submodules")}
+        # GraphManager's own keywords; backend and device were resolved above.
+        extra = {k: v for k, v in chosen.items() if k in MANAGER_KEYWORDS and k not in ("backend", "device")}
         # Checked capture, as verify() does: a test is where bugs are named.
         manager = GraphManager(module, make_inputs, config, backend=backend, device=device,
                                checked_capture=True, **extra)

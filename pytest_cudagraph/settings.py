@@ -66,6 +66,18 @@ _MARKER_DEFAULTS: tuple[tuple[str, str], ...] = (
     ("seed", "0"),
 )
 MARKER_KEYWORDS: tuple[str, ...] = tuple(name for name, _ in _MARKER_DEFAULTS)
+#: ``CaptureConfig``'s keywords: the part of the marker's that sets the plan.
+CONFIG_KEYWORDS: tuple[str, ...] = (
+    "capture_sizes",
+    "max_num_reqs",
+    "mode",
+    "decode_query_len",
+    "lora_cases",
+    "varlen_decode",
+    "max_capture_size",
+    "num_ubatches",
+    "ubatch_min_tokens",
+)
 #: Keywords the ``cudagraph_verify`` fixture takes: the marker's and ``exhaustive``.
 VERIFY_KEYWORDS: tuple[str, ...] = (*MARKER_KEYWORDS, "exhaustive")
 #: On an xdist worker, a malformed marker's message: the test errors with it at
@@ -336,8 +348,6 @@ def verify_keywords(
 
 
 # -- splitting a verification by descriptor ---------------------------------
-_PLAN_KEYWORDS = ("capture_sizes", "max_num_reqs", "mode", "decode_query_len", "lora_cases", "varlen_decode",
-                  "max_capture_size", "num_ubatches", "ubatch_min_tokens")
 
 
 def split_labels(run: Settings, marker: Mapping[str, Any]) -> list[str] | None:
@@ -353,7 +363,7 @@ def split_labels(run: Settings, marker: Mapping[str, Any]) -> list[str] | None:
     keywords = verify_keywords(run, marker, None)
     if "capture_sizes" not in keywords:
         return None
-    config = {k: v for k, v in keywords.items() if k in _PLAN_KEYWORDS}
+    config = {k: v for k, v in keywords.items() if k in CONFIG_KEYWORDS}
     config.setdefault("max_num_reqs", max(config["capture_sizes"]))
     try:
         plan = CapturePlan(CaptureConfig(**config))
