@@ -228,7 +228,7 @@ class GraphManager:
         # (descriptor tokens, its request rows, real tokens, real requests) -> views to load
         self._plans: dict[tuple[int, int, int, int], _LoadPlan] = {}
         # run()'s hot path: the input shapes of a batch seen before -> what
-        # dispatch, validation and padding decided for it (see _hot_run).
+        # dispatch, validation and padding decided for it (see run_batch).
         self._hot: dict[tuple[Any, ...], _Hot] = {}
         self._probed_rows: list[RowKind] | None = None
         self._device_index = self.device.index if self.device.type == "cuda" else -1
