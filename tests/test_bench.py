@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pytest_cudagraph import CaptureConfig, GraphManager
-from pytest_cudagraph.bench import extrapolate, measure_manager, time_rounds
+from pytest_cudagraph.bench import extrapolate, measure_manager, time_interleaved, time_rounds
 from pytest_cudagraph.bench.memory import (
     MIN_PER_GRAPH_BYTES,
     estimate_full_graph_memory,
@@ -28,6 +28,20 @@ def test_time_rounds_counts_rounds_and_calls() -> None:
     assert timing.minimum <= timing.median
     with pytest.raises(ValueError, match="rounds and calls_per_round must be >= 1"):
         time_rounds(lambda: None, device=torch.device("cpu"), rounds=0)
+
+
+def test_time_interleaved_takes_rounds_in_turn_with_the_first_rotating() -> None:
+    order: list[str] = []
+    timed = time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b"),
+                              "c": lambda: order.append("c")},
+                             device=torch.device("cpu"), rounds=3, calls_per_round=2, warmup=1)
+    # warm-up once each, then per round a turn of each function, each turn starting one later
+    assert order == ["a", "b", "c", *"aabbcc", *"bbccaa", *"ccaabb"]
+    assert {name: len(t.rounds) for name, t in timed.items()} == {"a": 3, "b": 3, "c": 3}
+    with pytest.raises(ValueError, match="at least one function"):
+        time_interleaved({}, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="got rounds=1, calls_per_round=0"):
+        time_interleaved({"a": lambda: None}, device=torch.device("cpu"), rounds=1, calls_per_round=0)
 
 
 def test_extrapolate_is_vllms_estimate_with_two_samples() -> None:

@@ -96,6 +96,9 @@ class Backend(ABC):
     def begin(self) -> None:  # noqa: B027 - optional hook
         """Called once before a sequence of captures."""
 
+    def finish(self) -> None:  # noqa: B027 - optional hook
+        """Called once after a sequence of captures that succeeded."""
+
     @abstractmethod
     def warmup(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` eagerly as the warm-up before a capture."""

@@ -16,19 +16,39 @@ from .guard import CaptureGuard, GuardDispatchMode
 __all__ = ["CudaBackend", "CudaGraph"]
 
 
-def _reserved(device: torch.device) -> int:
+def _reserved(index: int) -> int:
     # torch.cuda.memory_reserved builds the whole statistics dict (a third of
     # a millisecond); the raw nested dict gives the same number for less.
     try:
-        return int(torch._C._cuda_memoryStats(device.index)["reserved_bytes"]["all"]["current"])
+        return int(torch._C._cuda_memoryStats(index)["reserved_bytes"]["all"]["current"])
     except (AttributeError, KeyError, TypeError):
-        return int(torch.cuda.memory_reserved(device))
+        return int(torch.cuda.memory_reserved(index))
 
 
 def _graph_collects_garbage() -> bool:
     config = getattr(torch.compiler, "config", None)
     # Older versions collected unconditionally, before the flag existed.
     return bool(getattr(config, "force_cudagraph_gc", True))
+
+
+class _OnStream:
+    """``torch.cuda.stream(stream)`` for a stream of the current device.
+
+    torch.cuda.stream looks the current device up (an environment read and
+    more) three times a use; a capture sequence switches streams twice a
+    graph, and the hand-written loops it is measured against pay that too.
+    """
+
+    def __init__(self, stream: torch.cuda.Stream, index: int) -> None:
+        self.stream = stream
+        self.index = index
+
+    def __enter__(self) -> None:
+        self.previous = torch.cuda.current_stream(self.index)
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_stream(self.previous)
 
 
 class CudaGraph(CapturedGraph):
@@ -60,22 +80,27 @@ class _CudaCapture(OpenCapture):
 
     def __init__(self, backend: CudaBackend, guard: CaptureGuard) -> None:
         self.backend = backend
-        device = backend.device
+        index = backend.index
         self.reads: list[torch.Tensor] = []
         self.outer = contextlib.ExitStack()  # device, no_grad, stream
         self.inner = contextlib.ExitStack()  # the guard, inside the capture
-        self.outer.enter_context(torch.cuda.device(device))
-        # What torch.cuda.graph does on entry (synchronize, return cached
-        # blocks), done once here so that the growth of reserved memory
-        # measured around the capture is this graph's alone.
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        self.before = _reserved(device)
-        self.free_before = torch.cuda.mem_get_info(device)[0] if backend.measure_device_memory else 0
+        self.outer.enter_context(torch.cuda.device(index))
+        # torch.cuda.graph synchronizes, collects garbage and empties the
+        # allocator's cache before every capture. The synchronize is kept
+        # (the capture starts from a quiet device); the collection and the
+        # emptying are done once a sequence (CudaBackend.begin), as vLLM does
+        # for every graph after its first: here they would only hand the
+        # warm-up's blocks back to the driver for the next warm-up to
+        # allocate again, at a tenth of a millisecond and more a graph. Pool
+        # growth is still this graph's alone: nothing outside the pool is
+        # allocated or returned while the capture runs.
+        torch.cuda.synchronize(index)
+        self.before = _reserved(index)
+        self.free_before = torch.cuda.mem_get_info(index)[0] if backend.measure_device_memory else 0
         self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         try:
             self.outer.enter_context(torch.no_grad())
-            self.outer.enter_context(torch.cuda.stream(backend._streams()[1]))
+            self.outer.enter_context(_OnStream(backend._streams()[1], index))
             self.graph.capture_begin(pool=backend._pool)
         except BaseException:
             self.outer.close()
@@ -107,14 +132,14 @@ class _CudaCapture(OpenCapture):
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         self.graph = None
-        device = self.backend.device
-        grown = _reserved(device) - self.before
+        index = self.backend.index
+        grown = _reserved(index) - self.before
         taken = grown
         if self.backend.measure_device_memory:
             # Device-wide: the pool's growth plus what the driver keeps for
             # the instantiated graph, which the caching allocator never sees.
-            torch.cuda.synchronize(device)
-            taken = self.free_before - torch.cuda.mem_get_info(device)[0]
+            torch.cuda.synchronize(index)
+            taken = self.free_before - torch.cuda.mem_get_info(index)[0]
         captured = CudaGraph(graph, output, max(grown, 0), max(taken, 0), empty=empty)
         captured.hold(self.reads)  # what the checked capture saw the graph read
         return captured
@@ -137,7 +162,9 @@ class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, device: torch.device) -> None:
+        assert device.index is not None, "make_backend resolves the device index"
         self.device = device
+        self.index: int = device.index
         #: Also measure device-wide memory per graph (cudaMemGetInfo, which
         #: costs about a millisecond a call); benchmarks turn it on.
         self.measure_device_memory = False
@@ -165,33 +192,45 @@ class CudaBackend(Backend):
         return self._warmup_stream, self._capture_stream
 
     def begin(self) -> None:
+        # Once a sequence, what torch.cuda.graph does before every capture
+        # (see _CudaCapture): collect garbage if this PyTorch version would,
+        # synchronize, and hand cached blocks back to the driver, so that the
+        # pool has the most room. A collect costs 100 ms and more in a big
+        # process: it is not paid where torch.cuda.graph would not pay it.
+        #
         # Stale cuBLAS workspaces are dropped so that the capture stream's
         # workspace is allocated inside this pool. The manager keeps the
         # cyclic garbage collector off for the sequence, so a garbage graph of
         # another manager (captured on a pool stream this one was also handed)
         # cannot die in the middle of it and drop that stream's workspace; one
         # that dies after it frees the block into this private pool, which
-        # only this manager's captures use. PyTorch versions whose
-        # torch.cuda.graph collects garbage on entry would collect anyway, so
-        # there it is done once here, before the workspace exists. (A collect
-        # costs 100 ms and more in a big process: not paid otherwise.)
+        # only this manager's captures use.
         if _graph_collects_garbage():
             gc.collect()
-        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.index)
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None:
             clear()
+        torch.cuda.empty_cache()
+
+    def finish(self) -> None:
+        # The warm-ups' blocks, kept cached through the sequence for the next
+        # warm-up, go back to the driver.
+        torch.cuda.synchronize(self.index)
+        torch.cuda.empty_cache()
 
     def warmup(self, fn: Callable[[], Any]) -> Any:
         # Warm up on the side stream the capture uses, as PyTorch advises:
         # lazy initialisation (cuBLAS handles, workspaces) must not happen
         # inside the capture.
-        with torch.cuda.device(self.device):
+        index = self.index
+        with torch.cuda.device(index):
+            caller = torch.cuda.current_stream(index)
             stream = self._streams()[0]
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.no_grad(), torch.cuda.stream(stream):
+            stream.wait_stream(caller)
+            with torch.no_grad(), _OnStream(stream, index):
                 out = fn()
-            torch.cuda.current_stream().wait_stream(stream)
+            caller.wait_stream(stream)
             return out
 
     def open_capture(self, guard: CaptureGuard) -> OpenCapture:

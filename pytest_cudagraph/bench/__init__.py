@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .measure import DescriptorBench, measure_manager
 from .memory import MemoryEstimate, estimate_full_graph_memory, estimate_pool_replica, extrapolate
-from .timing import Timing, time_rounds
+from .timing import Timing, time_interleaved, time_rounds
 
 __all__ = [
     "DescriptorBench",
@@ -14,5 +14,6 @@ __all__ = [
     "estimate_pool_replica",
     "extrapolate",
     "measure_manager",
+    "time_interleaved",
     "time_rounds",
 ]

@@ -11,7 +11,7 @@ from ..manager import GraphManager
 from ..manager.layout import call_make_inputs
 from ..plan import Batch, BatchDescriptor
 from ..plan.properties import exact_batch
-from .timing import Timing, time_rounds
+from .timing import Timing, time_interleaved
 
 __all__ = ["DescriptorBench", "measure_manager"]
 
@@ -100,12 +100,15 @@ def measure_manager(
             manager.graph(desc).replay()
 
         timing = {"rounds": rounds, "calls_per_round": calls_per_round, "warmup": warmup, "device": device}
+        # In turn, so that the speedup (eager over replay) compares rounds
+        # taken under the same conditions.
+        timed = time_interleaved({"eager": eager, "run": run, "replay": replay}, **timing)  # type: ignore[arg-type]
         results.append(DescriptorBench(
             descriptor=desc,
             batch=batch,
-            eager=time_rounds(eager, **timing),  # type: ignore[arg-type]
-            run=time_rounds(run, **timing),  # type: ignore[arg-type]
-            replay=time_rounds(replay, **timing),  # type: ignore[arg-type]
+            eager=timed["eager"],
+            run=timed["run"],
+            replay=timed["replay"],
             graph_memory=manager.graph_memory.get(desc, 0),
             emulated=manager.backend == "emulate",
         ))

@@ -395,6 +395,7 @@ class GraphManager:
             with host_methods_watched():  # once for the sequence: see its docstring
                 for desc in self._progress(order):
                     self._capture_one(desc)
+            self._backend.finish()
         except BaseException:
             self.release()
             raise
