@@ -99,6 +99,10 @@ class Backend(ABC):
     def finish(self) -> None:  # noqa: B027 - optional hook
         """Called once after a sequence of captures that succeeded."""
 
+    def trim(self) -> bool:
+        """Hand cached memory back to the device; whether there was a cache to hand back."""
+        return False
+
     @abstractmethod
     def warmup(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` eagerly as the warm-up before a capture."""

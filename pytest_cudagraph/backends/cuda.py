@@ -95,7 +95,6 @@ class _CudaCapture(OpenCapture):
         # growth is still this graph's alone: nothing outside the pool is
         # allocated or returned while the capture runs.
         torch.cuda.synchronize(index)
-        self.before = _reserved(index)
         self.free_before = torch.cuda.mem_get_info(index)[0] if backend.measure_device_memory else 0
         self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         try:
@@ -106,6 +105,10 @@ class _CudaCapture(OpenCapture):
             self.outer.close()
             raise
         try:
+            # Read once the capture has begun: capture_begin itself allocates,
+            # outside the pool, the RNG seed and offset of the first graph that
+            # registers with the generator, which are no graph's pool growth.
+            self.before = _reserved(index)
             self.inner.enter_context(guard.function_mode())
             if backend.checked:
                 self.inner.enter_context(GuardDispatchMode(guard, self.reads))
@@ -216,8 +219,12 @@ class CudaBackend(Backend):
     def finish(self) -> None:
         # The warm-ups' blocks, kept cached through the sequence for the next
         # warm-up, go back to the driver.
+        self.trim()
+
+    def trim(self) -> bool:
         torch.cuda.synchronize(self.index)
         torch.cuda.empty_cache()
+        return True
 
     def warmup(self, fn: Callable[[], Any]) -> Any:
         # Warm up on the side stream the capture uses, as PyTorch advises:

@@ -469,11 +469,7 @@ class GraphManager:
                 # it came from, by an eager rerun under the tracker.
                 self._backend.warmup(forward)
                 held = _tensors_of(holders)
-                graph: CapturedGraph
-                if self.eager_pieces and desc.mode is GraphMode.PIECEWISE:
-                    graph = capture_in_pieces(self._backend, forward, guard, self.eager_pieces, desc)
-                else:
-                    graph = self._backend.capture(forward, guard)
+                graph = self._record(desc, forward, guard)
             except Exception as exc:
                 with self._tracker.track():
                     diagnose()  # raises _Uncapturable naming op and submodule, if it can
@@ -509,6 +505,27 @@ class GraphManager:
         if probed is not None and len(probed) == len(out_rows):
             out_rows = list(probed)
         self._entries[desc] = _Entry(graph, reqs, out_rows, sample)
+
+    def _record(self, desc: BatchDescriptor, forward: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
+        """Capture ``desc``'s forward, whole or in pieces.
+
+        The backend keeps the allocator's cache through a sequence (see
+        CudaBackend.begin), and an allocation inside a capture cannot hand
+        cached blocks back to the driver. So a capture that runs out of
+        memory is tried once more after the cache is handed back, which is
+        where torch.cuda.graph would have started it.
+        """
+        for last in (False, True):
+            try:
+                if self.eager_pieces and desc.mode is GraphMode.PIECEWISE:
+                    return capture_in_pieces(self._backend, forward, guard, self.eager_pieces, desc)
+                return self._backend.capture(forward, guard)
+            except torch.OutOfMemoryError:
+                # Retried outside this handler, once the traceback (and the
+                # graph memory its frames hold) is gone.
+                if last or not self._backend.trim():
+                    raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def eager_modules(self, desc: BatchDescriptor) -> list[torch.nn.Module]:
         """The submodules ``desc``'s graph runs eagerly: the eager pieces in a
