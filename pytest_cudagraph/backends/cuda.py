@@ -257,7 +257,7 @@ class CudaBackend(Backend):
         same stream runs the generator's prologue and epilogue again.
         """
         try:
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.index)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
                 empty = torch.cuda.CUDAGraph()
@@ -272,8 +272,7 @@ class CudaBackend(Backend):
         # fresh pool instead of reusing a handle whose last user died (which
         # trips the allocator's "use_count > 0" assertion).
         self._pool = None
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        self.trim()
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.index)
