@@ -7,18 +7,36 @@ emulated graph the properties that make real graphs bite:
 
 - Python runs only at capture: control flow, Python scalars and attributes
   read by the forward are frozen into the recording.
-- Tensors created during capture are the graph's memory (its pool): the
-  forward's outputs are those tensors, so a later replay overwrites them.
+- Tensors created during capture are the graph's memory: the forward's
+  outputs are those tensors, so a later replay overwrites them.
 - Inputs are read from the storages captured, so data must be copied into the
   static buffers; rebinding a Python attribute to a new tensor is not seen.
 - In-place updates of buffers (a KV cache, a counter) happen on every replay.
 - Random ops draw fresh values on every replay, as with graph-safe RNG.
+
+Graph memory is one pool per backend, shared by every graph captured into it,
+as CUDA graphs of one manager share a private pool of the caching allocator.
+While the forward runs, tensors are ordinary CPU memory. When the capture
+ends, every storage it created gets a region of the pool, placed as a caching
+allocator would have placed it: a storage occupies its region from the step
+that creates it to the last step that reads or writes it, and later storages
+(of this capture or of later ones) reuse the region after that. Storages that
+something still holds when the capture ends (the output, a tensor the module
+stored on itself) keep their region until the last holder lets go. The
+recorded steps and every held tensor are then moved into the pool, so replay
+writes pool memory, and graphs overwrite each other's dead intermediates
+exactly where CUDA graphs sharing a pool would.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
+import mmap
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,9 +60,35 @@ _ALLOCATIONS = {
     aten.new_empty_strided.default,
 }
 
+#: Every region is a multiple of this many bytes, and so starts at such a
+#: multiple: the CUDA caching allocator rounds every block up to 512 bytes
+#: (kMinBlockSize), so small tensors cost here what they cost in a real pool.
+#: Its 2 MiB and 20 MiB segment sizes are not copied: a capture adds one
+#: segment of exactly the memory it lacked, so each graph's figure is its own
+#: need, not the driver's granularity.
+BLOCK = 512
+
+_USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
 
 def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    # The StorageImpl itself, not its address: an out= op may resize a storage
+    # (and so move its data) in the middle of the capture.
+    return int(t.untyped_storage()._cdata)
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    """References to a storage: one per tensor on it, and one for its Python object."""
+    assert _USE_COUNT is not None
+    return int(_USE_COUNT(storage._cdata))
+
+
+def _round(nbytes: int) -> int:
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+def _bytes(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
 
 def _mutates(func: Any) -> bool:
@@ -54,12 +98,22 @@ def _mutates(func: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
+def _map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``value`` with ``fn`` applied to its tensors (or slots): as an ATen argument, or in one list of them."""
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        items = [fn(v) for v in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return items if isinstance(value, list) else tuple(items)
+    return fn(value)
+
+
 class _Step:
     """One recorded op and how to redo it."""
 
     __slots__ = ("args", "func", "kwargs", "targets")
 
-    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], targets: list[tuple[int, torch.Tensor]]):
+    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], targets: list[tuple[int, Any]]):
         self.func = func
         self.args = args
         self.kwargs = kwargs
@@ -77,13 +131,63 @@ class _Step:
         for index, target in self.targets:
             target.copy_(flat[index])
 
+    def swap(self, fn: Callable[[Any], Any]) -> None:
+        """Apply ``fn`` to every tensor (or slot) the step reads or writes."""
+        self.args = tuple(_map_tensors(a, fn) for a in self.args)
+        self.kwargs = {k: _map_tensors(v, fn) for k, v in self.kwargs.items()}
+        self.targets = [(i, fn(t)) for i, t in self.targets]
+
+
+class _Slot:
+    """Where a step held a tensor of the capture's own memory, until the pool gives it a place."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+@dataclass(frozen=True)
+class _View:
+    """A tensor of the capture as a step saw it, without holding it: rebuilt on pool memory."""
+
+    key: int  # its storage
+    offset: int  # bytes into the storage
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    conj: bool
+    neg: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor, key: int) -> _View:
+        return cls(key, int(t.storage_offset()) * t.element_size(), tuple(t.shape), tuple(t.stride()), t.dtype,
+                   t.is_conj(), t.is_neg())
+
+    def on(self, storage: torch.UntypedStorage, base: int) -> torch.Tensor:
+        offset = (base + self.offset) // self.dtype.itemsize
+        t = torch.empty(0, dtype=self.dtype).set_(storage, offset, self.size, self.stride)
+        # The bits a lazy view sets: a step that read ``z.conj()`` must read it again.
+        if self.conj:
+            t = t.conj()
+        if self.neg:
+            t = t._neg_view()
+        return t
+
 
 class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, guard: CaptureGuard) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.guard = guard
         self.steps: list[_Step] = []
-        self.created: dict[int, int] = {}  # storage pointer -> bytes
+        #: Storages made during capture, held so that none is freed (and its
+        #: identity reused) before the capture ends.
+        self.created: dict[int, torch.UntypedStorage] = {}
+        #: The step before which each was made.
+        self.birth: dict[int, int] = {}
+        #: Every tensor object seen on one of them, views included, by id: the
+        #: objects still alive at the end are moved into the pool in place.
+        self.known: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -95,17 +199,22 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         flat_in, _ = tree_flatten((args, kwargs))
         inputs = {_storage_key(t) for t in flat_in if isinstance(t, torch.Tensor)}
         flat_out, _ = tree_flatten(out)
-        fresh = [
-            (i, t)
-            for i, t in enumerate(flat_out)
-            if isinstance(t, torch.Tensor) and t.numel() and _storage_key(t) not in inputs
-        ]
+        fresh = []
+        for i, t in enumerate(flat_out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if key in inputs:
+                if key in self.created:
+                    self._know(t)  # a view of the capture's memory, or an in-place result
+                continue
+            self._create(key, t)
+            if t.numel():
+                fresh.append((i, t))
         if not fresh and not _mutates(func):
             # A pure view: the captured view already aliases the storage it
             # reads, so there is nothing to redo.
             return out
-        for _, t in fresh:
-            self._note_created(t)
         self.steps.append(_Step(func, tuple(args), dict(kwargs), fresh))
         return out
 
@@ -113,16 +222,222 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.created.setdefault(storage.data_ptr(), storage.nbytes())
+                self._create(_storage_key(t), t)
+
+    def _create(self, key: int, t: torch.Tensor) -> None:
+        if key not in self.created:
+            self.created[key] = t.untyped_storage()
+            self.birth[key] = len(self.steps)
+        self._know(t)
+
+    def _know(self, t: torch.Tensor) -> None:
+        ref = self.known.get(id(t))
+        if ref is None or ref() is not t:
+            self.known[id(t)] = weakref.ref(t)
+
+    def unhook(self) -> tuple[list[_View], dict[int, int]]:
+        """Put slots where the steps held the capture's own tensors.
+
+        Returns what each slot stands for and each storage's last step. The
+        steps then no longer keep those tensors alive, so the ones that are
+        alive afterwards are held by someone else.
+        """
+        views: list[_View] = []
+        last_use: dict[int, int] = {}
+        slot_of: dict[int, _Slot] = {}
+        created = self.created
+        # Every tensor replaced, until all are: an id is only unique among
+        # objects alive at the same time.
+        replaced: list[torch.Tensor] = []
+
+        def slot(value: Any, step: int) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            key = _storage_key(value)
+            if key not in created:
+                return value  # a parameter, a buffer, a static input: read where it is
+            last_use[key] = step
+            found = slot_of.get(id(value))
+            if found is None:
+                found = slot_of[id(value)] = _Slot(len(views))
+                views.append(_View.of(value, key))
+                replaced.append(value)
+            return found
+
+        for index, step in enumerate(self.steps):
+            step.swap(functools.partial(slot, step=index))
+        replaced.clear()
+        return views, last_use
+
+    def alive(self) -> dict[int, list[torch.Tensor]]:
+        """The tensor objects still alive on each created storage."""
+        found: dict[int, list[torch.Tensor]] = {}
+        for ref in self.known.values():
+            t = ref()
+            if t is None:
+                continue
+            key = _storage_key(t)  # where it is now: set_() may have moved it
+            if key in self.created:
+                found.setdefault(key, []).append(t)
+        return found
+
+
+# -- the pool ------------------------------------------------------------------------
+FreeList = list[tuple[int, int]]  # (offset, size), sorted by offset, never two adjacent
+
+
+def _give_back(free: FreeList, offset: int, size: int) -> None:
+    """Return a block to a free list, merged with its free neighbours."""
+    i = bisect.bisect_left(free, (offset, 0))
+    if i < len(free) and free[i][0] == offset + size:
+        size += free.pop(i)[1]
+    if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:
+        i -= 1
+        prev_offset, prev_size = free.pop(i)
+        offset, size = prev_offset, prev_size + size
+    free.insert(i, (offset, size))
+
+
+class _Segment:
+    """Pool memory that never moves, so graphs captured earlier keep working as the pool grows.
+
+    An anonymous mapping: page-aligned (so every region is 512-aligned), and
+    its pages cost memory only once written. Tensors reach it through storages
+    made by ``torch.frombuffer``, each of which keeps the mapping alive: a
+    tensor still held after ``release()`` stays valid, as a CUDA block in use
+    outlives the graphs of its pool.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.buffer = mmap.mmap(-1, size)
+        #: What the graphs' own tensors (their steps) are made on.
+        self.storage = torch.frombuffer(self.buffer, dtype=torch.uint8).untyped_storage()
+        self.free: FreeList = [(0, size)]
+
+    def region(self, offset: int, size: int) -> torch.UntypedStorage:
+        """A storage of its own over one region, for the tensors other code holds.
+
+        Its reference count tells whether any such tensor (or a view taken of
+        it later) is still alive: the graphs' own tensors are on ``storage``.
+        """
+        view = memoryview(self.buffer)[offset : offset + size]
+        return torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+
+
+@dataclass
+class _Held:
+    """A region that something outside the graphs held when its capture ended."""
+
+    segment: _Segment
+    offset: int
+    size: int
+    storage: torch.UntypedStorage  # the region's own storage: what the holders' tensors are on
+
+
+@dataclass
+class _Request:
+    key: int
+    size: int  # rounded to BLOCK
+    birth: int
+    death: int | None  # last step that uses it; None while it is held
+
+
+class _Pool:
+    """The memory every emulated graph of one backend shares."""
+
+    def __init__(self) -> None:
+        self.segments: list[_Segment] = []
+        self.held: list[_Held] = []
+        #: Storages left where they were (see _EmulatedCapture.end): counted
+        #: as graph memory, outside the segments.
+        self.pinned_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.size for s in self.segments) + self.pinned_bytes
+
+    def reclaim(self) -> None:
+        """Free the held regions whose last holder has let go since."""
+        kept = []
+        for h in self.held:
+            if _use_count(h.storage) > 1:
+                kept.append(h)
+            else:
+                _give_back(h.segment.free, h.offset, h.size)
+        self.held = kept
+
+    def place(self, requests: list[_Request]) -> tuple[dict[int, tuple[_Segment, int]], int]:
+        """Give each request a region, growing the pool by at most one segment.
+
+        Replays the capture's allocations and frees in step order against the
+        pool's free blocks, best fit first, as a caching allocator would; what
+        does not fit goes to a new segment sized to its high-water mark.
+        Returns each request's place and the bytes the pool grew by. The
+        free lists change only once every request has its place.
+        """
+        free = [list(s.free) for s in self.segments]
+        tail: FreeList = []  # the new segment's free blocks
+        lists = [*free, tail]
+        top = 0  # the new segment's size so far
+        where: dict[int, tuple[int, int]] = {}  # key -> (index into lists, offset)
+        born: dict[int, list[_Request]] = {}
+        dies: dict[int, list[_Request]] = {}
+        for r in requests:
+            born.setdefault(r.birth, []).append(r)
+            if r.death is not None:
+                dies.setdefault(r.death, []).append(r)
+        for step in sorted(born.keys() | dies.keys()):
+            # An op's outputs are allocated before its inputs can be freed:
+            # a result never shares memory with what it was computed from.
+            for r in born.get(step, ()):
+                best: tuple[int, int, int] | None = None  # (size, list, position)
+                for li, blocks in enumerate(lists):
+                    for pos, (_, size) in enumerate(blocks):
+                        if size >= r.size and (best is None or size < best[0]):
+                            best = (size, li, pos)
+                if best is not None:
+                    size, li, pos = best
+                    offset = lists[li][pos][0]
+                    if size == r.size:
+                        del lists[li][pos]
+                    else:
+                        lists[li][pos] = (offset + r.size, size - r.size)
+                    where[r.key] = (li, offset)
+                    continue
+                # Grow the new segment, starting inside a free block at its end.
+                offset = top
+                if tail and tail[-1][0] + tail[-1][1] == top:
+                    offset = tail.pop()[0]
+                top = offset + r.size
+                where[r.key] = (len(free), offset)
+            for r in dies.get(step, ()):
+                li, offset = where[r.key]
+                _give_back(lists[li], offset, r.size)
+        for segment, blocks in zip(self.segments, free, strict=True):
+            segment.free = blocks
+        new: _Segment | None = None
+        if top:
+            new = _Segment(top)
+            new.free = tail
+            self.segments.append(new)
+        placed: dict[int, tuple[_Segment, int]] = {}
+        for key, (li, offset) in where.items():
+            owner = self.segments[li] if li < len(free) else new
+            assert owner is not None
+            placed[key] = (owner, offset)
+        return placed, top
 
 
 class EmulatedGraph(CapturedGraph):
-    def __init__(self, steps: list[_Step], output: Any, nbytes: int) -> None:
+    def __init__(self, steps: list[_Step], output: Any, nbytes: int, created_bytes: int = 0) -> None:
         self._steps = steps
         self.output = output
+        #: What the pool grew by for this capture (as on CUDA).
         self.nbytes = nbytes
         self.device_bytes = nbytes
+        #: Bytes of every storage the capture created, as if none shared memory.
+        self.created_bytes = created_bytes
 
     @property
     def num_ops(self) -> int:
@@ -135,8 +450,17 @@ class EmulatedGraph(CapturedGraph):
 
 
 class _EmulatedCapture(OpenCapture):
-    def __init__(self, guard: CaptureGuard) -> None:
-        self.recorder = _Recorder(guard)
+    def __init__(self, pool: _Pool | None, guard: CaptureGuard) -> None:
+        # The first op under a dispatch mode imports torch._dynamo, whose
+        # import calls torch.fx.wrap, which keeps its own frame in a local: a
+        # cycle that holds every frame below it, the forward's among them.
+        # The manager captures with gc off, so the first graph's
+        # intermediates would stay alive and hold their pool memory. Imported
+        # here, outside the forward, it costs what it would cost anyway.
+        import torch._dynamo
+
+        self.pool = pool
+        self.recorder: _Recorder | None = _Recorder(guard)
         self.stack = contextlib.ExitStack()
         try:
             self.stack.enter_context(torch.no_grad())
@@ -148,10 +472,82 @@ class _EmulatedCapture(OpenCapture):
 
     def end(self, output: Any) -> CapturedGraph:
         self.stack.close()
-        return EmulatedGraph(self.recorder.steps, output, sum(self.recorder.created.values()))
+        recorder, self.recorder = self.recorder, None
+        assert recorder is not None, "capture already ended"
+        created_bytes = sum(s.nbytes() for s in recorder.created.values())
+        if self.pool is None:
+            # No way to tell what is held: the graph keeps what it created.
+            return EmulatedGraph(recorder.steps, output, created_bytes, created_bytes)
+        with torch.no_grad():
+            steps, nbytes = self._into_pool(recorder, self.pool)
+        return EmulatedGraph(steps, output, nbytes, created_bytes)
+
+    @staticmethod
+    def _into_pool(recorder: _Recorder, pool: _Pool) -> tuple[list[_Step], int]:
+        views, last_use = recorder.unhook()
+        # Only the tensors something else holds are alive now (the caller's
+        # output among them); gc is not run, as on CUDA an unreachable cycle
+        # also keeps its blocks until it is collected.
+        alive = recorder.alive()
+        requests: list[_Request] = []
+        stay: dict[int, torch.UntypedStorage] = {}  # storages the steps keep reading where they are
+        pinned = 0
+        for key, storage in recorder.created.items():
+            nbytes = storage.nbytes()
+            holders = alive.get(key, [])
+            # One reference for our own Python object, one per tensor on it.
+            unknown = _use_count(storage) - 1 - len(holders)
+            if nbytes == 0 or unknown > 0:
+                # Nothing to place, or a tensor on it that no op returned
+                # (``.data``, a Parameter made around it) that cannot be moved:
+                # the storage stays, and is graph memory outside the segments.
+                if key in last_use or holders:
+                    stay[key] = storage
+                    pinned += _round(nbytes)
+                continue
+            if holders:
+                requests.append(_Request(key, _round(nbytes), recorder.birth[key], None))
+            elif key in last_use:
+                requests.append(_Request(key, _round(nbytes), recorder.birth[key], last_use[key]))
+            # else: made, never used by a step, dropped: no replay touches it.
+        pool.reclaim()
+        placed, grown = pool.place(requests)
+        pool.pinned_bytes += pinned
+        for key, holders in alive.items():
+            if key not in placed:
+                continue
+            segment, offset = placed[key]
+            storage = recorder.created[key]
+            size = _round(storage.nbytes())
+            region = segment.region(offset, size)
+            # Held after the capture: the values the capture computed come
+            # along, and every holder's tensor now reads and writes the pool.
+            _bytes(region, storage.nbytes()).copy_(_bytes(storage, storage.nbytes()))
+            for t in holders:
+                t.set_(region, t.storage_offset(), t.shape, t.stride())
+            pool.held.append(_Held(segment, offset, size, region))
+        twins: list[torch.Tensor] = []
+        for view in views:
+            if view.key in placed:
+                segment, offset = placed[view.key]
+                twins.append(view.on(segment.storage, offset))
+            else:
+                twins.append(view.on(stay[view.key], 0))
+
+        def fill(value: Any) -> Any:
+            return twins[value.index] if isinstance(value, _Slot) else value
+
+        for step in recorder.steps:
+            step.swap(fill)
+        # The capture-time storages go now, unless a pinned one is still read.
+        recorder.created.clear()
+        recorder.known.clear()
+        return recorder.steps, grown + pinned
 
     def abort(self) -> None:
+        # The pool is only touched when a capture ends: a failed one leaves it as it was.
         self.stack.close()
+        self.recorder = None
 
 
 class EmulateBackend(Backend):
@@ -160,14 +556,28 @@ class EmulateBackend(Backend):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._pool: _Pool | None = None
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the shared pool: what the captures into it grew it by.
+
+        The sum of the graphs' ``nbytes``, unless a PIECEWISE capture failed
+        after some of its segments had ended (their growth stays, their graph
+        is gone), as with a CUDA pool.
+        """
+        return self._pool.nbytes if self._pool is not None else 0
 
     def warmup(self, fn: Callable[[], Any]) -> Any:
         with torch.no_grad():
             return fn()
 
     def open_capture(self, guard: CaptureGuard) -> OpenCapture:
-        return _EmulatedCapture(guard)
+        if self._pool is None and _USE_COUNT is not None:
+            self._pool = _Pool()
+        return _EmulatedCapture(self._pool, guard)
 
     def release(self) -> None:
-        # Emulated graphs own their memory; dropping them frees it.
-        return None
+        # A later capture starts a fresh pool. Tensors still held from this one
+        # keep their memory (their storages hold the segments) until they die.
+        self._pool = None
