@@ -13,8 +13,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from ..manager import tree
 from ..manager.pieces import SegmentedGraph, piece_of
 from ..plan import BatchDescriptor
 from .compare import first_difference
@@ -41,7 +41,7 @@ class _Recorder:
         for name, sub in self.module.named_modules():
 
             def hook(_m: Any, _a: Any, out: Any, name: str = name) -> None:
-                tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                tensors = [t for t in tree.leaves(out) if isinstance(t, torch.Tensor)]
                 if self.clone:
                     tensors = [t.detach().clone() for t in tensors]
                 self.records.append((name, tensors))
@@ -55,12 +55,17 @@ class _Recorder:
 
 
 def _cut(graph: torch.Tensor, eager: torch.Tensor) -> torch.Tensor | None:
+    """The graph's record cut to eager's shape: the real rows, along whichever
+    dimensions were padded ((1, T, H) hidden states, (1, T, T) weights); None
+    when the two cannot be the same value at different paddings."""
     if graph.shape == eager.shape:
         return graph
-    if graph.dim() == eager.dim() and graph.dim() > 0 and graph.shape[1:] == eager.shape[1:] \
-            and graph.shape[0] >= eager.shape[0]:
-        return graph[: eager.shape[0]]
-    return None
+    if graph.dim() != eager.dim() or any(g < e for g, e in zip(graph.shape, eager.shape, strict=True)):
+        return None
+    for d, (g, e) in enumerate(zip(graph.shape, eager.shape, strict=True)):
+        if g != e:
+            graph = graph.narrow(d, 0, e)
+    return graph
 
 
 def _first_divergent(graph: list[Record], eager: list[Record], *, rtol: float | None,

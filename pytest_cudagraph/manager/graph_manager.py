@@ -12,19 +12,22 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..backends.base import Backend, CapturedGraph, make_backend, resolve_checked
 from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker, Violation, host_methods_watched
 from ..context import running
 from ..errors import CaptureError
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
+from . import tree
 from .layout import PROBES, InputSpec, PadValue, call_make_inputs, infer_layout
 from .pieces import EagerPieceError, EagerSpec, capture_in_pieces, piece_of, resolve_eager_submodules
 
 __all__ = ["Batch", "GraphManager"]
 
-RowKind = Literal["tokens", "reqs", "whole"]
+CountKind = Literal["tokens", "reqs"]
+# How one output leaf is cut to a real batch: each dimension that follows a
+# count, cut to the batch's real count; () returns the leaf whole.
+OutCut = tuple[tuple[int, CountKind], ...]
 
 # run_batch's keyword defaults; its hot path keys other values apart.
 _DEFAULT_BATCH_ARGS = (None, None, 0, None, 1)
@@ -90,13 +93,13 @@ class _Entry:
 
     graph: CapturedGraph
     num_reqs: int  # request rows the graph was captured with
-    out_rows: list[RowKind]
+    out_dims: list[OutCut]  # per output leaf (tree.flatten's order)
     sample: dict[str, Any]  # the make_inputs batch the graph was captured on
 
     def __post_init__(self) -> None:
         # The output tensors never change (replay rewrites them in place), so
         # their structure is taken apart once, not on every run().
-        self.leaves, self.treespec = tree_flatten(self.graph.output)
+        self.leaves, self.structure = tree.flatten(self.graph.output)
         self.single = isinstance(self.graph.output, torch.Tensor)
         # (real tokens, real requests) -> the output leaves cut to them (views)
         self.cuts: dict[tuple[int, int], list[Any]] = {}
@@ -124,6 +127,31 @@ class _LoadPlan:
                     tail.fill_(pad)
         for mask, flag in self.masks:
             mask.fill_(flag)
+
+
+@dataclass
+class _BlockLoadPlan(_LoadPlan):
+    """A load plan with inputs the row plan cannot take: its own class, so
+    that batches of the usual inputs pay nothing for them on the replay path."""
+
+    # (input name, its real block, its descriptor's whole window or None, pad
+    # value): several dimensions follow the batch (a square mask), so the
+    # window is filled and the real block written over it.
+    blocks: list[tuple[str, torch.Tensor, torch.Tensor | None, int | float | bool]]
+    # (input name, real part, padded part, dimension): "edge" padding along a
+    # dimension other than the first.
+    edges: list[tuple[str, torch.Tensor, torch.Tensor, int]]
+
+    def apply(self, inputs: Mapping[str, Any]) -> None:
+        for name, real, window, pad in self.blocks:
+            if window is not None:
+                window.fill_(pad)
+            real.copy_(inputs[name])
+        for name, head, tail, dim in self.edges:
+            value = inputs[name]
+            head.copy_(value)
+            tail.copy_(value.narrow(dim, value.shape[dim] - 1, 1).expand_as(tail))
+        super().apply(inputs)
 
 
 @dataclass
@@ -169,6 +197,16 @@ class GraphManager:
     ``"edge"`` repeats the last real row). If ``module.forward`` takes an
     ``is_padding`` argument that ``make_inputs`` does not give, the manager
     passes a bool mask with True on padded token rows.
+
+    The dimensions of each input that follow ``num_tokens`` or ``num_reqs``
+    are learned at two probe shapes, in any position (``input_ids`` of shape
+    ``(1, T)``); ``batch_dims`` names the one such dimension of an input
+    outright, and the probes are checked against it. An input with several
+    (a square ``(T, T)`` mask) is padded as a block and needs its pad value
+    given in ``pad_values``: what a padded mask entry holds is semantics.
+    Outputs are cut along every dimension the probes show to be the token or
+    request count, in tuples, lists, dicts, namedtuples, transformers'
+    ``ModelOutput`` and dataclasses, and come back in the same structure.
     """
 
     def __init__(
@@ -185,6 +223,7 @@ class GraphManager:
         measure_device_memory: bool = False,
         checked_capture: bool | None = None,
         eager_submodules: EagerSpec = None,
+        batch_dims: Mapping[str, int] | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise ValueError(f"module must be a torch.nn.Module; got {type(module).__name__}")
@@ -207,6 +246,12 @@ class GraphManager:
         self.output_views = bool(output_views)
         self.progress = progress
         self._pad_values = dict(pad_values or {})
+        if batch_dims is not None and not isinstance(batch_dims, Mapping):
+            raise ValueError(
+                f"batch_dims must map input names to the one dimension that follows the batch, "
+                f"e.g. {{'input_ids': 1}}; got {type(batch_dims).__name__}"
+            )
+        self._batch_dims = dict(batch_dims or {})
         self._backend: Backend = make_backend(backend, device if device is not None else self._module_device())
         self._backend.measure_device_memory = bool(measure_device_memory)
         self._backend.checked = resolve_checked(checked_capture, default=False)
@@ -222,6 +267,7 @@ class GraphManager:
             max_reqs=self.max_reqs,
             device=self.device,
             pad_values=pad_values or {},
+            batch_dims=self._batch_dims,
         )
         self._tensor_specs = [(n, spec) for n, spec in self._inputs.items() if spec.kind != "const"]
         self._tensor_names = {n for n, _ in self._tensor_specs}
@@ -230,7 +276,7 @@ class GraphManager:
         # run()'s hot path: the input shapes of a batch seen before -> what
         # dispatch, validation and padding decided for it (see run_batch).
         self._hot: dict[tuple[Any, ...], _Hot] = {}
-        self._probed_rows: list[RowKind] | None = None
+        self._probed_rows: list[OutCut] | None = None
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._is_padding: torch.Tensor | None = None
         if "is_padding" not in self._inputs and self._forward_takes("is_padding"):
@@ -257,6 +303,7 @@ class GraphManager:
             measure_device_memory=self._backend.measure_device_memory,
             checked_capture=self._backend.checked,
             eager_submodules=self._eager_spec,
+            batch_dims=self._batch_dims,
         )
 
     # -- set-up helpers -------------------------------------------------
@@ -353,11 +400,8 @@ class GraphManager:
         for name, spec in self._inputs.items():
             if spec.kind == "const":
                 kwargs[name] = spec.value
-            elif spec.kind == "fixed":
-                kwargs[name] = spec.buffer
-            else:
-                assert spec.buffer is not None
-                kwargs[name] = spec.buffer[: spec.rows(num_tokens, num_reqs)]
+            else:  # the whole buffer when fixed, else its window for this shape
+                kwargs[name] = spec.window(num_tokens, num_reqs)
         if self._is_padding is not None:
             kwargs["is_padding"] = self._is_padding[:num_tokens]
         return kwargs
@@ -477,7 +521,7 @@ class GraphManager:
                     # The rerun did not meet the op again (it came from a
                     # capture-only branch): name what the capture saw.
                     raise _Uncapturable(Violation(exc.violation.op, exc.violation.reason,
-                                                  self._tracker.failed_path)) from None
+                                                  self._tracker.failed_path, exc.violation.location)) from None
                 raise
             # Tensors bound before capture are what the graph reads; those bound
             # during capture live in its own pool.
@@ -500,11 +544,16 @@ class GraphManager:
                 f"{self._piece_hint(desc, where)}",
                 module_path=where, descriptor=desc, backend=self.backend,
             ) from exc
-        out_rows = self._row_kinds(graph.output, desc.num_tokens, reqs)
+        leaves = tree.leaves(graph.output)
+        out_dims = self._row_kinds(leaves, desc.num_tokens, reqs)
         probed = self._probed_rows
-        if probed is not None and len(probed) == len(out_rows):
-            out_rows = list(probed)
-        self._entries[desc] = _Entry(graph, reqs, out_rows, sample)
+        if probed is not None and len(probed) == len(out_dims):
+            # What the probes learned, where this graph's leaf has those dimensions.
+            out_dims = [
+                p if isinstance(leaf, torch.Tensor) and all(d < leaf.dim() for d, _ in p) else own
+                for p, own, leaf in zip(probed, out_dims, leaves, strict=True)
+            ]
+        self._entries[desc] = _Entry(graph, reqs, out_dims, sample)
 
     def _record(self, desc: BatchDescriptor, forward: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
         """Capture ``desc``'s forward, whole or in pieces.
@@ -545,76 +594,120 @@ class GraphManager:
         return ""
 
     @staticmethod
-    def _row_kinds(output: Any, num_tokens: int, num_reqs: int) -> list[RowKind]:
-        # Per output leaf: cut it to the real tokens, the real requests, or
-        # return it whole. When tokens and requests are the same count, rows
-        # follow tokens, as hidden states do in inference engines.
-        kinds: list[RowKind] = []
-        for leaf in tree_flatten(output)[0]:
+    def _row_kinds(leaves: list[Any], num_tokens: int, num_reqs: int) -> list[OutCut]:
+        # From one descriptor alone, per output leaf: cut its leading dimension
+        # to the real tokens, the real requests, or return it whole. When tokens
+        # and requests are the same count, rows follow tokens, as hidden states
+        # do in inference engines. A later dimension of the same size may be a
+        # coincidence (a hidden size of 8 at 8 tokens): only several
+        # descriptors tell (_settle_row_kinds).
+        kinds: list[OutCut] = []
+        for leaf in leaves:
             if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
-                kinds.append("whole")
+                kinds.append(())
             elif leaf.shape[0] == num_tokens:
-                kinds.append("tokens")
+                kinds.append(((0, "tokens"),))
             elif leaf.shape[0] == num_reqs:
-                kinds.append("reqs")
+                kinds.append(((0, "reqs"),))
             else:
-                kinds.append("whole")
+                kinds.append(())
         return kinds
 
-    def _probe_output_rows(self) -> list[RowKind] | None:
-        """Which rows each output leaf has, learned as the inputs' are: by running
-        the module eagerly at the two probe shapes (state restored after).
+    def _probe_output_rows(self) -> list[OutCut] | None:
+        """Which dimensions of each output leaf follow the token or request
+        count, learned as the inputs' are: by running the module eagerly at the
+        two probe shapes (state restored after).
 
         A descriptor alone cannot tell a per-request output from a per-token
         one when it holds as many tokens as requests. None if the module cannot
-        run at the probe shapes; then each descriptor's own shapes decide.
+        run at the probe shapes; then each descriptor's own shapes decide. A
+        leaf that changes with the batch in a way that follows neither count
+        (a flattened ``2 * T``) cannot be cut to the real batch: ValueError.
         """
-        leaves = []
+        outputs = []
         try:
             with buffers_restored(self.module):
                 for num_tokens, num_reqs in PROBES:
                     kwargs = self.eager_kwargs(call_make_inputs(self._make_inputs, num_tokens, num_reqs), num_tokens)
                     marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
                     with torch.no_grad(), running(marker):
-                        leaves.append(tree_flatten(self.module(**kwargs))[0])
+                        outputs.append(tree.flatten_with_paths(self.module(**kwargs)))
         except Exception:
             return None
+        first, second = outputs
+        if [p for p, _ in first] != [p for p, _ in second]:
+            return None
         (t1, r1), (t2, r2) = PROBES
-        kinds: list[RowKind] = []
-        for a, b in zip(leaves[0], leaves[1], strict=False):
-            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() == 0 or b.dim() == 0:
-                kinds.append("whole")
-            elif (a.shape[0], b.shape[0]) == (t1, t2):
-                kinds.append("tokens")
-            elif (a.shape[0], b.shape[0]) == (r1, r2):
-                kinds.append("reqs")
-            else:
-                kinds.append("whole")
-        return kinds if len(leaves[0]) == len(leaves[1]) else None
+        kinds: list[OutCut] = []
+        for (path, a), (_, b) in zip(first, second, strict=True):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or (a.dim() == 0 and b.dim() == 0):
+                kinds.append(())
+                continue
+            dims: list[tuple[int, CountKind]] = []
+            unrelated = a.dim() != b.dim()
+            for d, (n1, n2) in enumerate(zip(a.shape, b.shape, strict=False)):
+                if n1 == n2:
+                    continue
+                if (n1, n2) == (t1, t2):
+                    dims.append((d, "tokens"))
+                elif (n1, n2) == (r1, r2):
+                    dims.append((d, "reqs"))
+                else:
+                    unrelated = True
+            if unrelated:
+                where = f"output {path}" if path else "the output"
+                raise ValueError(
+                    f"{where} has shape {tuple(a.shape)} at (num_tokens={t1}, num_reqs={r1}) and "
+                    f"{tuple(b.shape)} at (num_tokens={t2}, num_reqs={r2}): it changes with the batch, but "
+                    "not as num_tokens or num_reqs. The manager can only cut dimensions that follow "
+                    "num_tokens or num_reqs (exactly that many) to a real batch's rows, and return the "
+                    "others whole; return it unflattened (say (num_tokens, 2, ...) rather than "
+                    "(2 * num_tokens, ...)), or compute it outside the captured module"
+                )
+            kinds.append(tuple(dims))
+        return kinds
 
     def _settle_row_kinds(self) -> None:
         # One descriptor alone cannot tell an output of fixed size from one
         # that follows the batch when the sizes coincide. Across descriptors
-        # it can: a leaf whose leading size never changes is returned whole,
-        # and one that tracks the request count is cut by requests.
-        shapes: dict[int, list[tuple[int, int, int]]] = {}
+        # it can: a leading dimension whose size never changes is returned
+        # whole, and one that tracks the request count is cut by requests; a
+        # later dimension is cut only when its size changes across
+        # descriptors, each time as the token (or request) count.
+        shapes: dict[int, list[tuple[tuple[int, ...], int, int]]] = {}
         for desc, entry in self._entries.items():
-            for i, leaf in enumerate(tree_flatten(entry.graph.output)[0]):
+            for i, leaf in enumerate(entry.leaves):
                 if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-                    shapes.setdefault(i, []).append((leaf.shape[0], desc.num_tokens, entry.num_reqs))
+                    shapes.setdefault(i, []).append((tuple(leaf.shape), desc.num_tokens, entry.num_reqs))
         for i, seen in shapes.items():
-            follows_tokens = all(d == t for d, t, _ in seen)
-            follows_reqs = all(d == r for d, _, r in seen)
-            whole = len({d for d, _, _ in seen}) == 1 and not follows_tokens and not follows_reqs
-            per_request = follows_reqs and not follows_tokens
+            ndim = len(seen[0][0])
+            if any(len(shape) != ndim for shape, _, _ in seen):
+                continue  # no one layout across descriptors: each keeps its own
+            lead: CountKind | Literal["whole"] | None = None  # None: each descriptor's own
+            later: list[tuple[int, CountKind]] = []
+            for d in range(ndim):
+                sizes = [(shape[d], t, r) for shape, t, r in seen]
+                follows_tokens = all(n == t for n, t, _ in sizes)
+                follows_reqs = all(n == r for n, _, r in sizes)
+                constant = len({n for n, _, _ in sizes}) == 1
+                if d == 0:
+                    if constant and not follows_tokens and not follows_reqs:
+                        lead = "whole"
+                    elif follows_reqs and not follows_tokens:
+                        lead = "reqs"
+                elif not constant and (follows_tokens or follows_reqs):
+                    later.append((d, "tokens" if follows_tokens else "reqs"))
             for entry in self._entries.values():
-                leaves = tree_flatten(entry.graph.output)[0]
-                if i >= len(leaves) or not isinstance(leaves[i], torch.Tensor) or leaves[i].dim() == 0:
+                if i >= len(entry.leaves) or not isinstance(entry.leaves[i], torch.Tensor) \
+                        or entry.leaves[i].dim() != ndim:
                     continue
-                if whole:
-                    entry.out_rows[i] = "whole"
-                elif per_request:
-                    entry.out_rows[i] = "reqs"
+                own = [(d, k) for d, k in entry.out_dims[i] if d == 0]
+                if lead == "whole":
+                    own = []
+                elif lead == "reqs":
+                    own = [(0, "reqs")]
+                entry.out_dims[i] = (*own, *later)
+                entry.cuts.clear()
 
     def release(self) -> None:
         """Drop every graph and the pool. Static buffers stay; capture() again works."""
@@ -798,24 +891,31 @@ class GraphManager:
                     f"move it with .to('{self.device}')"
                 )
             shape = value.shape
+            assert spec.buffer is not None  # every tensor input has its buffer
+            full = spec.buffer.shape
             if spec.kind == "fixed":
-                assert spec.buffer is not None
-                if shape != spec.buffer.shape:
+                if shape != full:
                     raise ValueError(f"input '{name}' has shape {tuple(shape)}; expected {spec.expected()}")
                 continue
-            if not shape or shape[1:] != spec.trailing:
+            following = spec.following
+            if len(shape) != len(full) or any(
+                n != m for d, (n, m) in enumerate(zip(shape, full, strict=True)) if d not in following
+            ):
                 raise ValueError(f"input '{name}' has shape {tuple(shape)}; expected {spec.expected()}")
-            count = shape[0] - spec.offset
-            if spec.kind == "tokens":
-                if num_tokens >= 0 and count != num_tokens:
-                    raise ValueError(f"inputs disagree on num_tokens: '{token_input}' says {num_tokens}, "
-                                     f"'{name}' says {count}")
-                num_tokens, token_input = count, name
-            else:
-                if from_inputs is not None and count != from_inputs:
-                    raise ValueError(f"inputs disagree on num_reqs: '{reqs_input}' says {from_inputs}, "
-                                     f"'{name}' says {count}")
-                from_inputs, reqs_input = count, name
+            for d, kind, offset in spec.dims:
+                count = shape[d] - offset
+                # Which input (and, past the first, which dimension) said so.
+                said = f"'{name}'" if d == 0 else f"'{name}' (dimension {d})"
+                if kind == "tokens":
+                    if num_tokens >= 0 and count != num_tokens:
+                        raise ValueError(f"inputs disagree on num_tokens: {token_input} says {num_tokens}, "
+                                         f"{said} says {count}")
+                    num_tokens, token_input = count, said
+                else:
+                    if from_inputs is not None and count != from_inputs:
+                        raise ValueError(f"inputs disagree on num_reqs: {reqs_input} says {from_inputs}, "
+                                         f"{said} says {count}")
+                    from_inputs, reqs_input = count, said
         if num_tokens < 0:
             raise ValueError("no input follows num_tokens, so the batch's token count is unknown")
         if from_inputs is not None:
@@ -880,22 +980,64 @@ class GraphManager:
         plan = self._plans.get(key)
         if plan is None:
             loads: list[tuple[str, torch.Tensor, torch.Tensor | None, PadValue]] = []
+            blocks: list[tuple[str, torch.Tensor, torch.Tensor | None, int | float | bool]] = []
+            edges: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
             for name, spec in self._tensor_specs:
                 buf = spec.buffer
                 assert buf is not None
                 if spec.kind == "fixed":
                     loads.append((name, buf, None, 0))
                     continue
+                # The graph of this descriptor reads this window of the buffer.
+                window = spec.window(desc.num_tokens, reqs)
+                if spec.kind == "multi":
+                    real_block = window
+                    for d, kind, offset in spec.dims:
+                        real_block = real_block.narrow(d, 0, (batch.num_tokens if kind == "tokens"
+                                                              else batch.num_reqs) + offset)
+                    padded = real_block.shape != window.shape
+                    assert spec.pad != "edge"  # refused by infer_layout: a block has no last row
+                    blocks.append((name, real_block, window if padded else None, spec.pad))
+                    continue
                 real = spec.rows(batch.num_tokens, batch.num_reqs)
                 rows = spec.rows(desc.num_tokens, reqs)
-                loads.append((name, buf[:real], buf[real:rows] if rows > real else None, spec.pad))
+                head = window.narrow(spec.dim, 0, real)
+                tail = window.narrow(spec.dim, real, rows - real) if rows > real else None
+                if tail is not None and spec.pad == "edge" and spec.dim != 0:
+                    edges.append((name, head, tail, spec.dim))
+                else:
+                    loads.append((name, head, tail, spec.pad))
             masks: list[tuple[torch.Tensor, bool]] = []
             if self._is_padding is not None:
                 masks.append((self._is_padding[: batch.num_tokens], False))
                 if desc.num_tokens > batch.num_tokens:
                     masks.append((self._is_padding[batch.num_tokens : desc.num_tokens], True))
-            plan = self._plans[key] = _LoadPlan(loads, masks)
+            plan = _BlockLoadPlan(loads, masks, blocks, edges) if blocks or edges else _LoadPlan(loads, masks)
+            self._plans[key] = plan
         return plan
+
+    def padding_views(self, desc: BatchDescriptor, batch: Batch) -> list[tuple[str, torch.Tensor]]:
+        """(input name, the view of its static buffer that holds padding) when
+        ``batch`` runs under ``desc``, for every input with one dimension that
+        follows the batch and padding to hold; in input order.
+
+        These are the entries a graph reads but no real token or request put
+        there: what they hold must not reach the real rows' outputs, so a check
+        may fill them with anything. Inputs with several dimensions that follow
+        the batch (a square mask) are left out: their padded entries hold the
+        value ``pad_values`` declares, which the module reads as meaning (a
+        mask's 'masked out'), so another fill is another program, not padding.
+        """
+        reqs = self.capture_reqs(desc)
+        views: list[tuple[str, torch.Tensor]] = []
+        for name, spec in self._tensor_specs:
+            if spec.kind not in ("tokens", "reqs"):
+                continue
+            real = spec.rows(batch.num_tokens, batch.num_reqs)
+            rows = spec.rows(desc.num_tokens, reqs)
+            if rows > real:
+                views.append((name, spec.window(desc.num_tokens, reqs).narrow(spec.dim, real, rows - real)))
+        return views
 
     def real_rows(self, desc: BatchDescriptor, batch: Batch) -> Any:
         """The last replay's outputs of ``desc``, cut to the batch's real rows."""
@@ -910,11 +1052,11 @@ class GraphManager:
         cut = entry.cuts.get(key)
         if cut is None:
             cut = []
-            for leaf, kind in zip(entry.leaves, entry.out_rows, strict=False):
-                if kind == "tokens":
-                    leaf = leaf[: batch.num_tokens]
-                elif kind == "reqs":
-                    leaf = leaf[: batch.num_reqs]
+            for leaf, dims in zip(entry.leaves, entry.out_dims, strict=False):
+                for d, kind in dims:
+                    count = batch.num_tokens if kind == "tokens" else batch.num_reqs
+                    # Never past the captured size (a slice's clamp, as before).
+                    leaf = leaf.narrow(d, 0, min(count, leaf.shape[d]))
                 cut.append(leaf)
             entry.cuts[key] = cut
         return cut
@@ -925,7 +1067,7 @@ class GraphManager:
             cut = [t.clone() if isinstance(t, torch.Tensor) else t for t in cut]
         if entry.single:
             return cut[0]
-        return tree_unflatten(list(cut), entry.treespec)
+        return entry.structure.unflatten(list(cut))
 
     def replay(self, desc: BatchDescriptor) -> Any:
         """Replay ``desc``'s graph on whatever the static buffers hold; return its full output.

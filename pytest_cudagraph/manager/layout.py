@@ -1,63 +1,138 @@
-"""Static input buffers: which dimension of each input follows the batch.
+"""Static input buffers: which dimensions of each input follow the batch.
 
 ``make_inputs(num_tokens, num_reqs)`` builds one batch of keyword inputs. The
-manager calls it at two probe shapes to learn, for each input, whether its
-leading dimension is ``num_tokens + c``, ``num_reqs + c`` or fixed, then once
-at the largest shape to allocate the static buffers. Buffers are allocated
-once and never reallocated: graphs read them by address.
+manager calls it at two probe shapes to learn, for each input and each of its
+dimensions, whether that dimension is ``num_tokens + c``, ``num_reqs + c`` or
+fixed (``input_ids`` of shape ``(1, T)`` follows tokens in dimension 1, a
+square ``(T, T)`` mask in both), then once at the largest shape to allocate
+the static buffers. Buffers are allocated once and never reallocated: graphs
+read them by address.
+
+A batch of one shape sees each buffer through a contiguous view of its first
+elements (``InputSpec.window``): for an input that follows the batch in its
+first dimension that is the prefix of rows it always was; for any other it
+keeps the module's view of its input as contiguous as ``make_inputs`` made it
+(``x.view(...)`` works in the graph as it does eagerly), whatever the shape.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-__all__ = ["PROBES", "InputSpec", "call_make_inputs", "infer_layout"]
+__all__ = ["PROBES", "BatchDim", "InputSpec", "call_make_inputs", "infer_layout"]
 
-Kind = Literal["tokens", "reqs", "fixed", "const"]
+# "multi": several dimensions follow the batch (see InputSpec.dims); code
+# that slices rows of "tokens" and "reqs" inputs leaves it alone.
+Kind = Literal["tokens", "reqs", "fixed", "const", "multi"]
+CountKind = Literal["tokens", "reqs"]
 PadValue = int | float | bool | Literal["edge"]
+# One dimension that follows the batch: (its index, the count it follows, c)
+# with size = count + c.
+BatchDim = tuple[int, CountKind, int]
 
 # Two probe shapes: different token and request counts, none equal to another,
 # so ``tokens + c``, ``reqs + c`` and "fixed" cannot be confused.
 PROBES = ((7, 3), (11, 5))
 
+_COUNT_NAME = {"tokens": "num_tokens", "reqs": "num_reqs"}
+
+
+def _count(kind: CountKind, offset: int, num_tokens: int, num_reqs: int) -> int:
+    return (num_tokens if kind == "tokens" else num_reqs) + offset
+
+
+def _count_text(kind: CountKind, offset: int) -> str:
+    text = _COUNT_NAME[kind]
+    if offset:
+        text += f" {'+' if offset > 0 else '-'} {abs(offset)}"
+    return text
+
 
 @dataclass
 class InputSpec:
-    """One keyword input of the module and its static buffer."""
+    """One keyword input of the module and its static buffer.
+
+    ``dims`` lists the dimensions that follow the batch, each as
+    ``(dimension, "tokens" | "reqs", c)``; every other dimension is fixed.
+    ``kind``, ``offset`` and ``dim`` describe the one such dimension of a
+    "tokens" or "reqs" input (``dim`` 0 for the common row-major layouts). An
+    input with several (a square mask) has kind "multi": code written for
+    rows (``buffer[real:rows]``) skips it rather than cutting the wrong block.
+    ``trailing`` is the buffer's shape past its first dimension, at the
+    largest batch.
+    """
 
     name: str
     kind: Kind
-    offset: int = 0  # leading dim = count + offset ("fixed": the size itself)
+    offset: int = 0  # kind's dim = count + offset ("fixed": the leading size itself)
     dtype: torch.dtype | None = None
     trailing: tuple[int, ...] = ()
     pad: PadValue = 0
     buffer: torch.Tensor | None = None
     value: Any = None  # "const": the Python value frozen into every graph
+    dim: int = 0  # the dimension kind and offset describe
+    dims: tuple[BatchDim, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Specs written the old way (kind and offset alone) follow in dim 0.
+        if not self.dims and self.kind in ("tokens", "reqs"):
+            kind: CountKind = "tokens" if self.kind == "tokens" else "reqs"
+            self.dims = ((self.dim, kind, self.offset),)
+
+    @property
+    def following(self) -> frozenset[int]:
+        """The dimensions that follow the batch."""
+        return frozenset(d for d, _, _ in self.dims)
 
     def rows(self, num_tokens: int, num_reqs: int) -> int:
-        """Leading size of this input for a batch of that shape."""
+        """Size of dimension ``dim`` for a batch of that shape (the leading
+        size for the usual row-major inputs; "fixed": the leading size)."""
         if self.kind == "tokens":
             return num_tokens + self.offset
         if self.kind == "reqs":
             return num_reqs + self.offset
+        if self.kind == "multi":
+            _, kind, offset = self.dims[0]
+            return _count(kind, offset, num_tokens, num_reqs)
         return self.offset
+
+    def shape_at(self, num_tokens: int, num_reqs: int) -> tuple[int, ...]:
+        """This input's full shape for a batch of that shape."""
+        if self.buffer is None:
+            return (self.rows(num_tokens, num_reqs), *self.trailing) if self.kind != "const" else ()
+        shape = list(self.buffer.shape)
+        for d, kind, offset in self.dims:
+            shape[d] = _count(kind, offset, num_tokens, num_reqs)
+        return tuple(shape)
+
+    def window(self, num_tokens: int, num_reqs: int) -> torch.Tensor:
+        """The static buffer as a batch of that shape sees it: a contiguous
+        view of its first elements (its first rows, when only dim 0 follows)."""
+        buf = self.buffer
+        if buf is None:
+            raise ValueError(f"input '{self.name}' is a Python value, not a tensor; it has no buffer")
+        if not self.dims:
+            return buf
+        if len(self.dims) == 1 and self.dims[0][0] == 0:
+            return buf.narrow(0, 0, self.rows(num_tokens, num_reqs))
+        shape = self.shape_at(num_tokens, num_reqs)
+        return buf.view(-1).narrow(0, 0, math.prod(shape)).view(shape)
 
     def expected(self) -> str:
         if self.kind == "const":
             return f"the Python value {self.value!r}"
-        lead = {
-            "tokens": "num_tokens",
-            "reqs": "num_reqs",
-            "fixed": str(self.offset),
-        }[self.kind]
-        if self.kind != "fixed" and self.offset:
-            lead += f" {'+' if self.offset > 0 else '-'} {abs(self.offset)}"
-        shape = ", ".join([lead, *map(str, self.trailing)])
-        return f"a {self.dtype} tensor of shape ({shape})"
+        if self.buffer is None:  # a spec written by hand: rows and trailing
+            lead = str(self.offset) if self.kind == "fixed" else _count_text(self.dims[0][1], self.dims[0][2])
+            return f"a {self.dtype} tensor of shape ({', '.join([lead, *map(str, self.trailing)])})"
+        parts = [str(n) for n in self.buffer.shape]
+        for d, kind, offset in self.dims:
+            parts[d] = _count_text(kind, offset)
+        return f"a {self.dtype} tensor of shape ({', '.join(parts)})"
 
 
 def call_make_inputs(make_inputs: Callable[[int, int], Mapping[str, Any]], num_tokens: int, num_reqs: int) -> dict[str, Any]:
@@ -78,20 +153,61 @@ def call_make_inputs(make_inputs: Callable[[int, int], Mapping[str, Any]], num_t
     return dict(inputs)
 
 
-def _classify(name: str, probes: list[Any]) -> tuple[Kind, int]:
+def _shapes_seen(shapes: list[tuple[int, ...]], max_tokens: int, max_reqs: int) -> str:
+    at = [*PROBES, (max_tokens, max_reqs)]
+    return ", ".join(f"{shape} at (num_tokens={t}, num_reqs={r})" for shape, (t, r) in zip(shapes, at, strict=True))
+
+
+def _following_dims(name: str, shapes: list[tuple[int, ...]], max_tokens: int, max_reqs: int) -> list[BatchDim]:
+    """The dimensions of an input that follow a count, learned from its shapes
+    at the two probes and at the largest batch; every other one must be fixed."""
     (t1, r1), (t2, r2) = PROBES
-    d1, d2 = (p.shape[0] for p in probes)
-    if d1 == d2:
-        return "fixed", d1
-    if d1 - t1 == d2 - t2:
-        return "tokens", d1 - t1
-    if d1 - r1 == d2 - r2:
-        return "reqs", d1 - r1
-    raise ValueError(
-        f"input '{name}': its leading dimension is {d1} at (num_tokens={t1}, num_reqs={r1}) "
-        f"and {d2} at (num_tokens={t2}, num_reqs={r2}), which is neither num_tokens + c, "
-        "num_reqs + c nor fixed; the manager can only pad the leading dimension"
-    )
+    following: list[BatchDim] = []
+    for d in range(len(shapes[-1])):
+        d1, d2, full = (shape[d] for shape in shapes)
+        if d1 == d2 == full:
+            continue
+        kind: CountKind
+        if d1 != d2 and d1 - t1 == d2 - t2:
+            kind, offset = "tokens", d1 - t1
+        elif d1 != d2 and d1 - r1 == d2 - r2:
+            kind, offset = "reqs", d1 - r1
+        else:
+            raise ValueError(
+                f"input '{name}': dimension {d} is {d1}, {d2} and {full} across the shapes seen "
+                f"({_shapes_seen(shapes, max_tokens, max_reqs)}), which is neither num_tokens + c, "
+                "num_reqs + c nor fixed; the manager can only pad dimensions that follow num_tokens "
+                "or num_reqs (by a constant offset) and keep the others fixed"
+            )
+        if full != _count(kind, offset, max_tokens, max_reqs):
+            raise ValueError(
+                f"input '{name}': dimension {d} is {full} at (num_tokens={max_tokens}, num_reqs={max_reqs}) "
+                f"but the probes say {_count_text(kind, offset)} = {_count(kind, offset, max_tokens, max_reqs)} "
+                f"(shapes seen: {_shapes_seen(shapes, max_tokens, max_reqs)})"
+            )
+        following.append((d, kind, offset))
+    return following
+
+
+def _check_batch_dims(batch_dims: Mapping[str, int], specs: Mapping[str, Any]) -> None:
+    unknown = [n for n in batch_dims if n not in specs]
+    if unknown:
+        raise ValueError(f"batch_dims names unknown input(s) {sorted(unknown)}; inputs are {list(specs)}")
+    for name, d in batch_dims.items():
+        if not isinstance(d, int) or isinstance(d, bool):
+            raise ValueError(
+                f"batch_dims['{name}'] must be an int, the one dimension of '{name}' that follows "
+                f"num_tokens or num_reqs; got {d!r}"
+            )
+
+
+def _pad_hint(name: str, dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return (f"pad_values={{'{name}': False}} or {{'{name}': True}}, whichever your mask's convention "
+                "reads as 'masked out'")
+    if dtype.is_floating_point:
+        return f"pad_values={{'{name}': float('-inf')}} for an additive mask (0 for a multiplicative one)"
+    return f"pad_values={{'{name}': 0}} (or whatever value your module reads as padding)"
 
 
 def infer_layout(
@@ -101,8 +217,14 @@ def infer_layout(
     max_reqs: int,
     device: torch.device,
     pad_values: Mapping[str, PadValue],
+    batch_dims: Mapping[str, int] | None = None,
 ) -> dict[str, InputSpec]:
-    """Learn each input's layout and allocate its static buffer."""
+    """Learn each input's layout and allocate its static buffer.
+
+    ``batch_dims`` names, for some inputs, the one dimension that follows the
+    batch: what the probes learn is then checked against it.
+    """
+    batch_dims = dict(batch_dims or {})
     probes = [call_make_inputs(make_inputs, t, r) for t, r in PROBES]
     full = call_make_inputs(make_inputs, max_tokens, max_reqs)
     names = list(full)
@@ -118,6 +240,7 @@ def infer_layout(
         raise ValueError(
             f"pad_values names unknown input(s) {sorted(unknown)}; inputs are {names}"
         )
+    _check_batch_dims(batch_dims, full)
     specs: dict[str, InputSpec] = {}
     for name in names:
         values = [p[name] for p in probes] + [full[name]]
@@ -130,6 +253,11 @@ def infer_layout(
                     "values at capture. Pass it as a tensor, or read the padded shape from "
                     "pytest_cudagraph.current_descriptor()"
                 )
+            if name in batch_dims:
+                raise ValueError(
+                    f"batch_dims['{name}'] names a Python value ({values[-1]!r}); batch_dims applies to "
+                    "tensor inputs only"
+                )
             specs[name] = InputSpec(name, "const", value=values[-1], pad=pad)
             continue
         if not all(isinstance(v, torch.Tensor) for v in values):
@@ -138,24 +266,56 @@ def infer_layout(
         dtype = tensors[-1].dtype
         if any(t.dtype != dtype for t in tensors):
             raise ValueError(f"input '{name}' changes dtype with the batch shape: {[t.dtype for t in tensors]}")
-        if tensors[-1].dim() == 0:
-            kind: Kind = "fixed"
-            offset = 0
-            trailing: tuple[int, ...] = ()
-        else:
-            trailing = tuple(tensors[-1].shape[1:])
-            if any(tuple(t.shape[1:]) != trailing for t in tensors):
+        shapes = [tuple(t.shape) for t in tensors]
+        ndim = len(shapes[-1])
+        if any(len(shape) != ndim for shape in shapes):
+            raise ValueError(
+                f"input '{name}' changes its number of dimensions with the batch shape "
+                f"({_shapes_seen(shapes, max_tokens, max_reqs)}); it must keep them and let some "
+                "follow num_tokens or num_reqs"
+            )
+        given = batch_dims.get(name)
+        if given is not None and not (ndim and -ndim <= given < ndim):
+            raise ValueError(
+                f"batch_dims['{name}'] = {given} is out of range for its {ndim}-dimensional input "
+                f"(shape {shapes[-1]} at the largest batch); expected a dimension in "
+                f"{f'[{-ndim}, {ndim - 1}]' if ndim else 'none: a 0-d tensor has no dimension to follow the batch'}"
+            )
+        following = _following_dims(name, shapes, max_tokens, max_reqs)
+        if given is not None:
+            given %= ndim
+            moving = [d for d, _, _ in following]
+            if moving != [given]:
+                if given in moving:
+                    found = f"dimension(s) {[d for d in moving if d != given]} also change with the batch"
+                else:
+                    found = f"dimension {given} is {shapes[-1][given]} at every shape seen" + (
+                        f", and dimension(s) {moving} change with the batch instead" if moving else "")
                 raise ValueError(
-                    f"input '{name}': a dimension other than the first changes with the batch "
-                    f"shape ({[tuple(t.shape) for t in tensors]}); only the leading dimension may "
-                    "follow num_tokens or num_reqs"
+                    f"batch_dims['{name}'] = {given}, but {found} "
+                    f"({_shapes_seen(shapes, max_tokens, max_reqs)}); the dimension given must follow "
+                    "num_tokens or num_reqs and every other must stay fixed (leave the input out of "
+                    "batch_dims to have several dimensions learned)"
                 )
-            kind, offset = _classify(name, tensors[:2])
-            spec_rows = InputSpec(name, kind, offset).rows(max_tokens, max_reqs)
-            if tensors[-1].shape[0] != spec_rows:
+        kind: Kind
+        if not following:
+            kind, dim, offset = "fixed", 0, (shapes[-1][0] if ndim else 0)
+        elif len(following) == 1:
+            dim, kind, offset = following[0]
+        else:
+            kind, dim, offset = "multi", following[0][0], following[0][2]
+            described = ", ".join(f"dim {d} follows {_count_text(k, c)}" for d, k, c in following)
+            if name not in pad_values:
                 raise ValueError(
-                    f"input '{name}' has {tensors[-1].shape[0]} rows at (num_tokens={max_tokens}, "
-                    f"num_reqs={max_reqs}) but the probes say {kind} + {offset} = {spec_rows}"
+                    f"input '{name}' has several dimensions that follow the batch ({described}): its padding "
+                    "is a block around the real entries, and what a padded entry must hold is the module's "
+                    "semantics (a mask's 'masked out'), not the manager's to guess. Pass "
+                    f"{_pad_hint(name, dtype)}"
+                )
+            if pad == "edge":
+                raise ValueError(
+                    f"pad_values['{name}'] = 'edge' needs one dimension that follows the batch, and "
+                    f"'{name}' has several ({described}); give a number or a bool: {_pad_hint(name, dtype)}"
                 )
         if pad == "edge" and kind not in ("tokens", "reqs"):
             raise ValueError(f"pad_values['{name}'] = 'edge' needs an input that follows tokens or requests")
@@ -164,7 +324,7 @@ def infer_layout(
         # Contiguous and owned by the manager: graphs hold its address for life.
         buffer = tensors[-1].detach().to(device=device, copy=True).contiguous()
         specs[name] = InputSpec(
-            name, kind, offset if kind != "fixed" else (buffer.shape[0] if buffer.dim() else 0),
-            dtype, trailing if buffer.dim() else (), pad, buffer,
+            name, kind, offset, dtype, tuple(buffer.shape[1:]), pad, buffer,
+            dim=dim, dims=tuple(following),
         )
     return specs
