@@ -29,7 +29,7 @@ __all__ = ["ManagerFactory", "Verifier", "default_device"]
 
 #: ``GraphManager``'s keywords besides the module, inputs and config.
 MANAGER_KEYWORDS: tuple[str, ...] = ("backend", "device", "pad_values", "output_views", "progress",
-                                     "eager_submodules")
+                                     "eager_submodules", "batch_dims")
 
 _NO_SIZES = (
     "needs capture_sizes: pass capture_sizes=..., set @pytest.mark.cudagraph(capture_sizes=...), "

@@ -97,6 +97,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "tests whose marker (or --cudagraph-sizes) sets the capture sizes, so that pytest-xdist spreads "
         "one model's descriptors over workers. ini: cudagraph_split",
     )
+    group.addoption(
+        "--cudagraph-nonfinite-padding",
+        action="store_true",
+        default=None,
+        dest="cudagraph_nonfinite_padding",
+        help="padding_isolation also fills padded rows with NaN and inf, beyond the finite fills (zeros, "
+        "random, large) engines leave there: a strictness that fails causal attention (0 * NaN). "
+        "ini: cudagraph_nonfinite_padding",
+    )
     parser.addini("cudagraph_verify", "exhaustive verification (as --cudagraph-verify)", type="bool", default=False)
     parser.addini("cudagraph_backend", "graph backend: auto, cuda or emulate (as --cudagraph-backend)", default="")
     parser.addini("cudagraph_sizes", "capture sizes, such as 1,2,4,8 (as --cudagraph-sizes)", default="")
@@ -107,6 +116,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("cudagraph_devices", "CUDA devices for xdist workers, such as 0,1 (as --cudagraph-devices)",
                   default="")
     parser.addini("cudagraph_split", "test or descriptor (as --cudagraph-split)", default="")
+    parser.addini("cudagraph_nonfinite_padding", "pad with NaN and inf too (as --cudagraph-nonfinite-padding)",
+                  type="bool", default=False)
 
 
 # -- configuration and run state -------------------------------------------

@@ -124,6 +124,8 @@ def header_line(settings: Settings, resolved_backend: str | None = None) -> str:
         line += f", split={settings.split}"
     if settings.devices is not None:
         line += f", devices={','.join(map(str, settings.devices))}"
+    if settings.nonfinite_padding:
+        line += ", padding=finite and non-finite"
     return line
 
 
@@ -134,6 +136,7 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
     memory = 0
     failures: list[str] = []
     devices: list[str] = []
+    modes: list[str] = []
     calls = 0
     for record in records:
         calls += 1
@@ -141,6 +144,9 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
         device = str(rep.get("device", ""))
         if device.startswith("cuda") and device not in devices:
             devices.append(device)
+        training = rep.get("training")
+        if isinstance(training, str) and training not in modes:
+            modes.append(training)
         captured += len(rep.get("descriptors", []))
         planned += int(rep.get("planned_descriptors", 0))
         seconds += float(rep.get("capture_seconds", 0.0))
@@ -161,6 +167,8 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
         f"capture {format_seconds(seconds)}",
         f"graph memory {format_bytes(memory)}",
     ]
+    if modes:  # the module is verified in the mode it is in: say which
+        parts.append("/".join(modes) + " mode")
     if devices:  # which GPU did the work: under pytest-xdist each worker has its own
         parts.insert(0, "on " + ", ".join(devices))
     line = f"{nodeid}: " + ", ".join(parts)

@@ -64,6 +64,8 @@ _MARKER_DEFAULTS: tuple[tuple[str, str], ...] = (
     ("eager_submodules", "None"),
     ("descriptors", "None"),
     ("seed", "0"),
+    ("nonfinite_padding", "False"),
+    ("batch_dims", "None"),
 )
 MARKER_KEYWORDS: tuple[str, ...] = tuple(name for name, _ in _MARKER_DEFAULTS)
 #: ``CaptureConfig``'s keywords: the part of the marker's that sets the plan.
@@ -105,6 +107,8 @@ class Settings:
     devices: tuple[int, ...] | None = None
     #: "test": one item per verification; "descriptor": one per descriptor.
     split: str = "test"
+    #: padding_isolation also fills padded rows with NaN and inf (a strictness).
+    nonfinite_padding: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -114,6 +118,7 @@ class Settings:
             "report": str(self.report) if self.report is not None else None,
             "devices": list(self.devices) if self.devices is not None else None,
             "split": self.split,
+            "nonfinite_padding": self.nonfinite_padding,
         }
 
 
@@ -231,8 +236,11 @@ def session_settings(config: pytest.Config) -> Settings:
     sizes = _option_or_ini(config, "sizes", parse_sizes)
     devices = _option_or_ini(config, "devices", parse_devices)
     split = _option_or_ini(config, "split", parse_split) or "test"
+    strict_opt = config.getoption("cudagraph_nonfinite_padding", default=None)
+    nonfinite = bool(strict_opt) if strict_opt is not None else _ini_bool(config, "cudagraph_nonfinite_padding")
     return Settings(verify=verify, backend=backend, sizes=sizes, report=_path(config, "cudagraph_report"),
-                    bench_report=_path(config, "cudagraph_bench_report"), devices=devices, split=split)
+                    bench_report=_path(config, "cudagraph_bench_report"), devices=devices, split=split,
+                    nonfinite_padding=nonfinite)
 
 
 def _path(config: pytest.Config, name: str) -> Path | None:
@@ -289,6 +297,8 @@ def _check_marker(mark: pytest.Mark, nodeid: str) -> None:
             parse_sizes(value, f"{where}: capture_sizes")
         elif name == "backend":
             parse_backend(value, f"{where}: backend")
+        elif name == "nonfinite_padding" and not isinstance(value, bool):
+            raise pytest.UsageError(f"{where}: nonfinite_padding: expected True or False; got {value!r}")
 
 
 def marker_keywords(item: pytest.Item) -> dict[str, Any]:
@@ -314,8 +324,9 @@ def resolve(
 ) -> Settings:
     """One test's settings: ``call`` keywords > ``marker`` keywords > ``run`` (option > ini > default).
 
-    ``capture_sizes`` sets ``sizes``, ``backend`` sets ``backend`` and (call
-    only: the marker does not take it) ``exhaustive`` sets ``verify``.
+    ``capture_sizes`` sets ``sizes``, ``backend`` sets ``backend``,
+    ``nonfinite_padding`` sets ``nonfinite_padding`` and (call only: the
+    marker does not take it) ``exhaustive`` sets ``verify``.
     """
     chosen = {**_given(marker), **_given(call)}
     verify = run.verify
@@ -327,7 +338,10 @@ def resolve(
     sizes = run.sizes
     if "capture_sizes" in chosen:
         sizes = tuple(chosen["capture_sizes"])
-    return replace(run, verify=verify, backend=backend, sizes=sizes)
+    nonfinite = run.nonfinite_padding
+    if "nonfinite_padding" in chosen:
+        nonfinite = bool(chosen["nonfinite_padding"])
+    return replace(run, verify=verify, backend=backend, sizes=sizes, nonfinite_padding=nonfinite)
 
 
 def verify_keywords(
@@ -342,6 +356,7 @@ def verify_keywords(
     keywords = {**_given(marker), **_given(call)}
     keywords["backend"] = test.backend
     keywords["exhaustive"] = test.verify
+    keywords["nonfinite_padding"] = test.nonfinite_padding
     if test.sizes is not None:
         keywords["capture_sizes"] = test.sizes
     return keywords

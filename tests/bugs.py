@@ -14,12 +14,14 @@ from torch import nn
 from examples.buggy.batch_statistics import BatchStatistics, TokenStatistics
 from examples.buggy.common import D, token_inputs
 from examples.buggy.host_sync import HostSync, HostSyncFixed
+from examples.buggy.host_value import CountsOnDevice, WritesPythonCount
 from examples.buggy.input_mutation import CopiesInput, MutatesInput
 from examples.buggy.output_alias import ReturnsStatsBuffer, ReturnsStatsCopy
-from examples.buggy.padding_leak import MaskByMultiply, MaskBySelect
+from examples.buggy.padding_leak import MaskByMultiply, MaskBySelect, PoolsPaddedRows
 from examples.buggy.python_state import BufferCounter, PythonCounter
 from examples.buggy.rebound_buffer import RebindsBuffer, UpdatesBufferInPlace
 from examples.buggy.reseed import DrawsNoise, ReseedsInForward
+from examples.buggy.side_output import ReturnsHidden, StoresHidden
 from examples.buggy.stale_cache import IdentityMemo, NoMemo
 from examples.buggy.unregistered_state import RegisteredState, UnregisteredState
 
@@ -37,13 +39,23 @@ class Pair:
 
 PAIRS = [
     Pair("capture_safety", HostSync, HostSyncFixed, r"Tensor\.item\(\) \(host sync\) in the top-level module"),
+    Pair("capture_safety", WritesPythonCount, CountsOnDevice,
+         r"aten\.copy_\.default \(host-to-device copy: a value made on the host .* in the top-level module"),
     Pair("replay_matches_eager", PythonCounter, BufferCounter, r"Python state changes on every forward \(calls:"),
     Pair("fresh_inputs", IdentityMemo, NoMemo, r"with fresh inputs after capture, replay differs from eager"),
     Pair("real_batches", BatchStatistics, TokenStatistics,
          r"real rows differ from eager on the unpadded batch within tolerance"),
+    Pair("padding_isolation", PoolsPaddedRows, MaskBySelect,
+         r"real rows change when padded rows of 'x' hold random values instead of zeros: padding leaks into real "
+         r"rows"),
+    # Non-finite padding is a strictness beyond what engines do; its failures say so.
     Pair("padding_isolation", MaskByMultiply, MaskBySelect,
-         r"real rows change when padded rows hold NaN instead of zeros: padding leaks into real rows"),
+         r"real rows change when padded rows of 'x' hold NaN instead of zeros: padding leaks into real rows "
+         r".*found by nonfinite_padding=True", kwargs={"nonfinite_padding": True}),
     Pair("state", MutatesInput, CopiesInput, r"input \['x'\] is mutated in place by eager but not by run\(\)"),
+    Pair("side_outputs", StoresHidden, ReturnsHidden,
+         r"forward stores a new tensor in the plain attribute 'hidden' on every call.*still holds the tensor "
+         r"stored at capture"),
     Pair("determinism", UnregisteredState, RegisteredState,
          r"two replays of the same inputs, from the same module state and seed, differ"),
     Pair("output_lifetime", ReturnsStatsBuffer, ReturnsStatsCopy,

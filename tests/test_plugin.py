@@ -114,9 +114,11 @@ def test_help_shows_every_option_and_ini_twin(pytester: pytest.Pytester) -> None
             "*--cudagraph-backend=auto|cuda|emulate*",
             "*--cudagraph-sizes=1,2,4,...*",
             "*--cudagraph-report=PATH*",
+            "*--cudagraph-nonfinite-padding*",
         ]
     )
-    for ini, kind in (("verify", "bool"), ("backend", "string"), ("sizes", "string"), ("report", "string")):
+    for ini, kind in (("verify", "bool"), ("backend", "string"), ("sizes", "string"), ("report", "string"),
+                      ("nonfinite_padding", "bool")):
         result.stdout.fnmatch_lines([f"*cudagraph_{ini} ({kind}):*"])
 
 
@@ -174,7 +176,8 @@ def test_resolve_precedence_call_marker_run() -> None:
     call = {"capture_sizes": [8], "exhaustive": True, "backend": None}  # None: not given
     assert resolve(run, marker, call) == Settings(verify=True, backend="emulate", sizes=(8,))
     keywords = verify_keywords(run, {**marker, "seed": 3}, {"seed": 5, "rtol": None})
-    assert keywords == {"capture_sizes": (1, 2, 4), "backend": "emulate", "exhaustive": False, "seed": 5}
+    assert keywords == {"capture_sizes": (1, 2, 4), "backend": "emulate", "exhaustive": False, "seed": 5,
+                        "nonfinite_padding": False}
 
 
 # -- usage errors -------------------------------------------------------------
@@ -318,11 +321,67 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
     )
     data = json.loads(path.read_text())
     assert data["settings"] == {"verify": True, "backend": "emulate", "sizes": [1, 2, 4], "report": str(path),
-                                "devices": [0], "split": "test"}
+                                "devices": [0], "split": "test", "nonfinite_padding": False}
     # the options beat their ini twins
     result = inner.runpytest("--cudagraph-sizes=1,2", "--cudagraph-report=other.json")
     result.assert_outcomes(failed=1)  # 2 descriptors planned now, not 3
     assert json.loads((inner.path / "other.json").read_text())["settings"]["sizes"] == [1, 2]
+
+
+NONFINITE_TESTS = """
+import pytest
+import torch
+import cgmods
+
+
+class Causal(torch.nn.Module):
+    # Each row sums the rows before it: exact under finite padding, 0 * NaN under NaN padding.
+    def forward(self, x):
+        n = x.shape[0]
+        return torch.ones(n, n, device=x.device).tril() @ x
+
+
+def make_inputs(num_tokens, num_reqs):
+    return {"x": torch.randn(num_tokens, 4, device=cgmods.DEVICE)}
+
+
+@pytest.mark.cudagraph(capture_sizes=(2, 4))
+def test_default(cudagraph_verify):
+    cudagraph_verify(Causal(), make_inputs)
+
+
+@pytest.mark.cudagraph(capture_sizes=(2, 4), nonfinite_padding=False)
+def test_marker_off(cudagraph_verify):
+    cudagraph_verify(Causal(), make_inputs)
+"""
+
+
+def test_nonfinite_padding_option_ini_and_marker(inner: pytest.Pytester) -> None:
+    inner.makepyfile(NONFINITE_TESTS)
+    inner.runpytest("--cudagraph-verify").assert_outcomes(passed=2)
+    result = inner.runpytest("--cudagraph-verify", "--cudagraph-nonfinite-padding")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["cudagraph: *padding=finite and non-finite*",
+                                 "*FAIL padding_isolation*", "*found by nonfinite_padding=True*"])
+    assert "test_marker_off FAILED" not in result.stdout.str()
+    inner.makeini("[pytest]\ncudagraph_nonfinite_padding = true\n")
+    result = inner.runpytest("--cudagraph-verify", "-v")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*::test_default FAILED*", "*::test_marker_off PASSED*"])
+
+
+def test_nonfinite_padding_marker_value_is_checked(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.cudagraph(nonfinite_padding="yes")
+        def test_x():
+            pass
+        """
+    )
+    result = inner.runpytest()
+    result.stderr.fnmatch_lines(["*nonfinite_padding: expected True or False; got 'yes'*"])
 
 
 QUICK_TESTS = """
@@ -389,16 +448,17 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     data = json.loads(path.read_text())
     assert data["version"] == 1
     assert data["settings"] == {"verify": False, "backend": "auto", "sizes": None, "report": str(path),
-                                "devices": None, "split": "test"}
+                                "devices": None, "split": "test", "nonfinite_padding": False}
     assert set(data["tests"]) == {"test_rep.py::test_twice", "test_rep.py::test_buggy"}  # only verifying tests
 
     twice = data["tests"]["test_rep.py::test_twice"]
     assert twice["outcome"] == "passed"
     first, second = twice["verifications"]
     assert first["keywords"] == {"capture_sizes": [1, 2, 4], "backend": AUTO_BACKEND, "exhaustive": False,
-                                 "device": f"cuda:{torch.cuda.current_device()}" if AUTO_BACKEND == "cuda" else "cpu"}
+                                 "nonfinite_padding": False, "device": f"cuda:{torch.cuda.current_device()}" if AUTO_BACKEND == "cuda" else "cpu"}
     rep = first["report"]
     assert (rep["module"], rep["backend"], rep["mode"], rep["passed"]) == ("Tiny", AUTO_BACKEND, "FULL", True)
+    assert rep["training"] == "train"  # verified in the mode it is in: a new Module is in train mode
     assert rep["planned_descriptors"] == 3
     assert [d["label"] for d in rep["descriptors"]] == ["FULL-T4-R4", "FULL-T1-R1"]
     assert rep["checks"] == [*CHECKS, "dispatch"]
@@ -571,8 +631,9 @@ def test_a_real_bug_fails_with_the_readable_report(inner: pytest.Pytester) -> No
             "ItemInForward on *: 0/3 descriptors captured and verified (quick: *), 0 real batches, "
             "2 failure(s) in capture_safety*",
             "FAIL capture_safety * FULL-T4-R4",
-            "*cannot be captured in a graph; the first is Tensor.item() (host sync) in the top-level module",
-            "*- Tensor.item() (host sync) in the top-level module",
+            "*cannot be captured in a graph; the first is Tensor.item() (host sync) in the top-level module, "
+            "at cgmods.py:* in forward",
+            "*- Tensor.item() (host sync) in the top-level module, at cgmods.py:* in forward",
         ]
     )
     # pytrace=False: the report, not a traceback through the plugin

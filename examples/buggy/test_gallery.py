@@ -6,28 +6,38 @@ import pytest
 import torch
 
 from examples.buggy.common import token_inputs
+from examples.buggy.padding_leak import MaskByMultiply
 from examples.buggy.python_scalar import ScaledByTemperature, scalar_inputs, tensor_inputs
 from examples.buggy.shape_branch import NoShapeBranch, ShapeBranch
 from tests.bugs import PAIRS
 
 # Every descriptor, also without --cudagraph-verify: some bugs show at one size only.
 CONFIG = {"capture_sizes": (1, 2, 4, 8), "max_num_reqs": 4, "exhaustive": True}
-GALLERY = [(p.check, p.buggy, p.correct, p.message) for p in PAIRS] + [
-    ("real_batches", ShapeBranch, NoShapeBranch, r"real rows differ from eager on the unpadded batch"),
+# (check, buggy, fixed, message, extra keywords: a strictness the pair is caught under)
+GALLERY = [(p.check, p.buggy, p.correct, p.message, p.kwargs) for p in PAIRS] + [
+    ("real_batches", ShapeBranch, NoShapeBranch, r"real rows differ from eager on the unpadded batch", {}),
 ]
+FIELDS = ("check", "buggy", "fixed", "message", "extra")
 
 
-@pytest.mark.parametrize(("check", "buggy", "fixed", "message"), GALLERY, ids=[g[1].__name__ for g in GALLERY])
-def test_bug_is_caught(cudagraph_verify, cudagraph_device, check, buggy, fixed, message):
+@pytest.mark.parametrize(FIELDS, GALLERY, ids=[g[1].__name__ for g in GALLERY])
+def test_bug_is_caught(cudagraph_verify, cudagraph_device, check, buggy, fixed, message, extra):
     torch.manual_seed(0)
     with pytest.raises(pytest.fail.Exception, match=rf"(?s)FAIL {check} .*{message}"):
-        cudagraph_verify(buggy().to(cudagraph_device), token_inputs(cudagraph_device), **CONFIG)
+        cudagraph_verify(buggy().to(cudagraph_device), token_inputs(cudagraph_device), **CONFIG, **extra)
 
 
-@pytest.mark.parametrize(("check", "buggy", "fixed", "message"), GALLERY, ids=[g[2].__name__ for g in GALLERY])
-def test_fix_passes(cudagraph_verify, cudagraph_device, check, buggy, fixed, message):
+@pytest.mark.parametrize(FIELDS, GALLERY, ids=[f"{g[2].__name__}-{g[1].__name__}" for g in GALLERY])
+def test_fix_passes(cudagraph_verify, cudagraph_device, check, buggy, fixed, message, extra):
     torch.manual_seed(0)
-    assert cudagraph_verify(fixed().to(cudagraph_device), token_inputs(cudagraph_device), **CONFIG).ok
+    assert cudagraph_verify(fixed().to(cudagraph_device), token_inputs(cudagraph_device), **CONFIG, **extra).ok
+
+
+def test_strict_padding_bug_passes_finite_padding(cudagraph_verify, cudagraph_device):
+    """Masking by multiplication is exact under every padding an engine leaves: only the strictness fails it."""
+    torch.manual_seed(0)
+    module = MaskByMultiply().to(cudagraph_device)
+    assert cudagraph_verify(module, token_inputs(cudagraph_device), **CONFIG, nonfinite_padding=False).ok
 
 
 def test_python_scalar_input_is_refused(cudagraph_verify, cudagraph_device):

@@ -7,10 +7,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from ..context import running
-from ..manager import GraphManager
+from ..manager import GraphManager, tree
 from ..manager.layout import call_make_inputs
 from ..plan import Batch, BatchDescriptor, GraphMode
 from ..plan.properties import exact_batch
@@ -23,8 +22,9 @@ __all__ = ["VerifyContext", "clone_tree"]
 ScratchRegion = int | slice | Callable[[torch.Tensor], torch.Tensor]
 
 
-def clone_tree(tree: Any) -> Any:
-    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
+def clone_tree(value: Any) -> Any:
+    """``value`` with every tensor cloned, dataclass fields included, in the same structure."""
+    return tree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
 
 
 class VerifyContext:
@@ -40,6 +40,7 @@ class VerifyContext:
         seed: int,
         exhaustive: bool,
         scratch_state: Mapping[str, ScratchRegion],
+        nonfinite_padding: bool = False,
     ) -> None:
         self.manager = manager
         self.module = manager.module
@@ -56,8 +57,15 @@ class VerifyContext:
                 f"scratch_state names {sorted(unknown)}, which are not buffers or parameters of the "
                 f"module; it has {sorted(names)}"
             )
+        #: padding_isolation also fills padded rows with NaN and inf.
+        self.nonfinite_padding = nonfinite_padding
         self.real_batches_run = 0
         self._random: dict[BatchDescriptor, bool] = {}
+        #: Plain tensor attributes of the module tree right after capture,
+        #: by dotted name (what a replay leaves there).
+        self.captured_attributes: dict[str, Any] = {}
+        #: Attributes forward rebinds on every call (found once, lazily).
+        self.rebound_attributes: list[str] | None = None
 
     def module_is_random(self, desc: BatchDescriptor) -> bool:
         """Whether eager output depends on the seed at this descriptor's shape."""

@@ -19,9 +19,11 @@ from .report import Finding, Outcome, VerifyReport
 from .suite import (
     DESCRIPTOR_CHECKS,
     address_stability,
+    attributes_restored,
     capture_safety,
     output_lifetime,
     record_addresses,
+    tensor_attributes,
 )
 
 __all__ = ["CHECKS", "DISPATCH_CHECK", "select_descriptors", "verify"]
@@ -34,6 +36,7 @@ CHECKS: tuple[str, ...] = (
     "real_batches",
     "padding_isolation",
     "state",
+    "side_outputs",
     "determinism",
     "output_lifetime",
     "address_stability",
@@ -96,6 +99,8 @@ def verify(
     eager_submodules: EagerSpec = None,
     descriptors: Iterable[str] | str | None = None,
     seed: int = 0,
+    nonfinite_padding: bool = False,
+    batch_dims: Mapping[str, int] | None = None,
 ) -> VerifyReport:
     """Capture every descriptor of ``module`` and check each against eager.
 
@@ -106,8 +111,14 @@ def verify(
     each mode. ``eager_submodules`` (see ``GraphManager``) captures PIECEWISE
     descriptors as graph segments around those submodules. ``descriptors``
     (labels such as ``"FULL-T8-R4"``) verifies only those; the dispatch check
-    then runs only with the first descriptor verified in full. Bad arguments
-    raise ``ValueError``.
+    then runs only with the first descriptor verified in full.
+    ``nonfinite_padding=True`` also fills padded rows with NaN and inf in the
+    padding_isolation check (a strictness beyond what engines do: they pad
+    with finite values). The module is verified in the mode it is in
+    (``module.training``), which the report states. ``batch_dims`` (input
+    name -> dimension) names the dimension that follows the batch where the
+    probes should not learn it (see ``GraphManager``). Bad arguments raise
+    ``ValueError``.
     """
     names = _check_names(checks)
     sizes = tuple(capture_sizes)
@@ -133,7 +144,8 @@ def verify(
         return _verify(module, make_inputs, config, names, backend=backend, device=device, rtol=rtol, atol=atol,
                        batch_invariant=batch_invariant, exhaustive=exhaustive, pad_values=pad_values,
                        scratch_state=scratch_state, eager_submodules=eager_submodules,
-                       descriptors=_labels(descriptors), seed=seed)
+                       descriptors=_labels(descriptors), seed=seed, nonfinite_padding=bool(nonfinite_padding),
+                       batch_dims=batch_dims)
 
 
 def _verify(
@@ -153,14 +165,20 @@ def _verify(
     eager_submodules: EagerSpec,
     descriptors: tuple[str, ...] | None,
     seed: int,
+    nonfinite_padding: bool,
+    batch_dims: Mapping[str, int] | None,
 ) -> VerifyReport:
     torch.manual_seed(seed)
-    was_training = module.training
-    module.eval()
+    # The module is verified as it will run: a module left in train mode
+    # (batch statistics, dropout) is a different program from its eval twin,
+    # and switching it silently would verify the wrong one. The report says
+    # which mode it was.
+    training = _training_mode(module)
     # Checked capture: verification is where an op that cannot be captured
     # should be named before the device sees it.
     manager = GraphManager(module, make_inputs, config, backend=backend or "auto", device=device,
-                           pad_values=pad_values, checked_capture=True, eager_submodules=eager_submodules)
+                           pad_values=pad_values, checked_capture=True, eager_submodules=eager_submodules,
+                           batch_dims=batch_dims)
     selected = select_descriptors(manager.plan.capture_order, exhaustive=exhaustive)
     # The dispatch check concerns the whole plan: in a verification split by
     # descriptor it runs once, with the plan's first descriptor, on the plan.
@@ -182,6 +200,7 @@ def _verify(
         exhaustive=exhaustive,
         checks=names,
         planned=len(manager.plan.descriptors),
+        training=training,
         config={
             "capture_sizes": list(config.capture_sizes),
             "max_num_reqs": config.max_num_reqs,
@@ -191,19 +210,32 @@ def _verify(
             "varlen_decode": config.varlen_decode,
             "max_capture_size": config.max_capture_size,
             "num_ubatches": config.num_ubatches,
+            "ubatch_min_tokens": config.ubatch_min_tokens,
         },
     )
     ctx = VerifyContext(manager, rtol=rtol, atol=atol, batch_invariant=batch_invariant, seed=seed,
-                        exhaustive=exhaustive, scratch_state=scratch_state or {})
+                        exhaustive=exhaustive, scratch_state=scratch_state or {},
+                        nonfinite_padding=nonfinite_padding)
     try:
-        with ctx.preserved_state():
+        # Probes, warm-ups and captures run forward many times: the tensors it
+        # stores on the module (side outputs) are put back, as its buffers are.
+        with ctx.preserved_state(), attributes_restored(module):
             _run(ctx, report, selected, names if run_dispatch else tuple(n for n in names if n != DISPATCH_CHECK),
                  plan_dispatch=descriptors is not None)
         report.real_batches = ctx.real_batches_run
     finally:
         manager.release()
-        module.train(was_training)
     return report
+
+
+def _training_mode(module: torch.nn.Module) -> str:
+    """'eval', 'train', or 'mixed' (submodules in both modes), as the report states it."""
+    modes = {m.training for m in module.modules()}
+    if modes == {False}:
+        return "eval"
+    if modes == {True}:
+        return "train"
+    return "mixed"
 
 
 def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescriptor], names: tuple[str, ...],
@@ -227,6 +259,9 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
         )])
         _skip_rest(report, names, "capture failed: nothing was verified")
         return
+    # What forward stored on the module during capture: after a replay these
+    # attributes still hold it (Python does not run on replay).
+    ctx.captured_attributes = tensor_attributes(ctx.module)
     report.descriptors = manager.captured_descriptors
     report.capture_seconds = manager.capture_seconds
     report.graph_memory = manager.graph_memory

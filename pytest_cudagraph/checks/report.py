@@ -121,6 +121,8 @@ class VerifyReport:
     real_batches: int = 0  # real batches run through the graphs
     config: dict[str, Any] = field(default_factory=dict)  # the capture configuration verified
     check_seconds: float = 0.0  # time spent in the checks after capture
+    #: The mode the module was verified in: 'eval', 'train' or 'mixed' (None: not known).
+    training: str | None = None
 
     @property
     def failures(self) -> list[Outcome]:
@@ -141,8 +143,9 @@ class VerifyReport:
         failed = self.failures
         checks = sorted({o.check for o in failed})
         status = "all checks passed" if not failed else f"{len(failed)} failure(s) in {', '.join(checks)}"
+        mode = f" in {self.training} mode" if self.training else ""
         return (
-            f"{self.module} on {self.backend} ({self.device}): {len(self.descriptors)}/{self.planned} descriptors "
+            f"{self.module} on {self.backend} ({self.device}){mode}: {len(self.descriptors)}/{self.planned} descriptors "
             f"captured and verified ({'every descriptor' if self.exhaustive else 'quick: smallest and largest per mode'}), "
             f"{self.real_batches} real batches, {status}; capture {format_seconds(self.capture_seconds)}, "
             f"graph memory {format_bytes(self.graph_memory_bytes)}"
@@ -169,6 +172,7 @@ class VerifyReport:
             "backend": self.backend,
             "device": self.device,
             "mode": self.mode,
+            "training": self.training,
             "exhaustive": self.exhaustive,
             "checks": list(self.checks),
             "config": _jsonable(self.config),

@@ -6,7 +6,8 @@ not disturb one another and a graph-safe counter buffer passes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +20,15 @@ from .context import VerifyContext, clone_tree
 from .divergence import locate_divergence
 from .report import Finding, Outcome
 
-__all__ = ["DESCRIPTOR_CHECKS", "address_stability", "capture_safety", "output_lifetime", "record_addresses"]
+__all__ = [
+    "DESCRIPTOR_CHECKS",
+    "address_stability",
+    "attributes_restored",
+    "capture_safety",
+    "output_lifetime",
+    "record_addresses",
+    "tensor_attributes",
+]
 
 
 def _finding(diff: Difference, batch: Batch | None = None, submodule: str | None = None,
@@ -40,6 +49,16 @@ def _finding(diff: Difference, batch: Batch | None = None, submodule: str | None
 def _where(diff: Difference) -> str:
     path = diff.path or "the output"
     return f"{path}: {diff.reason}"
+
+
+def _batch_norm_hint(ctx: VerifyContext) -> str:
+    """Why padded rows reach real ones when a BatchNorm is in train mode (the module is verified as it is)."""
+    names = [name for name, m in ctx.module.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if not names:
+        return ""
+    return (f". '{names[0] or type(ctx.module).__name__}' is a BatchNorm in train mode: it normalises with the "
+            "statistics of the whole batch, padded rows included (call module.eval() to verify inference)")
 
 
 # -- before capture -------------------------------------------------------
@@ -105,6 +124,8 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
         diff = first_difference(graph, eager, check_strides=True)
         if diff is None:
             return Outcome(check, desc, True, figures={"real_batch": batch.shape()})
+        if diff.opaque:
+            return _opaque_output(check, desc, diff, batch)
         changed = [k for k in after if before.get(k, object()) != after[k]]
         if changed:
             name = changed[0]
@@ -131,6 +152,16 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
             "were frozen into the graph" if fresh else
             "replay differs from eager on the inputs the graph was captured with")
     return Outcome(check, desc, False, f"{what} ({_where(diff)})", _finding(diff, batch, submodule, segment))
+
+
+def _opaque_output(check: str, desc: BatchDescriptor, diff: Difference, batch: Batch) -> Outcome:
+    return Outcome(
+        check, desc, False,
+        f"forward returns {diff.reason} at {diff.path or 'the output'}: a graph runs Python only at capture, so "
+        "every replay hands back the object made then, holding graph memory of the capture's shape. Return "
+        "tensors instead (a transformers model: use_cache=False, or a static cache passed in)",
+        Finding(output=diff.path, real_batch=batch.shape()),
+    )
 
 
 def replay_matches_eager(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
@@ -182,18 +213,41 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             if exact is not None and exact.max_abs is not None:
                 worst_abs = max(worst_abs, exact.max_abs)
                 worst_ulp = max(worst_ulp, exact.max_ulp or 0)
+        if diff is not None and diff.opaque:
+            return _opaque_output("real_batches", desc, diff, batch)
         if diff is not None:
             submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=True) \
                 if diff.index is not None else (None, None)
             tol = "bit for bit (batch_invariant)" if ctx.batch_invariant else "within tolerance"
             return Outcome(
                 "real_batches", desc, False,
-                f"real rows differ from eager on the unpadded batch {tol} ({_where(diff)})",
+                f"real rows differ from eager on the unpadded batch {tol} ({_where(diff)}){_batch_norm_hint(ctx)}",
                 _finding(diff, batch, submodule, segment),
                 figures={"batches": len(batches)},
             )
     return Outcome("real_batches", desc, True,
                    figures={"batches": len(batches), "max_abs": worst_abs, "max_ulp": worst_ulp})
+
+
+# Finite fills are what padded rows hold in an engine: zeros, stale rows of an
+# earlier batch, hidden states of pad tokens. NaN and inf are a strictness on
+# top (nonfinite_padding=True): a causal attention block, correct under every
+# finite padding, still turns 0 * NaN into NaN in P @ V.
+_LARGE = 1.0e4  # a stale activation far from the real rows' scale, finite in fp16 and its squares in fp32
+_FINITE_FILLS: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
+    ("zeros", lambda t: t.zero_()),
+    ("random values", lambda t: t.normal_()),
+    ("large finite values", lambda t: t.fill_(_LARGE)),
+]
+_NONFINITE_FILLS: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
+    ("NaN", lambda t: t.fill_(float("nan"))),
+    ("inf", lambda t: t.fill_(float("inf"))),
+]
+
+
+def _padding_views(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> list[tuple[str, torch.Tensor]]:
+    """The floating-point padded rows of the static buffers for ``batch`` under ``desc``."""
+    return [(name, view) for name, view in ctx.manager.padding_views(desc, batch) if view.is_floating_point()]
 
 
 def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
@@ -202,51 +256,158 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     if batch is None or (batch.num_tokens == desc.num_tokens and batch.num_reqs == manager.capture_reqs(desc)):
         return Outcome("padding_isolation", desc, True, skipped=True,
                        message="no real batch of this descriptor leaves padded rows")
+    views = _padding_views(ctx, desc, batch)
+    if not views:
+        return Outcome("padding_isolation", desc, True, skipped=True,
+                       message="no floating-point input has padded rows to fill")
     inputs = ctx.make(batch)
-    fills: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
-        ("zeros", lambda t: t.zero_()),
-        ("random values", lambda t: t.normal_()),
-        ("NaN", lambda t: t.fill_(float("nan"))),
-        ("inf", lambda t: t.fill_(float("inf"))),
-    ]
+    fills = _FINITE_FILLS + (_NONFINITE_FILLS if ctx.nonfinite_padding else [])
     results: list[tuple[str, Any, dict[str, torch.Tensor]]] = []
-    reqs = manager.capture_reqs(desc)
     with ctx.preserved_state() as state0:
         for label, fill in fills:
             ctx.restore(state0)
             manager.load_inputs(desc, inputs, batch)
             with torch.no_grad():
-                for spec in manager.input_specs.values():
-                    if spec.buffer is None or spec.kind not in ("tokens", "reqs") or not spec.buffer.is_floating_point():
-                        continue
-                    real = spec.rows(batch.num_tokens, batch.num_reqs)
-                    rows = spec.rows(desc.num_tokens, reqs)
-                    if rows > real:
-                        fill(spec.buffer[real:rows])
+                for _, view in views:
+                    fill(view)
             ctx.seed_all(ctx.seed)
             manager.replay(desc)
             manager.synchronize()
             out = clone_tree(manager.real_rows(desc, batch))
             results.append((label, out, ctx.snapshot()))
     base_label, base_out, base_state = results[0]
+    filled = ", ".join(f"'{name}'" for name, _ in views)
     for label, out, state in results[1:]:
+        strict = "" if label not in dict(_NONFINITE_FILLS) else (
+            " (found by nonfinite_padding=True, a strictness beyond engines, which pad with finite values: "
+            "every finite padding tried left the real rows unchanged; typically 0 * NaN where a weight is 0)")
         diff = first_difference(out, base_out)
         if diff is not None:
             return Outcome(
                 "padding_isolation", desc, False,
-                f"real rows change when padded rows hold {label} instead of {base_label}: padding leaks into "
-                f"real rows ({_where(diff)})",
+                f"real rows change when padded rows of {filled} hold {label} instead of {base_label}: padding "
+                f"leaks into real rows ({_where(diff)}){strict}{_batch_norm_hint(ctx)}",
                 _finding(diff, batch),
+                figures={"fill": label, "nonfinite": bool(strict)},
             )
         diff = ctx.state_difference(state, base_state, use_scratch=True)
         if diff is not None:
             return Outcome(
                 "padding_isolation", desc, False,
-                f"module state '{diff.path}' changes when padded rows hold {label} instead of {base_label}: "
-                "padded rows write into state (route them to a scratch slot and name it in scratch_state)",
+                f"module state '{diff.path}' changes when padded rows of {filled} hold {label} instead of "
+                f"{base_label}: padded rows write into state (route them to a scratch slot and name it in "
+                f"scratch_state){strict}",
                 _finding(diff, batch),
+                figures={"fill": label, "nonfinite": bool(strict)},
             )
-    return Outcome("padding_isolation", desc, True)
+    return Outcome("padding_isolation", desc, True, figures={"fills": [label for label, _ in fills]})
+
+
+# -- side outputs --------------------------------------------------------------
+# What every nn.Module keeps in its __dict__: never user state.
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+
+
+def tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Plain tensor attributes of the module tree (not parameters or buffers), by dotted name."""
+    found: dict[str, torch.Tensor] = {}
+    for path, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if attr not in _MODULE_INTERNALS and isinstance(value, torch.Tensor):
+                found[f"{path}.{attr}" if path else attr] = value
+    return found
+
+
+def _set_attribute(module: torch.nn.Module, dotted: str, value: Any) -> None:
+    path, _, attr = dotted.rpartition(".")
+    owner = module.get_submodule(path) if path else module
+    if value is None:
+        owner.__dict__.pop(attr, None)
+    else:
+        owner.__dict__[attr] = value
+
+
+@contextlib.contextmanager
+def attributes_restored(module: torch.nn.Module) -> Iterator[None]:
+    """Put the module tree's tensor attributes back (the objects themselves) when the block ends."""
+    saved = tensor_attributes(module)
+    try:
+        yield
+    finally:
+        now = tensor_attributes(module)
+        for name in set(saved) | set(now):
+            if saved.get(name) is not now.get(name):
+                _set_attribute(module, name, saved.get(name))
+
+
+def _rebound_attributes(ctx: VerifyContext, inputs: dict[str, Any], batch: Batch) -> list[str]:
+    """Tensor attributes that forward binds to a new tensor on every call (two eager calls)."""
+    if ctx.rebound_attributes is None:
+        module = ctx.module
+        with ctx.preserved_state() as state0, attributes_restored(module):
+            seen = [tensor_attributes(module)]
+            for _ in range(2):
+                ctx.restore(state0)
+                ctx.seed_all(ctx.seed)
+                ctx.eager_real(clone_tree(inputs), batch)
+                seen.append(tensor_attributes(module))
+        before, first, second = seen
+        ctx.rebound_attributes = [
+            name for name, value in second.items()
+            if first.get(name) is not value and before.get(name) is not first.get(name)
+        ]
+    return ctx.rebound_attributes
+
+
+def _shape(value: Any) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "nothing"
+
+
+def side_outputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    """A tensor that forward stores on the module (``self.hidden = h``) is stale after replay.
+
+    Python runs only at capture: after a replay the attribute still holds the
+    tensor stored while capturing, padded to the capture size and in graph
+    memory that later replays overwrite. Compared with what eager leaves there
+    for the same real batch, with the attributes as capture left them.
+    """
+    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
+    inputs = ctx.make(batch)
+    rebound = _rebound_attributes(ctx, inputs, batch)
+    if not rebound:
+        return Outcome("side_outputs", desc, True, figures={"rebound_attributes": 0})
+    module = ctx.module
+    with ctx.preserved_state() as state0, attributes_restored(module):
+        ctx.seed_all(ctx.seed)
+        ctx.eager_real(clone_tree(inputs), batch)
+        attrs = tensor_attributes(module)
+        expected = {name: clone_tree(attrs.get(name)) for name in rebound}
+        # As a serving loop has them: what the last capture stored.
+        for name in rebound:
+            _set_attribute(module, name, ctx.captured_attributes.get(name))
+        ctx.restore(state0)
+        ctx.seed_all(ctx.seed)
+        ctx.run(clone_tree(inputs), batch)
+        ctx.manager.synchronize()
+        attrs = tensor_attributes(module)
+        got = {name: clone_tree(attrs.get(name)) for name in rebound}
+    for name in rebound:
+        diff = first_difference(got[name], expected[name])
+        if diff is None:
+            continue
+        diff.path = f"module attribute '{name}'"
+        return Outcome(
+            "side_outputs", desc, False,
+            f"forward stores a new tensor in the plain attribute '{name}' on every call, but a graph runs "
+            f"Python only at capture: after replay '{name}' still holds the tensor stored at capture "
+            f"({_shape(got[name])}, in graph memory that later replays overwrite) where eager leaves "
+            f"{_shape(expected[name])}{'' if diff.reason.startswith('shape') else f' ({diff.reason})'}. "
+            f"Return it from forward, or copy it into a "
+            f"registered buffer in place (self.{name.rpartition('.')[2]}.copy_(...))",
+            _finding(diff, batch),
+            figures={"rebound_attributes": len(rebound)},
+        )
+    return Outcome("side_outputs", desc, True, figures={"rebound_attributes": len(rebound)})
 
 
 # -- state, determinism, lifetime, rng ------------------------------------------
@@ -429,6 +590,7 @@ DESCRIPTOR_CHECKS: dict[str, Callable[[VerifyContext, BatchDescriptor], Outcome]
     "real_batches": real_batches,
     "padding_isolation": padding_isolation,
     "state": state,
+    "side_outputs": side_outputs,
     "determinism": determinism,
     "rng": rng,
 }

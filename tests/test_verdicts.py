@@ -1,0 +1,260 @@
+"""The verdict on modules as users have them: no false alarm on causal attention,
+the module verified in its own mode, side outputs kept on the module named.
+
+Each check here is proven both ways: a module with the bug it must catch, and a
+correct twin it must pass.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+from pytest_cudagraph.checks import verify
+
+E = 16
+SIZES = (2, 4, 8)
+
+
+def _tokens(device: torch.device, *, seq_first: bool = False):
+    def make_inputs(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
+        shape = (num_tokens, 1, E) if seq_first else (num_tokens, E)
+        return {"x": torch.randn(*shape, device=device)}
+
+    return make_inputs
+
+
+class CausalAttention(nn.Module):
+    """torch's MultiheadAttention over one causal sequence: padding at the tail reaches no real token."""
+
+    def __init__(self, *, causal: bool = True) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, 4)
+        self.causal = causal
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        mask = torch.full((n, n), float("-inf"), device=x.device).triu(1) if self.causal else None
+        return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+def _run(module: nn.Module, device: torch.device, backend: str, **kwargs):
+    return verify(module.to(device), _tokens(device, seq_first=True), capture_sizes=SIZES, max_num_reqs=1,
+                  backend=backend, device=device, **kwargs)
+
+
+def _failed(report, check: str):
+    return [o for o in report.failures if o.check == check]
+
+
+# -- padding: finite by default, non-finite as an opt-in strictness ------------------
+def test_causal_attention_passes_finite_padding(backend, device):
+    report = _run(CausalAttention().eval(), device, backend)
+    assert report.ok, report.format()
+    fills = [o.figures["fills"] for o in report.outcomes if o.check == "padding_isolation" and not o.skipped]
+    assert fills and all(f == ["zeros", "random values", "large finite values"] for f in fills)
+
+
+def test_nonfinite_padding_is_a_strictness_that_says_so(backend, device):
+    report = _run(CausalAttention().eval(), device, backend, nonfinite_padding=True)
+    failed = _failed(report, "padding_isolation")
+    assert failed, report.format()
+    assert all(o.figures["nonfinite"] for o in failed)
+    assert "found by nonfinite_padding=True" in failed[0].message
+    assert {o.check for o in report.failures} == {"padding_isolation"}
+
+
+def test_bidirectional_attention_over_padding_is_caught_by_default(backend, device):
+    report = _run(CausalAttention(causal=False).eval(), device, backend)
+    failed = _failed(report, "padding_isolation")
+    assert failed, report.format()
+    assert not any(o.figures["nonfinite"] for o in failed)
+    assert _failed(report, "real_batches")
+
+
+# -- the module's own mode ---------------------------------------------------------
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(E, E)
+        self.bn = nn.BatchNorm1d(E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x))
+
+
+class Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(E, E)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x))
+
+
+def _verify_tokens(module: nn.Module, device: torch.device, backend: str, **kwargs):
+    return verify(module.to(device), _tokens(device), capture_sizes=SIZES, max_num_reqs=1, backend=backend,
+                  device=device, **kwargs)
+
+
+def test_train_mode_batch_norm_is_verified_as_it_is_and_caught(backend, device):
+    module = Normed().train()
+    report = _verify_tokens(module, device, backend)
+    assert module.training and module.bn.training, "verify() must leave the module in its own mode"
+    assert report.training == "train"
+    assert "in train mode" in report.summary()
+    failed = _failed(report, "real_batches")
+    assert failed, report.format()
+    assert "'bn' is a BatchNorm in train mode" in failed[0].message
+    assert json.loads(report.to_json())["training"] == "train"
+
+
+def test_eval_mode_batch_norm_passes(backend, device):
+    module = Normed().eval()
+    report = _verify_tokens(module, device, backend)
+    assert report.ok, report.format()
+    assert report.training == "eval" and not module.training
+
+
+def test_mixed_mode_is_reported():
+    module = Normed().eval()
+    module.lin.train()
+    report = _verify_tokens(module, torch.device("cpu"), "emulate", checks=["capture_safety"])
+    assert report.training == "mixed"
+
+
+def test_train_mode_dropout_goes_through_the_rng_check(backend, device):
+    report = _verify_tokens(Dropped().train(), device, backend)
+    assert report.ok, report.format()
+    rng = [o for o in report.outcomes if o.check == "rng"]
+    assert rng and all(not o.skipped and o.figures.get("random") for o in rng), report.format(verbose=True)
+    skipped = [o for o in report.outcomes if o.check == "real_batches"]
+    assert skipped and all(o.skipped and "rng check" in o.message for o in skipped)
+
+
+# -- side outputs -------------------------------------------------------------------
+class StoresHidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(E, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.lin(x)
+        self.hidden = hidden
+        return hidden.relu()
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = StoresHidden()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2
+
+
+class CachesOnce(nn.Module):
+    """Binds a tensor attribute once, at the first forward, and only reads it after: not a side output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(E, E)
+        self.scale: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            self.scale = torch.full((E,), 2.0, device=x.device)
+        return self.lin(x) * self.scale
+
+
+def test_side_output_is_named_with_what_it_holds_and_the_fix(backend, device):
+    module = Nested()
+    report = _verify_tokens(module, device, backend)
+    failed = _failed(report, "side_outputs")
+    assert failed, report.format()
+    message = failed[0].message
+    assert "plain attribute 'inner.hidden'" in message
+    assert "still holds the tensor stored at capture" in message
+    assert "Return it from forward, or copy it into a registered buffer" in message
+    assert failed[0].finding is not None and failed[0].finding.output == "module attribute 'inner.hidden'"
+
+
+def test_side_outputs_restores_the_attribute():
+    module = StoresHidden()
+    module.hidden = marker = torch.zeros(3)
+    verify(module, _tokens(torch.device("cpu")), capture_sizes=SIZES, max_num_reqs=1, backend="emulate",
+           checks=["side_outputs"])
+    assert module.hidden is marker
+
+
+def test_attribute_bound_once_is_not_a_side_output(backend, device):
+    report = _verify_tokens(CachesOnce(), device, backend)
+    assert report.ok, report.format()
+    outcomes = [o for o in report.outcomes if o.check == "side_outputs"]
+    assert outcomes and all(o.figures["rebound_attributes"] == 0 for o in outcomes)
+
+
+# -- strides: only the dimensions that address memory ---------------------------------
+def test_strides_of_size_one_dimensions_are_not_a_difference():
+    from pytest_cudagraph.checks.compare import first_difference
+
+    eager = torch.randn(1, 8, 4)
+    graph = torch.empty_strided((1, 8, 4), (999, 4, 1)).copy_(eager)  # a graph-memory view, say
+    assert first_difference(graph, eager, check_strides=True) is None
+    transposed = torch.empty(1, 4, 8).transpose(1, 2).copy_(eager)  # the same values, another layout
+    found = first_difference(transposed, eager, check_strides=True)
+    assert found is not None and "strides" in found.reason
+
+
+# -- objects made by forward ----------------------------------------------------------
+class _Cache:
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+
+class ReturnsCache(nn.Module):
+    """Returns a Python object holding tensors, as a model with use_cache=True returns its KV cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(E, E)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, _Cache]:
+        out = self.lin(x)
+        return out, _Cache(out * 2)
+
+
+class ReturnsTag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(E, E)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, str, torch.dtype]:
+        return self.lin(x), "tag", x.dtype
+
+
+def test_an_object_made_by_forward_is_named_not_called_nondeterministic(backend, device):
+    report = _verify_tokens(ReturnsCache(), device, backend)
+    failed = _failed(report, "replay_matches_eager")
+    assert failed, report.format()
+    assert "forward returns a _Cache object" in failed[0].message
+    assert "nondeterministic" not in report.format()
+
+
+def test_plain_values_in_the_output_compare_by_value(backend, device):
+    report = _verify_tokens(ReturnsTag(), device, backend)
+    assert report.ok, report.format()
+
+
+def test_first_difference_on_objects():
+    from pytest_cudagraph.checks.compare import first_difference
+
+    cache = _Cache(torch.zeros(1))
+    assert first_difference((1, cache), (1, cache)) is None
+    found = first_difference((1, cache), (1, _Cache(torch.zeros(1))))
+    assert found is not None and found.opaque and found.path == "[1]"
+    assert first_difference(("a", torch.float32), ("a", torch.float32)) is None
+    assert first_difference(("a",), ("b",)) is not None
