@@ -258,3 +258,44 @@ def test_first_difference_on_objects():
     assert found is not None and found.opaque and found.path == "[1]"
     assert first_difference(("a", torch.float32), ("a", torch.float32)) is None
     assert first_difference(("a",), ("b",)) is not None
+
+
+# -- code that asks whether it is captured ------------------------------------------------
+def _capturing() -> bool:
+    try:  # as transformers asks: a CPU-only torch raises outside a capture
+        return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:
+        return False
+
+
+class CapturePathRounds(nn.Module):
+    """Takes another, equivalent arithmetic under capture (as transformers builds its mask another way):
+    the same values within tolerance, not bit for bit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(E, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return (y * 3.0) / 3.0 if _capturing() else y
+
+
+class CapturePathWrong(CapturePathRounds):
+    """A capture-only path that computes something else: what users get from the graph is wrong."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * 2.0 if _capturing() else y
+
+
+def test_the_graph_is_compared_with_the_program_it_captured(backend, device):
+    report = _verify_tokens(CapturePathRounds(), device, backend)
+    assert report.ok, report.format()
+
+
+def test_a_capture_only_path_that_computes_otherwise_is_caught(backend, device):
+    report = _verify_tokens(CapturePathWrong(), device, backend)
+    failed = _failed(report, "real_batches")
+    assert failed, report.format()
+    assert {o.check for o in report.failures} == {"real_batches"}

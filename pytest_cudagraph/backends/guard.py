@@ -512,13 +512,55 @@ _CAPTURE_QUERY_HOMES = (torch.cuda, torch.cuda.graphs)
 _SAVED_QUERIES: list[tuple[Any, Any]] = []
 
 
+#: One entry per active ``as_captured`` block: how many of its exempt modules are running.
+_AS_CAPTURED: list[list[int]] = []
+
+
+@contextlib.contextmanager
+def as_captured(exempt: list[torch.nn.Module] | tuple[()] = ()) -> Iterator[None]:
+    """Run a forward eagerly on the path a capture takes: ``is_current_stream_capturing()`` answers True.
+
+    The checks compare a graph with eager runs of the same program. Code that
+    asks whether it is captured (transformers builds its attention mask
+    another way then, and on a GPU another kernel runs) would otherwise run
+    one program in the graph and another in the reference, and a bit-for-bit
+    comparison would fail a correct graph. ``exempt`` modules (a PIECEWISE
+    graph's eager pieces) get the plain answer, as they do on replay.
+    """
+    running = [0]
+
+    def enter(*_: Any) -> None:
+        running[0] += 1
+
+    def leave(*_: Any) -> None:
+        running[0] -= 1
+
+    handles = []
+    for m in exempt:
+        handles.append(m.register_forward_pre_hook(enter))
+        handles.append(m.register_forward_hook(leave, always_call=True))
+    try:
+        with host_methods_watched():
+            _AS_CAPTURED.append(running)
+            try:
+                yield
+            finally:
+                _AS_CAPTURED.pop()
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _answering_capturing(original: Any) -> Any:
     @functools.wraps(original)
     def is_current_stream_capturing() -> Any:
-        if _ACTIVE and not _ACTIVE[-1].suspended:
-            # A guard's forward is a capture, emulated, real or rehearsed (the
-            # guarded eager runs); an exempt eager piece runs outside it.
-            return True
+        if _ACTIVE:
+            if not _ACTIVE[-1].suspended:
+                # A guard's forward is a capture, emulated, real or rehearsed
+                # (the guarded eager runs); an exempt eager piece runs outside it.
+                return True
+        elif _AS_CAPTURED and not _AS_CAPTURED[-1][0]:
+            return True  # a reference run of the captured program (as_captured)
         # Outside, exactly what it did before (on a CPU-only build it raises).
         return original()
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..backends.guard import as_captured
 from ..context import running
 from ..manager import GraphManager, tree
 from ..manager.layout import call_make_inputs
@@ -139,18 +140,34 @@ class VerifyContext:
         self.manager.synchronize()
         return clone_tree(out)
 
-    def eager(self, kwargs: Mapping[str, Any], desc: BatchDescriptor | None = None) -> Any:
-        """Run the module eagerly on exactly these keyword inputs."""
+    def eager(self, kwargs: Mapping[str, Any], desc: BatchDescriptor | None = None, *,
+              captured_path: bool = True, served_by: BatchDescriptor | None = None) -> Any:
+        """Run the module eagerly on exactly these keyword inputs.
+
+        ``captured_path``: on the path a capture takes (``as_captured``), the
+        program the graph holds, which bit-for-bit comparisons need; the eager
+        pieces of the descriptor that serves the batch (``served_by``, else
+        ``desc``) answer as they do on replay.
+        """
         marker = desc or BatchDescriptor(mode=GraphMode.NONE, num_tokens=0)
-        with torch.no_grad(), running(marker):
+        if not captured_path:
+            with torch.no_grad(), running(marker):
+                return clone_tree(self.module(**dict(kwargs)))
+        graph = served_by or desc
+        exempt = self.manager.eager_modules(graph) if graph is not None else []
+        with torch.no_grad(), running(marker), as_captured(exempt):
             return clone_tree(self.module(**dict(kwargs)))
 
-    def eager_real(self, inputs: Mapping[str, Any], batch: Batch) -> Any:
-        """Eager on an unpadded real batch, with an all-False mask if the module takes one."""
+    def eager_real(self, inputs: Mapping[str, Any], batch: Batch, *, captured_path: bool = True) -> Any:
+        """Eager on an unpadded real batch, with an all-False mask if the module takes one.
+
+        ``captured_path=False`` runs it as users run the module without graphs
+        (``real_batches`` compares with that, within tolerance)."""
         kwargs = self.manager.eager_kwargs(inputs, batch.num_tokens)
         desc = BatchDescriptor(mode=GraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=batch.num_reqs,
                                num_active_loras=self.manager.plan.effective_loras(batch.num_active_loras))
-        return self.eager(kwargs, desc)
+        return self.eager(kwargs, desc, captured_path=captured_path,
+                          served_by=self.manager.dispatch(**batch.dispatch_args()))
 
     def run(self, inputs: Mapping[str, Any], batch: Batch) -> Any:
         """The user's path: ``GraphManager.run_batch``."""

@@ -139,7 +139,7 @@ def locate_divergence(
         eager_rec = _Recorder(module, clone=True)
         with eager_rec.attached():
             if against_real:
-                ctx.eager_real(inputs, batch)
+                ctx.eager_real(inputs, batch, captured_path=False)  # as real_batches compares
             else:
                 ctx.eager(padded, desc)
         eager = eager_rec.records
