@@ -299,3 +299,22 @@ def test_a_capture_only_path_that_computes_otherwise_is_caught(backend, device):
     failed = _failed(report, "real_batches")
     assert failed, report.format()
     assert {o.check for o in report.failures} == {"real_batches"}
+
+
+class FastPathAttention(nn.Module):
+    """nn.MultiheadAttention on its fused fast path (eval, batch first, self-attention, no float mask);
+    each row of the batch is its own sequence, so padding adds whole sequences, which no real one sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_a_fused_fast_path_is_compared_with_the_same_program(backend, device):
+    module = FastPathAttention().eval().to(device)
+    report = verify(module, lambda t, r: {"x": torch.randn(t, 3, E, device=device)}, capture_sizes=SIZES,
+                    max_num_reqs=1, backend=backend, device=device)
+    assert report.ok, report.format()

@@ -516,8 +516,22 @@ _SAVED_QUERIES: list[tuple[Any, Any]] = []
 _AS_CAPTURED: list[list[int]] = []
 
 
+class _InertFunctionMode(TorchFunctionMode):
+    """A function mode that changes nothing but being there.
+
+    torch takes other paths while any function mode is active
+    (``has_torch_function`` is then true: ``nn.MultiheadAttention`` and
+    ``nn.TransformerEncoderLayer`` leave their fused fast paths). The
+    emulated capture runs under ``_HostValueMode``; a reference run meant to
+    be the same program runs under this one.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
-def as_captured(exempt: list[torch.nn.Module] | tuple[()] = ()) -> Iterator[None]:
+def as_captured(exempt: list[torch.nn.Module] | tuple[()] = (), *, emulated: bool = False) -> Iterator[None]:
     """Run a forward eagerly on the path a capture takes: ``is_current_stream_capturing()`` answers True.
 
     The checks compare a graph with eager runs of the same program. Code that
@@ -526,6 +540,8 @@ def as_captured(exempt: list[torch.nn.Module] | tuple[()] = ()) -> Iterator[None
     one program in the graph and another in the reference, and a bit-for-bit
     comparison would fail a correct graph. ``exempt`` modules (a PIECEWISE
     graph's eager pieces) get the plain answer, as they do on replay.
+    ``emulated``: the graph was recorded under the emulator's function mode,
+    so the run is made under an inert one (see ``_InertFunctionMode``).
     """
     running = [0]
 
@@ -540,7 +556,7 @@ def as_captured(exempt: list[torch.nn.Module] | tuple[()] = ()) -> Iterator[None
         handles.append(m.register_forward_pre_hook(enter))
         handles.append(m.register_forward_hook(leave, always_call=True))
     try:
-        with host_methods_watched():
+        with host_methods_watched(), (_InertFunctionMode() if emulated else contextlib.nullcontext()):
             _AS_CAPTURED.append(running)
             try:
                 yield

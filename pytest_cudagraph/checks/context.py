@@ -155,7 +155,7 @@ class VerifyContext:
                 return clone_tree(self.module(**dict(kwargs)))
         graph = served_by or desc
         exempt = self.manager.eager_modules(graph) if graph is not None else []
-        with torch.no_grad(), running(marker), as_captured(exempt):
+        with torch.no_grad(), running(marker), as_captured(exempt, emulated=self.manager.backend == "emulate"):
             return clone_tree(self.module(**dict(kwargs)))
 
     def eager_real(self, inputs: Mapping[str, Any], batch: Batch, *, captured_path: bool = True) -> Any:
