@@ -64,26 +64,21 @@ PATCHES = 5  # ViT: 4 patches of an 8x8 image at patch size 4, plus the CLS toke
 Inputs = Callable[[int, int], dict[str, Any]]
 
 
+# What Llama and Qwen2 share: tiny, grouped-query, SDPA, token ids inside the vocabulary.
+_ROPE_DECODER = {
+    "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": 1,
+    "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
+    "max_position_embeddings": MAX_POSITIONS, "attn_implementation": "sdpa",
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+
+
 def llama_config(**overrides: Any) -> LlamaConfig:
-    kw: dict[str, Any] = {
-        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": 1,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
-        "max_position_embeddings": MAX_POSITIONS, "attn_implementation": "sdpa",
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    }
-    kw.update(overrides)
-    return LlamaConfig(**kw)
+    return LlamaConfig(**{**_ROPE_DECODER, **overrides})
 
 
 def qwen2_config(**overrides: Any) -> Qwen2Config:
-    kw: dict[str, Any] = {
-        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": 1,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
-        "max_position_embeddings": MAX_POSITIONS, "attn_implementation": "sdpa",
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    }
-    kw.update(overrides)
-    return Qwen2Config(**kw)
+    return Qwen2Config(**{**_ROPE_DECODER, **overrides})
 
 
 def gpt2_config(**overrides: Any) -> GPT2Config:
