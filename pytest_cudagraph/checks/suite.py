@@ -14,6 +14,7 @@ import torch
 
 from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker
 from ..context import running
+from ..manager.graph_manager import MODULE_INTERNALS
 from ..plan import Batch, BatchDescriptor, GraphMode
 from .compare import Difference, first_difference
 from .context import VerifyContext, clone_tree
@@ -306,16 +307,12 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
 
 
 # -- side outputs --------------------------------------------------------------
-# What every nn.Module keeps in its __dict__: never user state.
-_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
-
-
 def tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Plain tensor attributes of the module tree (not parameters or buffers), by dotted name."""
     found: dict[str, torch.Tensor] = {}
     for path, sub in module.named_modules():
         for attr, value in vars(sub).items():
-            if attr not in _MODULE_INTERNALS and isinstance(value, torch.Tensor):
+            if attr not in MODULE_INTERNALS and isinstance(value, torch.Tensor):
                 found[f"{path}.{attr}" if path else attr] = value
     return found
 

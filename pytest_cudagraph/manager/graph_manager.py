@@ -35,14 +35,14 @@ _DEFAULT_BATCH_ARGS = (None, None, 0, None, 1)
 
 # What every nn.Module keeps in its __dict__ (hook tables, the parameter and
 # buffer dicts, ...): never user state, so never walked.
-_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)  # also the checks' (side_outputs)
 
 
 def _tensor_holders(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, list[str]]]:
     """Each module with the names of its own attributes (not nn.Module's
     bookkeeping): read once a capture sequence, so that each graph's walk
     over them is short."""
-    return [(sub, [k for k in sub.__dict__ if k not in _MODULE_INTERNALS]) for sub in modules]
+    return [(sub, [k for k in sub.__dict__ if k not in MODULE_INTERNALS]) for sub in modules]
 
 
 def _tensors_of(holders: list[tuple[torch.nn.Module, list[str]]]) -> list[Any]:
