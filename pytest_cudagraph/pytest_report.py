@@ -6,7 +6,15 @@ the records made during a phase onto that phase's ``TestReport`` as the
 attribute ``REPORT_ATTR``, and collects them back from
 ``pytest_runtest_logreport``. pytest serialises a report's ``__dict__`` (so
 pytest-xdist ships the records from workers to the controller, and
-pytest-reportlog writes them) without any code of ours.
+pytest-reportlog writes them) without any code of ours. The same way travel
+the flag ``USED_ATTR`` (the test used the plugin: it is listed in the JSON
+report whatever its outcome) and the ``cudagraph_benchmark`` rows
+(``BENCH_ATTR``, for the Markdown benchmark report).
+
+The JSON report loses nothing: it is replaced by a document saying
+``"complete": false`` when the session starts, and written at the end
+atomically (a temporary file in the same folder, then ``os.replace``) with
+the session's ``"exitstatus"``.
 
 Pure Python: importing this module does not import torch.
 """
@@ -15,6 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,20 +36,33 @@ from .settings import Settings
 from .units import format_bytes, format_seconds
 
 __all__ = [
+    "BENCH_ATTR",
     "REPORT_ATTR",
     "STATE_KEY",
+    "USED_ATTR",
     "RunState",
+    "atomic_write_text",
     "header_line",
+    "incomplete_document",
     "make_record",
     "report_document",
     "summary_line",
+    "write_incomplete_report",
     "write_report",
 ]
 
 #: Attribute of a ``TestReport`` holding the records made in that phase.
 REPORT_ATTR = "cudagraph_records"
-#: Format version of the JSON report.
-REPORT_VERSION = 1
+#: Attribute of a ``TestReport`` saying that the test used the plugin (a fixture or the marker).
+USED_ATTR = "cudagraph_used"
+#: Attribute of a ``TestReport`` holding the ``cudagraph_benchmark`` rows made in that phase.
+BENCH_ATTR = "cudagraph_bench_rows"
+#: Format version of the JSON report (2: ``complete``, ``exitstatus``, ``passed`` and
+#: ``outcomes`` at the top level; every test that used the plugin is listed).
+REPORT_VERSION = 2
+#: Outcome of a test whose pytest-xdist worker crashed while running it.
+CRASHED = "crashed"
+_PHASES = ("setup", "call", "teardown")
 
 
 @dataclass
@@ -51,12 +74,18 @@ class RunState:
     pending: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     #: records of every test that verified, by nodeid, in the order they ran
     results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    #: the test's outcome ('passed', 'failed', 'skipped', 'error'), by nodeid
+    #: the test's outcome ('passed', 'failed', 'skipped', 'error', 'crashed'), by nodeid
     outcomes: dict[str, str] = field(default_factory=dict)
+    #: tests the JSON report lists (used the plugin, or crashed), in the order first reported
+    listed: dict[str, None] = field(default_factory=dict)
+    #: what an xdist worker crash said, by nodeid
+    crashes: dict[str, str] = field(default_factory=dict)
     #: where the JSON report was written, once it was
     written: Path | None = None
-    #: cudagraph_benchmark rows (one per descriptor), for the Markdown report
+    #: cudagraph_benchmark rows made in this process and not yet on a report
     bench_rows: list[dict[str, Any]] = field(default_factory=list)
+    #: cudagraph_benchmark rows (one per descriptor) of the run, for the Markdown report
+    bench_results: list[dict[str, Any]] = field(default_factory=list)
     #: where the benchmark report went
     bench_written: list[Path] = field(default_factory=list)
 
@@ -66,17 +95,35 @@ class RunState:
     def take_pending(self, nodeid: str) -> list[dict[str, Any]]:
         return self.pending.pop(nodeid, [])
 
+    def take_bench_rows(self) -> list[dict[str, Any]]:
+        rows = list(self.bench_rows)
+        del self.bench_rows[:]  # in place: the fixture holds ``bench_rows.append``
+        return rows
+
     def collect(self, report: pytest.TestReport) -> None:
-        """Take the records and outcome of one phase's report (local or from an xdist worker)."""
+        """Take the records, rows and outcome of one phase's report (local or from an xdist worker)."""
+        nodeid = report.nodeid
         records = getattr(report, REPORT_ATTR, None)
         if records:
-            self.results.setdefault(report.nodeid, []).extend(records)
-        if report.when == "call":
-            self.outcomes[report.nodeid] = report.outcome
+            self.results.setdefault(nodeid, []).extend(records)
+        rows = getattr(report, BENCH_ATTR, None)
+        if rows:
+            self.bench_results.extend(rows)
+        crashed = report.failed and report.when not in _PHASES  # xdist: when="???", the worker died
+        if records or crashed or getattr(report, USED_ATTR, False):
+            self.listed.setdefault(nodeid, None)
+        if crashed:
+            self.outcomes[nodeid] = CRASHED
+            self.crashes[nodeid] = str(report.longrepr)
+        elif self.outcomes.get(nodeid) == CRASHED:
+            pass
+        elif report.when == "call":
+            if self.outcomes.get(nodeid) != "error":
+                self.outcomes[nodeid] = report.outcome
         elif report.failed:
-            self.outcomes[report.nodeid] = "error"
+            self.outcomes[nodeid] = "error"
         elif report.skipped and report.when == "setup":
-            self.outcomes[report.nodeid] = "skipped"
+            self.outcomes[nodeid] = "skipped"
 
 
 STATE_KEY = pytest.StashKey[RunState]()
@@ -183,20 +230,93 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
 
 
 # -- the JSON report ---------------------------------------------------------
-def report_document(state: RunState) -> dict[str, Any]:
-    """The JSON report: the settings, and every verifying test's records keyed by nodeid."""
+def _tests(state: RunState) -> dict[str, dict[str, Any]]:
+    tests: dict[str, dict[str, Any]] = {}
+    for nodeid in [*state.listed, *(n for n in state.results if n not in state.listed)]:
+        entry: dict[str, Any] = {"outcome": state.outcomes.get(nodeid),
+                                 "verifications": state.results.get(nodeid, [])}
+        if nodeid in state.crashes:
+            entry["crash"] = state.crashes[nodeid]
+        tests[nodeid] = entry
+    return tests
+
+
+def report_document(state: RunState, exitstatus: int, *, complete: bool = True) -> dict[str, Any]:
+    """The JSON report at the end of the session.
+
+    ``complete``: the session ran to its end (False when it was interrupted:
+    Ctrl-C, ``pytest.exit``, ``-x``/``--maxfail``); ``exitstatus``: pytest's
+    exit status; ``passed``: complete, exit status 0 and every listed test
+    passed or skipped; ``outcomes``: how many listed tests had each outcome
+    ('unfinished': no outcome);
+    ``tests``: every test that used the plugin (one of its fixtures or the
+    ``cudagraph`` marker) or whose xdist worker crashed, keyed by nodeid, with
+    its outcome (None: it never finished) and its ``cudagraph_verify`` records.
+    """
+    tests = _tests(state)
+    counts: dict[str, int] = {}
+    for entry in tests.values():
+        key = str(entry["outcome"] or "unfinished")
+        counts[key] = counts.get(key, 0) + 1
     return {
         "version": REPORT_VERSION,
+        "complete": complete,
+        "exitstatus": int(exitstatus),
+        "passed": complete and int(exitstatus) == 0
+        and all(entry["outcome"] in ("passed", "skipped") for entry in tests.values()),
+        "outcomes": counts,
         "settings": state.settings.to_dict(),
-        "tests": {
-            nodeid: {"outcome": state.outcomes.get(nodeid), "verifications": records}
-            for nodeid, records in state.results.items()
-        },
+        "tests": tests,
     }
 
 
-def write_report(state: RunState, path: Path) -> Path:
+def incomplete_document(state: RunState) -> dict[str, Any]:
+    """What the report path holds while the session runs: nothing in it claims a result."""
+    return {
+        "version": REPORT_VERSION,
+        "complete": False,
+        "exitstatus": None,
+        "passed": False,
+        "note": "a pytest-cudagraph run writing this report started and has not finished "
+        f"(pid {os.getpid()}); if none is running, that run was killed",
+        "settings": state.settings.to_dict(),
+        "tests": {},
+    }
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``.
+
+    A reader sees the old file or the new one, never a torn one, and of two
+    runs writing one path the last to finish wins whole.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report_document(state), indent=2) + "\n", encoding="utf-8")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # as a plain write would (mkstemp makes it 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def write_incomplete_report(state: RunState, path: Path) -> Path:
+    """At session start: the previous run's report must not look like this run's."""
+    return atomic_write_text(path, json.dumps(incomplete_document(state), indent=2) + "\n")
+
+
+def write_report(state: RunState, path: Path, exitstatus: int = 0, *, complete: bool = True) -> Path:
+    document = report_document(state, exitstatus, complete=complete)
+    atomic_write_text(path, json.dumps(document, indent=2) + "\n")
     state.written = path
     return path

@@ -74,7 +74,20 @@ class BenchmarkRunner:
                     pytest.PytestWarning,
                     stacklevel=2,
                 )
-                measure_manager(manager, rounds=1, calls_per_round=1, warmup=0)
+                untimed = measure_manager(manager, rounds=1, calls_per_round=1, warmup=0)
+                # Still a row per descriptor for the Markdown report (merged from
+                # xdist workers): descriptor, padding and graph memory, no times.
+                full = [d for d in manager.captured_descriptors if d.mode is GraphMode.FULL]
+                memory = {"full_graphs": len(full),
+                          "full_graph_memory_measured_bytes": sum(manager.device_memory[d] for d in full),
+                          "full_graph_memory_estimate_bytes": None,
+                          "full_graph_memory_replica_estimate_bytes": None}
+                for bench in untimed:
+                    row = bench.row()
+                    row.update(eager_s=None, run_s=None, replay_s=None, speedup=None, replay_speedup=None,
+                               timed=False, test=self._node.nodeid, module=type(module).__name__,
+                               backend=manager.backend, device=str(manager.device), **memory)
+                    self._record(row)
                 return None
             results = measure_manager(manager, rounds=rounds, calls_per_round=calls_per_round, warmup=warmup)
             # vLLM's estimate of all FULL graphs from the two largest, beside

@@ -6,13 +6,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..pytest_report import atomic_write_text
 from ..units import format_bytes
 
 __all__ = ["write_bench_report"]
 
 
-def _us(seconds: float) -> str:
-    return f"{seconds * 1e6:,.1f} µs"
+def _us(seconds: float | None) -> str:
+    return "not timed" if seconds is None else f"{seconds * 1e6:,.1f} µs"
 
 
 def write_bench_report(rows: Iterable[Mapping[str, Any]], path: Path) -> list[Path]:
@@ -23,7 +24,10 @@ def write_bench_report(rows: Iterable[Mapping[str, Any]], path: Path) -> list[Pa
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        speedup = "emulated" if row["emulated"] else f"{row['speedup']:.2f}x"
+        if row.get("timed", True) is False:
+            speedup = "not timed"
+        else:
+            speedup = "emulated" if row["emulated"] else f"{row['speedup']:.2f}x"
         lines.append(
             f"| {row['test']} | {row['module']} | {row['backend']} | {row['descriptor']} | {row['real_tokens']} | "
             f"{_us(row['eager_s'])} | {_us(row['run_s'])} | {_us(row['replay_s'])} | {speedup} | "
@@ -46,8 +50,11 @@ def write_bench_report(rows: Iterable[Mapping[str, Any]], path: Path) -> list[Pa
     if any(row["emulated"] for row in rows):
         lines.append("")
         lines.append("Rows on the `emulate` backend are CPU times of the emulator: no speedup is claimed.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    if any(row.get("timed", True) is False for row in rows):
+        lines.append("")
+        lines.append("Rows marked not timed ran with benchmarks disabled (pytest-benchmark under pytest-xdist, "
+                     "or --benchmark-disable): each graph ran once, untimed.")
+    atomic_write_text(path, "\n".join(lines) + "\n")
     written = [path]
     plot = _plot(rows, path.with_suffix(".png"))
     if plot is not None:
