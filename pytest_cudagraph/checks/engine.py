@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
@@ -11,6 +12,7 @@ import torch
 
 from ..errors import CaptureError
 from ..manager import GraphManager
+from ..manager.layout import not_a_module
 from ..manager.pieces import EagerSpec
 from ..plan import BatchDescriptor, CaptureConfig, GraphMode
 from ..plan.selection import select_descriptors
@@ -101,6 +103,7 @@ def verify(
     seed: int = 0,
     nonfinite_padding: bool = False,
     batch_dims: Mapping[str, int] | None = None,
+    progress: bool | None = None,
 ) -> VerifyReport:
     """Capture every descriptor of ``module`` and check each against eager.
 
@@ -117,9 +120,13 @@ def verify(
     with finite values). The module is verified in the mode it is in
     (``module.training``), which the report states. ``batch_dims`` (input
     name -> dimension) names the dimension that follows the batch where the
-    probes should not learn it (see ``GraphManager``). Bad arguments raise
-    ``ValueError``.
+    probes should not learn it (see ``GraphManager``). ``progress`` shows a
+    bar per descriptor checked on stderr: True always, False never, None (the
+    default) when stderr is a terminal and the checks run longer than
+    ``PROGRESS_DELAY`` seconds. Bad arguments raise ``ValueError``.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(not_a_module(module))
     names = _check_names(checks)
     sizes = tuple(capture_sizes)
     config = CaptureConfig(
@@ -145,7 +152,7 @@ def verify(
                        batch_invariant=batch_invariant, exhaustive=exhaustive, pad_values=pad_values,
                        scratch_state=scratch_state, eager_submodules=eager_submodules,
                        descriptors=_labels(descriptors), seed=seed, nonfinite_padding=bool(nonfinite_padding),
-                       batch_dims=batch_dims)
+                       batch_dims=batch_dims, progress=progress)
 
 
 def _verify(
@@ -167,6 +174,7 @@ def _verify(
     seed: int,
     nonfinite_padding: bool,
     batch_dims: Mapping[str, int] | None,
+    progress: bool | None = None,
 ) -> VerifyReport:
     torch.manual_seed(seed)
     # The module is verified as it will run: a module left in train mode
@@ -221,7 +229,7 @@ def _verify(
         # stores on the module (side outputs) are put back, as its buffers are.
         with ctx.preserved_state(), attributes_restored(module):
             _run(ctx, report, selected, names if run_dispatch else tuple(n for n in names if n != DISPATCH_CHECK),
-                 plan_dispatch=descriptors is not None)
+                 plan_dispatch=descriptors is not None, progress=progress)
         report.real_batches = ctx.real_batches_run
     finally:
         manager.release()
@@ -238,8 +246,34 @@ def _training_mode(module: torch.nn.Module) -> str:
     return "mixed"
 
 
+#: Seconds the checks run before an automatic progress bar appears.
+PROGRESS_DELAY = 2.0
+
+
+def progress_over(items: list[BatchDescriptor], progress: bool | None, *, desc: str) -> Iterable[BatchDescriptor]:
+    """``items``, through a tqdm bar on stderr when ``progress`` is True, or
+    None and stderr is a terminal (then after ``PROGRESS_DELAY`` seconds, so
+    quick runs stay quiet). Captured output is not a terminal: pytest's
+    capture keeps it quiet, and the plugin passes False under ``-q``."""
+    auto = progress is None
+    if auto:
+        try:
+            progress = sys.stderr.isatty()
+        except (AttributeError, ValueError):  # a replaced or closed stderr
+            progress = False
+    if not progress:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a dependency, but progress is optional
+        return items
+    bar: Iterable[BatchDescriptor] = tqdm(items, desc=desc, unit="descriptor", file=sys.stderr,
+                                          delay=PROGRESS_DELAY if auto else 0.0, leave=False)
+    return bar
+
+
 def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescriptor], names: tuple[str, ...],
-         *, plan_dispatch: bool = False) -> None:
+         *, plan_dispatch: bool = False, progress: bool | None = None) -> None:
     manager = ctx.manager
     if not selected:
         return
@@ -266,7 +300,8 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
     report.capture_seconds = manager.capture_seconds
     report.graph_memory = manager.graph_memory
     started = time.perf_counter()
-    for desc in selected:
+    label = f"Verifying {report.module} ({manager.backend})"
+    for desc in progress_over(selected, progress, desc=label):
         for name in names:
             check = DESCRIPTOR_CHECKS.get(name)
             if check is not None:

@@ -8,6 +8,7 @@ here for an engine's configuration answers as the engine would.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Mapping
 from itertools import groupby, product
 from types import MappingProxyType
@@ -54,19 +55,20 @@ class CapturePlan:
                 "Build one with CaptureConfig(capture_sizes=..., max_num_reqs=..., mode=...)"
             )
         self.config = config
-        # Active-LoRA count -> captured case, precomputed so dispatch never
-        # searches: each count maps to the smallest captured case that holds it.
-        lora_cases = sorted(c for c in config.lora_cases if c > 0)
-        self._lora_map: dict[int, int] = {}
-        for n in range(1, (lora_cases[-1] if lora_cases else 0) + 1):
-            self._lora_map[n] = next(c for c in lora_cases if c >= n)
-        self._max_lora_case = lora_cases[-1] if lora_cases else 0
+        # Captured LoRA cases, ascending: an active-adapter count is served by
+        # the smallest case that holds it (a bisection; dispatch memoises).
+        self._lora_cases = tuple(sorted(c for c in config.lora_cases if c > 0))
+        self._max_lora_case = self._lora_cases[-1] if self._lora_cases else 0
 
         by_mode = self._build_descriptors()
         self._capture: dict[GraphMode, tuple[BatchDescriptor, ...]] = {
             mode: tuple(descs) for mode, descs in by_mode.items()
         }
-        self._candidates = self._build_candidates(by_mode)
+        # Built in time and memory that follow the descriptors, never the
+        # token counts: a plan with a 2**20-token graph costs what one with a
+        # 16-token graph does.
+        self._tiers = self._build_tiers(by_mode)
+        self._candidate_memo: dict[tuple[int, int], tuple[BatchDescriptor, ...]] = {}
         self._memo: dict[_KeyT, BatchDescriptor] = {}
 
     # -- building -------------------------------------------------------
@@ -169,28 +171,47 @@ class CapturePlan:
             descs.sort(key=lambda d: d.num_tokens, reverse=True)
         return by_mode
 
-    def _build_candidates(
+    def _build_tiers(
         self, by_mode: Mapping[GraphMode, list[BatchDescriptor]]
-    ) -> dict[tuple[int, int], tuple[BatchDescriptor, ...]]:
-        """Per (token count, LoRA case): descriptors to try, in priority order.
+    ) -> dict[int, list[tuple[list[int], list[tuple[BatchDescriptor, ...]]]]]:
+        """Per LoRA case, per mode (FULL, then PIECEWISE): the captured token
+        counts ascending, and the descriptors of each count.
 
         FULL graphs come before PIECEWISE ones. Within a mode a token count only
         sees the graphs of the smallest captured size that holds it, so the
         padding is minimal; if none of those is compatible, the next mode is
         tried rather than a larger graph of the same mode.
         """
-        candidates: dict[tuple[int, int], list[BatchDescriptor]] = {}
+        tiers: dict[int, list[tuple[list[int], list[tuple[BatchDescriptor, ...]]]]] = {}
         for mode in (GraphMode.FULL, GraphMode.PIECEWISE):
             ascending = tuple(reversed(by_mode.get(mode, [])))
             for loras in self.config.lora_cases:
-                start = 0
                 same_case = (d for d in ascending if d.num_active_loras == loras)
+                sizes: list[int] = []
+                groups: list[tuple[BatchDescriptor, ...]] = []
                 for num_tokens, group in groupby(same_case, key=lambda d: d.num_tokens):
-                    members = list(group)
-                    for n in range(start, num_tokens + 1):
-                        candidates.setdefault((n, loras), []).extend(members)
-                    start = num_tokens + 1
-        return {key: tuple(descs) for key, descs in candidates.items()}
+                    sizes.append(num_tokens)
+                    groups.append(tuple(group))
+                if sizes:
+                    tiers.setdefault(loras, []).append((sizes, groups))
+        return tiers
+
+    def _candidates_for(self, num_tokens: int, loras: int) -> tuple[BatchDescriptor, ...]:
+        key = (num_tokens, loras)
+        hit = self._candidate_memo.get(key)
+        if hit is not None:
+            return hit
+        found: list[BatchDescriptor] = []
+        if isinstance(num_tokens, int) and num_tokens >= 0:
+            for sizes, groups in self._tiers.get(loras, ()):
+                at = bisect_left(sizes, num_tokens)
+                if at < len(sizes):
+                    found.extend(groups[at])
+        answer = tuple(found)
+        if len(self._candidate_memo) >= _MEMO_LIMIT:
+            self._candidate_memo.clear()
+        self._candidate_memo[key] = answer
+        return answer
 
     # -- inspection -----------------------------------------------------
     @property
@@ -213,16 +234,16 @@ class CapturePlan:
 
     def candidates(self, num_tokens: int, num_active_loras: int = 0) -> tuple[BatchDescriptor, ...]:
         """The descriptors dispatch tries for a token count, in priority order."""
-        key = (num_tokens, self.effective_loras(num_active_loras))
-        return self._candidates.get(key, ())
+        return self._candidates_for(num_tokens, self.effective_loras(num_active_loras))
 
     def candidate_range(self, desc: BatchDescriptor) -> range:
         """Token counts for which ``desc`` is among the candidates."""
-        counts = [n for (n, loras), descs in self._candidates.items()
-                  if loras == desc.num_active_loras and desc in descs]
-        if not counts:
-            return range(0)
-        return range(max(min(counts), 1), max(counts) + 1)
+        for sizes, groups in self._tiers.get(desc.num_active_loras, ()):
+            for at, group in enumerate(groups):
+                if desc in group:
+                    low = sizes[at - 1] + 1 if at else 1
+                    return range(max(low, 1), sizes[at] + 1)
+        return range(0)
 
     @property
     def max_lora_case(self) -> int:
@@ -234,9 +255,12 @@ class CapturePlan:
         Counts above the largest case clamp to it; 0 stays 0 (a batch without
         adapters never meets a LoRA graph).
         """
-        if num_active_loras <= 0 or not self._lora_map:
+        cases = self._lora_cases
+        if num_active_loras <= 0 or not cases:
             return num_active_loras
-        return self._lora_map.get(num_active_loras, self._max_lora_case)
+        if num_active_loras >= self._max_lora_case:
+            return self._max_lora_case
+        return cases[bisect_left(cases, num_active_loras)]
 
     # -- dispatch -------------------------------------------------------
     def dispatch(
@@ -326,7 +350,7 @@ class CapturePlan:
     ) -> BatchDescriptor:
         loras = self.effective_loras(num_active_loras)
         if num_tokens > 0:
-            for desc in self._candidates.get((num_tokens, loras), ()):
+            for desc in self._candidates_for(num_tokens, loras):
                 # BatchDescriptor.is_compatible, inlined: this is the miss path
                 # of every new batch shape.
                 if (

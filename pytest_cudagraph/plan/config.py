@@ -4,31 +4,63 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .modes import GraphMode
 
-__all__ = ["CaptureConfig"]
+__all__ = ["MAX_CAPTURE_TOKENS", "MAX_GRAPHS", "MAX_LORA_CASE", "CaptureConfig"]
+
+#: The largest token (or request) count a graph may be captured for: 2**20.
+#: vLLM's largest capture sizes are 512 by default and 8192-65536 at most
+#: (bounded by max_num_batched_tokens); one activation of a 2**20-token batch
+#: at hidden size 4096 in bf16 is 8 GiB, per layer output kept alive. Beyond it
+#: a size is a typo (2**40), not a device.
+MAX_CAPTURE_TOKENS = 1 << 20
+#: The largest LoRA case (adapters active in one batch): 2**16, thousands of
+#: times vLLM's usual max_loras; every adapter of a case is resident on the
+#: device.
+MAX_LORA_CASE = 1 << 16
+#: The most (capture size, LoRA case) pairs a plan may hold, each one graph or
+#: more: 2**14. vLLM captures about 70 sizes times a few LoRA cases.
+MAX_GRAPHS = 1 << 14
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int_tuple(name: str, values: Iterable[int] | int, *, minimum: int) -> tuple[int, ...]:
+def _int_tuple(name: str, values: Iterable[int] | int, *, minimum: int, maximum: int) -> tuple[int, ...]:
     if _is_int(values):
         values = (values,)  # type: ignore[assignment]
     try:
-        items = tuple(values)  # type: ignore[arg-type]
+        # At most MAX_GRAPHS + 1 items are read: range(2**40) is an error, not a wait.
+        items = tuple(islice(values, MAX_GRAPHS + 1))  # type: ignore[arg-type]
     except TypeError:
         raise ValueError(
             f"{name} must be a sequence of integers; got {values!r}"
         ) from None
+    if len(items) > MAX_GRAPHS:
+        raise ValueError(f"{name} holds more than {MAX_GRAPHS} values: far more graphs than any engine "
+                         f"captures (vLLM: about 70 sizes); give fewer")
     bad = [v for v in items if not _is_int(v) or v < minimum]
     if bad:
-        raise ValueError(f"{name} must hold integers >= {minimum}; got {bad[0]!r} in {items!r}")
+        raise ValueError(f"{name} must hold integers >= {minimum}; got {bad[0]!r} in {_short(items)}")
+    huge = [v for v in items if v > maximum]
+    if huge:
+        raise ValueError(f"{name} must hold integers <= {maximum}; got {huge[0]!r} in {_short(items)}: "
+                         f"far beyond any device (vLLM's largest capture sizes are 8192-65536 tokens)")
     # Keep the order given (the capture order of LoRA cases follows it, as in
     # vLLM) but drop repeats, which would only capture the same graph twice.
     return tuple(dict.fromkeys(items))
+
+
+def _short(items: tuple[int, ...]) -> str:
+    return repr(items) if len(items) <= 20 else f"({', '.join(map(str, items[:20]))}, ... {len(items)} in all)"
+
+
+def _check_at_most(name: str, value: int, maximum: int, what: str) -> None:
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum} ({what}); got {value!r}: far beyond any device")
 
 
 @dataclass(frozen=True)
@@ -73,19 +105,26 @@ class CaptureConfig:
         num_ubatches: int = 1,
         ubatch_min_tokens: int = 1,
     ) -> None:
-        sizes = _int_tuple("capture_sizes", capture_sizes, minimum=1)
+        sizes = _int_tuple("capture_sizes", capture_sizes, minimum=1, maximum=MAX_CAPTURE_TOKENS)
         if not sizes:
             raise ValueError("capture_sizes must name at least one token count, e.g. (1, 2, 4, 8)")
         if not _is_int(max_num_reqs) or max_num_reqs < 1:
             raise ValueError(f"max_num_reqs must be an integer >= 1; got {max_num_reqs!r}")
+        _check_at_most("max_num_reqs", max_num_reqs, MAX_CAPTURE_TOKENS, "requests in one batch")
         if not _is_int(decode_query_len) or decode_query_len < 1:
             raise ValueError(
                 f"decode_query_len must be an integer >= 1 (1 + speculative tokens); "
                 f"got {decode_query_len!r}"
             )
-        cases = _int_tuple("lora_cases", lora_cases, minimum=0)
+        _check_at_most("decode_query_len", decode_query_len, MAX_CAPTURE_TOKENS, "tokens per request")
+        cases = _int_tuple("lora_cases", lora_cases, minimum=0, maximum=MAX_LORA_CASE)
         if not cases:
             raise ValueError("lora_cases must name at least one case; use (0,) for no LoRA")
+        if len(sizes) * len(cases) > MAX_GRAPHS:
+            raise ValueError(
+                f"{len(sizes)} capture sizes times {len(cases)} LoRA cases is {len(sizes) * len(cases)} graphs "
+                f"or more, above the bound of {MAX_GRAPHS}: far more than any engine captures; give fewer"
+            )
         if not isinstance(varlen_decode, bool):
             raise ValueError(f"varlen_decode must be True or False; got {varlen_decode!r}")
         largest = max(sizes)
@@ -96,8 +135,10 @@ class CaptureConfig:
                 f"max_capture_size must be an integer >= the largest capture size "
                 f"({largest}); got {max_capture_size!r}"
             )
+        _check_at_most("max_capture_size", max_capture_size, MAX_CAPTURE_TOKENS, "tokens in one graph")
         if not _is_int(num_ubatches) or num_ubatches < 1:
             raise ValueError(f"num_ubatches must be an integer >= 1 (1: no microbatching); got {num_ubatches!r}")
+        _check_at_most("num_ubatches", num_ubatches, MAX_CAPTURE_TOKENS, "microbatches of one batch")
         if not _is_int(ubatch_min_tokens) or ubatch_min_tokens < 1:
             raise ValueError(f"ubatch_min_tokens must be an integer >= 1; got {ubatch_min_tokens!r}")
         set_ = object.__setattr__

@@ -1,0 +1,93 @@
+"""Torch's intra-op threads per test process: the cores, shared among workers.
+
+Torch starts as many intra-op threads as the machine has cores in every
+process. Under pytest-xdist that is ``workers x cores`` spinning threads on
+``cores`` cores, and the emulator's many small ops pay for every barrier: on
+a shared 2-core machine the examples ran 10-30 times slower than with one
+thread. Unless the user chose a thread count, the plugin gives each process
+``cores // workers`` threads (at least one).
+
+The user chose when ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` is set (torch
+reads them at start-up); ``PYTEST_CUDAGRAPH_THREADS=N`` asks the plugin for
+``N`` threads, and ``PYTEST_CUDAGRAPH_THREADS=0`` leaves torch alone. A
+``torch.set_num_threads`` call in a conftest's ``pytest_sessionstart`` (or a
+test) runs after the plugin's and wins.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["THREADS_ENV", "USER_THREAD_ENVS", "apply_threads", "available_cores", "plan_threads", "worker_count"]
+
+#: Environment variables that mean the user chose torch's thread count.
+USER_THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+#: The plugin's own override: a thread count, or 0 to leave torch alone.
+THREADS_ENV = "PYTEST_CUDAGRAPH_THREADS"
+
+
+def plan_threads(*, cores: int, workers: int, env: Mapping[str, str]) -> int | None:
+    """Torch intra-op threads for one of ``workers`` processes on ``cores``
+    cores; None when the user chose (see the module's docstring).
+
+    ``PYTEST_CUDAGRAPH_THREADS`` that is not a whole number >= 0 is a
+    ``ValueError``.
+    """
+    own = env.get(THREADS_ENV, "").strip()
+    if own:
+        try:
+            count = int(own)
+        except ValueError:
+            count = -1
+        if count < 0:
+            raise ValueError(f"{THREADS_ENV} must be a number of threads >= 1, or 0 to leave torch's alone; "
+                             f"got {own!r}")
+        return count or None
+    if any(env.get(name, "").strip() for name in USER_THREAD_ENVS):
+        return None
+    return max(1, max(1, cores) // max(1, workers))
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is not None:
+        try:
+            return max(1, len(affinity(0)))
+        except OSError:  # pragma: no cover - an OS without the call's support
+            pass
+    return max(1, os.cpu_count() or 1)
+
+
+def worker_count(config: Any = None, env: Mapping[str, str] | None = None) -> int:
+    """Test processes sharing the machine: xdist's worker count on a worker
+    (``PYTEST_XDIST_WORKER_COUNT``), ``-n N`` on xdist's controller, else 1."""
+    env = os.environ if env is None else env
+    value = env.get("PYTEST_XDIST_WORKER_COUNT", "").strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    option = getattr(config, "option", None)
+    processes = getattr(option, "numprocesses", None)
+    if isinstance(processes, int) and not isinstance(processes, bool) and processes > 0:
+        return processes
+    return 1
+
+
+def apply_threads(config: Any = None) -> str | None:
+    """Set torch's intra-op threads as ``plan_threads`` says, for the plugin
+    to call when a session that runs tests starts; a line for the header
+    (``"threads=1 (2 cores, 2 workers)"``), or None when the user chose.
+
+    Imports torch: call it only when tests will run (never for ``--help``).
+    """
+    cores, workers = available_cores(), worker_count(config)
+    threads = plan_threads(cores=cores, workers=workers, env=os.environ)
+    if threads is None:
+        return None
+    import torch
+
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return f"threads={threads} ({cores} core{'s' if cores != 1 else ''}, {workers} worker{'s' if workers != 1 else ''})"
