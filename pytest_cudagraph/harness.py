@@ -13,6 +13,7 @@ import torch
 
 from .checks import VerifyReport, verify
 from .manager import GraphManager
+from .manager.layout import not_a_module
 from .plan import CaptureConfig
 from .pytest_report import make_record
 from .settings import (
@@ -22,10 +23,11 @@ from .settings import (
     check_keywords,
     concrete_backend,
     resolve,
+    split_labels,
     verify_keywords,
 )
 
-__all__ = ["ManagerFactory", "Verifier", "default_device"]
+__all__ = ["ManagerFactory", "Verifier", "default_device", "device_for_test", "follow_device", "inputs_on", "move_to"]
 
 #: ``GraphManager``'s keywords besides the module, inputs and config.
 MANAGER_KEYWORDS: tuple[str, ...] = ("backend", "device", "pad_values", "output_views", "progress",
@@ -50,7 +52,77 @@ def default_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def device_for_test(backend: str) -> torch.device:
+    """``default_device``, failing the test plainly (no traceback) where 'cuda' has no CUDA."""
+    try:
+        return default_device(backend)
+    except ValueError as exc:
+        pytest.fail(f"{exc}; a test that needs a GPU is marked @pytest.mark.cuda, which skips it where there is "
+                    "none", pytrace=False)
+
+
+def move_to(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it (dict values, list and tuple items, recursively) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {k: move_to(v, device) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(move_to(v, device) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(move_to(v, device) for v in value)
+    return value
+
+
+def inputs_on(
+    make_inputs: Callable[[int, int], Mapping[str, Any]], device: torch.device
+) -> Callable[[int, int], Mapping[str, Any]]:
+    """``make_inputs`` whose tensors (dict values, and inside lists and tuples) are moved to ``device``."""
+
+    def moved(num_tokens: int, num_reqs: int) -> Mapping[str, Any]:
+        # The manager's call_make_inputs around this says what a failing call or a non-dict means.
+        inputs = make_inputs(num_tokens, num_reqs)
+        if not isinstance(inputs, Mapping):
+            return inputs
+        return {name: move_to(value, device) for name, value in inputs.items()}
+
+    return moved
+
+
+def follow_device(
+    module: torch.nn.Module,
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    device: torch.device | str | None,
+) -> Callable[[int, int], Mapping[str, Any]]:
+    """On a CUDA device, the same test as on the CPU: the module moves there (in place,
+    ``module.to(device)``) when it has CPU parameters or buffers, and the tensors
+    ``make_inputs`` returns are moved there; elsewhere both are left as they are."""
+    if device is None or torch.device(device).type != "cuda":
+        return make_inputs
+    target = torch.device(device)
+    if any(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers())):
+        module.to(target)
+    return inputs_on(make_inputs, target)
+
+
+def _check_module(module: object, where: str) -> None:
+    if not isinstance(module, torch.nn.Module):
+        pytest.fail(not_a_module(module, f"{where}: module"), pytrace=False)
+
+
 def _backend_and_device(
+    test: Settings, chosen: Mapping[str, Any], module: torch.nn.Module | None = None
+) -> tuple[str, torch.device | str | None]:
+    try:
+        return _resolve_backend_and_device(test, chosen, module)
+    except ValueError as exc:  # backend='cuda' (marker or keyword) where there is no CUDA
+        if "torch.cuda.is_available() is False" not in str(exc):
+            raise
+        pytest.fail(f"{exc}; a test that needs a GPU is marked @pytest.mark.cuda, which skips it where there is "
+                    "none", pytrace=False)
+
+
+def _resolve_backend_and_device(
     test: Settings, chosen: Mapping[str, Any], module: torch.nn.Module | None = None
 ) -> tuple[str, torch.device | str | None]:
     """Backend and device for a manager: given ones win; with no device the settings' pair is used.
@@ -75,7 +147,10 @@ class Verifier:
 
     Keywords not given come from the marker, then the settings. A failed
     report fails the test with ``report.format()``; a passing one is returned.
-    Every report is recorded, as a JSON-able dict, through ``sink``.
+    Every report is recorded, as a JSON-able dict, through ``sink``. On the
+    cuda backend a CPU module is moved to the test's device in place and the
+    tensors ``make_inputs`` returns are moved there, so a test written for the
+    CPU runs unchanged on a GPU.
     """
 
     def __init__(
@@ -85,13 +160,35 @@ class Verifier:
         sink: Callable[[dict[str, Any]], None],
         *,
         descriptor: str | None = None,
+        quiet: bool = False,
     ) -> None:
         self.settings = settings
         self.marker = dict(marker)
         self._sink = sink
+        #: -q: no progress bar, even on a terminal.
+        self.quiet = quiet
         #: The one descriptor to verify (--cudagraph-split=descriptor), by label.
         self.descriptor = descriptor
         self.reports: list[VerifyReport] = []
+
+    def _check_split(self, call: Mapping[str, Any]) -> None:
+        """Under --cudagraph-split=descriptor, fail when the call's keywords plan descriptors
+        that no item verifies (items were made from the marker's plan at collection)."""
+        given = {k: v for k, v in call.items() if v is not None}
+        if not given:
+            return
+        planned = split_labels(self.settings, self.marker) or []
+        wanted = split_labels(self.settings, {**self.marker, **given}) or []
+        unverified = [label for label in wanted if label not in planned]
+        if unverified:
+            pytest.fail(
+                f"cudagraph_verify: this item verifies descriptor {self.descriptor} (--cudagraph-split="
+                f"descriptor: one item per descriptor of the marker's plan, {', '.join(planned)}), but the "
+                f"call's keywords ({', '.join(sorted(given))}) plan descriptor(s) {', '.join(unverified)} too, "
+                "which no item would verify. Set the plan in the marker only, or run with "
+                "--cudagraph-split=test",
+                pytrace=False,
+            )
 
     def keywords(self, module: torch.nn.Module | None = None, **call: Any) -> dict[str, Any]:
         """The keywords ``verify`` gets for these call keywords (without module and inputs)."""
@@ -108,11 +205,16 @@ class Verifier:
         make_inputs: Callable[[int, int], Mapping[str, Any]],
         **call: Any,
     ) -> VerifyReport:
+        _check_module(module, "cudagraph_verify")
         keywords = self.keywords(module, **call)
         if "capture_sizes" not in keywords:
             pytest.fail(f"cudagraph_verify {_NO_SIZES}", pytrace=False)
         if self.descriptor is not None:
+            self._check_split(call)
             keywords["descriptors"] = (self.descriptor,)
+        make_inputs = follow_device(module, make_inputs, keywords.get("device"))
+        if self.quiet:
+            keywords.setdefault("progress", False)
         try:
             report = verify(module, make_inputs, **keywords)
         except ValueError as exc:
@@ -138,8 +240,9 @@ class ManagerFactory:
     device, pad_values, output_views, progress). Without ``config``, config
     keywords not given come from the marker, then the settings (sizes);
     ``max_num_reqs`` defaults to the largest capture size. Backend and device
-    come from the settings unless given. ``release_all`` releases every
-    manager made.
+    come from the settings unless given; on a CUDA device a CPU module is
+    moved there in place and the tensors ``make_inputs`` returns are moved
+    there too. ``release_all`` releases every manager made.
     """
 
     def __init__(self, settings: Settings, marker: Mapping[str, Any]) -> None:
@@ -154,6 +257,7 @@ class ManagerFactory:
         config: CaptureConfig | Mapping[str, Any] | None = None,
         **keywords: Any,
     ) -> GraphManager:
+        _check_module(module, "cudagraph_manager")
         check_keywords(keywords, CONFIG_KEYWORDS + MANAGER_KEYWORDS, "cudagraph_manager")
         config_given = [k for k in keywords if k in CONFIG_KEYWORDS]
         if config is not None and config_given:
@@ -172,6 +276,7 @@ class ManagerFactory:
             config = CaptureConfig(**config_kw)
         # GraphManager's own keywords; backend and device were resolved above.
         extra = {k: v for k, v in chosen.items() if k in MANAGER_KEYWORDS and k not in ("backend", "device")}
+        make_inputs = follow_device(module, make_inputs, device)
         # Checked capture, as verify() does: a test is where bugs are named.
         manager = GraphManager(module, make_inputs, config, backend=backend, device=device,
                                checked_capture=True, **extra)

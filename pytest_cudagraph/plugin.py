@@ -66,7 +66,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         dest="cudagraph_report",
         metavar="PATH",
-        help="write a JSON report of every verified module (descriptors, check outcomes, figures) "
+        help="write a JSON report of every test that used the plugin (descriptors, check outcomes, figures) "
         "keyed by test nodeid, with the settings. ini: cudagraph_report",
     )
     group.addoption(
@@ -122,13 +122,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 # -- configuration and run state -------------------------------------------
 class _Collector:
-    """Takes each phase's records off its report into the run state (xdist: on the controller too)."""
+    """Takes each phase's records off its report into the run state (xdist: on the controller too),
+    and marks the JSON report incomplete when the session starts."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         _state(self.config).collect(report)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        # The previous run's report must not look like this run's while this
+        # one runs, nor after it if it is killed (SIGTERM, OOM) before the end.
+        if hasattr(self.config, "workerinput"):  # an xdist worker: the controller writes the report
+            return
+        state = _state(self.config)
+        if state.settings.report is not None:
+            pytest_report.write_incomplete_report(state, state.settings.report)
+
+
+#: The plugin's fixtures: a test that requests one (or carries the marker) is listed in the JSON report.
+_PLUGIN_FIXTURES = frozenset(
+    {"cudagraph_verify", "cudagraph_manager", "cudagraph_benchmark", "cudagraph_dispatch_properties",
+     "_cudagraph_slice"}
+)
+
+
+def _uses_plugin(item: pytest.Item) -> bool:
+    fixtures = getattr(item, "fixturenames", ())
+    return item.get_closest_marker("cudagraph") is not None or any(f in _PLUGIN_FIXTURES for f in fixtures)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -139,7 +162,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _CUDAGRAPH_MARKER)
     if config.getoption("help", default=False):
         return  # --help works whatever the settings' values
-    config.stash[pytest_report.STATE_KEY] = pytest_report.RunState(settings.session_settings(config))
+    run = settings.session_settings(config)
+    if not hasattr(config, "workerinput"):  # checked once, before the run starts (and any worker)
+        settings.check_session(run, config)  # report paths writable; --cudagraph-backend=cuda has CUDA
+    config.stash[pytest_report.STATE_KEY] = pytest_report.RunState(run)
     config.pluginmanager.register(_Collector(config), "cudagraph-collector")
 
 
@@ -151,19 +177,24 @@ def _state(config: pytest.Config) -> pytest_report.RunState:
     return state
 
 
+_THREADS_KEY = pytest.StashKey["str | None"]()
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     run = _state(config).settings
-    return pytest_report.header_line(run, settings.concrete_backend(run.backend))
+    line = pytest_report.header_line(run, settings.concrete_backend(run.backend))
+    threads = config.stash.get(_THREADS_KEY, None)
+    return f"{line}, {threads}" if threads else line
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A malformed cudagraph marker fails its own test, at set-up, with the
+    # message naming it; every other test runs (with or without xdist).
     for item in items:
         try:
             settings.marker_keywords(item)  # pytest.UsageError on a malformed cudagraph marker
         except pytest.UsageError as exc:
-            if not hasattr(config, "workerinput"):
-                raise
-            item.stash[settings.MARKER_ERROR_KEY] = str(exc)  # an xdist worker: error at set-up
+            item.stash[settings.MARKER_ERROR_KEY] = str(exc)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -184,6 +215,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    # torch's intra-op threads: the cores divided among xdist workers, unless
+    # the user chose (OMP_NUM_THREADS, MKL_NUM_THREADS, PYTEST_CUDAGRAPH_THREADS).
+    from .threads import apply_threads
+
+    session.config.stash[_THREADS_KEY] = apply_threads(session.config)
     # Each xdist worker takes its own GPU (gw<N> -> the N-th of
     # --cudagraph-devices, or of every visible device), before any test runs,
     # so that "cuda" means that GPU for the fixtures and the tests alike.
@@ -230,24 +266,42 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    records = _state(item.config).take_pending(item.nodeid)
+    state = _state(item.config)
+    records = state.take_pending(item.nodeid)
     if records:
         setattr(report, pytest_report.REPORT_ATTR, records)
+    rows = state.take_bench_rows()  # they travel like the records: from xdist workers too
+    if rows:
+        setattr(report, pytest_report.BENCH_ATTR, rows)
+    if _uses_plugin(item):
+        setattr(report, pytest_report.USED_ATTR, True)
     return report
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:
     config = session.config
     if hasattr(config, "workerinput"):  # an xdist worker: the controller writes the report
         return
     state = _state(config)
     if state.settings.report is not None:
-        pytest_report.write_report(state, state.settings.report)
-    if state.settings.bench_report is not None and state.bench_rows:
-        from .bench.markdown import write_bench_report
+        complete = (int(exitstatus) != pytest.ExitCode.INTERRUPTED
+                    and not session.shouldstop and not session.shouldfail)
+        pytest_report.write_report(state, state.settings.report, int(exitstatus), complete=complete)
+    bench_report = state.settings.bench_report
+    if bench_report is not None:
+        state.bench_results.extend(state.take_bench_rows())  # rows made outside a test's phases
+        if state.bench_results:
+            from .bench.markdown import write_bench_report
 
-        state.bench_written = write_bench_report(state.bench_rows, state.settings.bench_report)
+            state.bench_written = write_bench_report(state.bench_results, bench_report)
+        else:
+            import warnings
+
+            warnings.warn(pytest.PytestWarning(
+                f"cudagraph: the benchmark report {bench_report} was not written: no cudagraph_benchmark "
+                "results reached this process"
+            ), stacklevel=1)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
@@ -256,6 +310,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.section("cudagraph")
         for nodeid, records in state.results.items():
             terminalreporter.line(pytest_report.summary_line(nodeid, records, state.outcomes.get(nodeid)))
+    unverified = [n for n in state.listed if n not in state.results
+                  and state.outcomes.get(n) not in (None, "passed", "skipped")]
+    if unverified:  # failed, errored or crashed before any verification finished
+        if not state.results:
+            terminalreporter.section("cudagraph")
+        for nodeid in unverified:
+            terminalreporter.line(f"{nodeid}: no verification finished [{state.outcomes[nodeid]}]")
     if state.written is not None:
         terminalreporter.line(f"cudagraph: JSON report written to {state.written}")
     for path in state.bench_written:
@@ -274,9 +335,9 @@ def cudagraph_backend(request: pytest.FixtureRequest) -> str:
 def cudagraph_device(cudagraph_backend: str) -> torch.device:
     """The test's device: the current CUDA device for the cuda backend (under pytest-xdist, the
     worker's own GPU), the CPU for emulate."""
-    from .harness import default_device
+    from .harness import device_for_test
 
-    return default_device(cudagraph_backend)
+    return device_for_test(cudagraph_backend)
 
 
 @pytest.fixture
@@ -297,7 +358,8 @@ def cudagraph_verify(request: pytest.FixtureRequest, _cudagraph_slice: str | Non
 
     state = _state(request.config)
     record = functools.partial(state.add_pending, request.node.nodeid)
-    return Verifier(state.settings, settings.marker_keywords(request.node), record, descriptor=_cudagraph_slice)
+    return Verifier(state.settings, settings.marker_keywords(request.node), record, descriptor=_cudagraph_slice,
+                    quiet=request.config.get_verbosity() < 0)
 
 
 @pytest.fixture

@@ -27,6 +27,8 @@ __all__ = [
     "VERIFY_KEYWORDS",
     "Settings",
     "check_keywords",
+    "check_report_path",
+    "check_session",
     "concrete_backend",
     "marker_keywords",
     "parse_backend",
@@ -66,6 +68,7 @@ _MARKER_DEFAULTS: tuple[tuple[str, str], ...] = (
     ("seed", "0"),
     ("nonfinite_padding", "False"),
     ("batch_dims", "None"),
+    ("progress", "None"),
 )
 MARKER_KEYWORDS: tuple[str, ...] = tuple(name for name, _ in _MARKER_DEFAULTS)
 #: ``CaptureConfig``'s keywords: the part of the marker's that sets the plan.
@@ -255,6 +258,64 @@ def _path(config: pytest.Config, name: str) -> Path | None:
     return None
 
 
+def check_report_path(path: Path, source: str) -> None:
+    """UsageError naming ``source`` unless ``path`` can be written at the session's end.
+
+    The file may not exist yet, nor its folders: the nearest folder that does
+    exist must be writable (the report creates the rest), and an existing
+    ``path`` must be a writable file.
+    """
+    import os
+
+    if path.is_dir():
+        raise pytest.UsageError(f"{source}: {path} is a directory; give a file path, such as {path / 'report.json'}")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise pytest.UsageError(f"{source}: {path} exists and is not writable; give a path you can write")
+        return
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise pytest.UsageError(
+            f"{source}: cannot create {path}: {parent} is a file, not a folder; give a path you can write"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise pytest.UsageError(
+            f"{source}: cannot create {path}: the folder {parent} is not writable; give a path you can write"
+        )
+
+
+def check_session(run: Settings, config: pytest.Config) -> None:
+    """Usage errors a run's settings can only show once it starts (before any test runs).
+
+    Report paths must be writable, and ``--cudagraph-backend=cuda`` (or the
+    ini value) needs CUDA here: asking for real graphs where there are none is
+    a mistake to tell once, not in every test. (A marker's ``backend='cuda'``
+    concerns one test: that test fails, or skips under ``@pytest.mark.cuda``.)
+    """
+    if run.report is not None:
+        check_report_path(run.report, _source(config, "cudagraph_report"))
+    if run.bench_report is not None:
+        check_report_path(run.bench_report, _source(config, "cudagraph_bench_report"))
+    if run.backend == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError(
+                f"{_source(config, 'cudagraph_backend')}: cuda asks for real CUDA graphs, but "
+                "torch.cuda.is_available() is False here (no GPU, or a CPU build of torch); use "
+                "--cudagraph-backend=auto (CUDA where available, the CPU emulator elsewhere) or emulate"
+            )
+
+
+def _source(config: pytest.Config, name: str) -> str:
+    """``--cudagraph-x`` or ``ini option cudagraph_x``: where a setting came from."""
+    if config.getoption(name, default=None) is not None:
+        return "--" + name.replace("_", "-")
+    return f"ini option {name}"
+
+
 def concrete_backend(name: str) -> str:
     """'auto' -> 'cuda' where ``torch.cuda.is_available()``, else 'emulate'; others unchanged.
 
@@ -334,10 +395,18 @@ def resolve(
         verify = bool(chosen["exhaustive"])
     backend = run.backend
     if "backend" in chosen:
-        backend = parse_backend(chosen["backend"], "backend")
+        try:
+            backend = parse_backend(chosen["backend"], "backend")
+        except pytest.UsageError as exc:
+            raise ValueError(str(exc)) from None
     sizes = run.sizes
     if "capture_sizes" in chosen:
-        sizes = tuple(chosen["capture_sizes"])
+        # A list, a tuple or a string "1,2,4" alike (never character by
+        # character); a bad value is the test's error, not the session's.
+        try:
+            sizes = parse_sizes(chosen["capture_sizes"], "capture_sizes")
+        except pytest.UsageError as exc:
+            raise ValueError(str(exc)) from None
     nonfinite = run.nonfinite_padding
     if "nonfinite_padding" in chosen:
         nonfinite = bool(chosen["nonfinite_padding"])

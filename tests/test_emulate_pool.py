@@ -421,7 +421,7 @@ torch.manual_seed(0)
 sizes = {sizes!r}
 mgr = GraphManager(models.MLP(d=64, hidden=2048).eval(), models.mlp_inputs(d=64),
                    CaptureConfig(capture_sizes=sizes, max_num_reqs=8), backend="emulate", progress=False)
-mgr.run(x=torch.randn(sizes[-1], 64))  # eager, at the largest size: the allocator has seen it
+mgr.eager(x=torch.randn(sizes[-1], 64))  # eager, at the largest size: the allocator has seen it
 import torch._dynamo  # what the first capture imports (tens of MiB of modules) is no graph's memory
 gc.collect()
 before = resident()

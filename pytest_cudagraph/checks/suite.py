@@ -16,7 +16,7 @@ from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker
 from ..context import running
 from ..manager.graph_manager import MODULE_INTERNALS
 from ..plan import Batch, BatchDescriptor, GraphMode
-from .compare import Difference, first_difference
+from .compare import Difference, first_difference, leaves
 from .context import VerifyContext, clone_tree
 from .divergence import locate_divergence
 from .report import Finding, Outcome
@@ -123,6 +123,8 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
         eager = ctx.eager(padded, desc)
         after = _python_state(ctx.module)
         diff = first_difference(graph, eager, check_strides=True)
+        if diff is None and not fresh and not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves(eager)):
+            return _nothing_to_compare(check, desc, eager, batch)  # told once, by replay_matches_eager
         if diff is None:
             return Outcome(check, desc, True, figures={"real_batch": batch.shape()})
         if diff.opaque:
@@ -153,6 +155,17 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
             "were frozen into the graph" if fresh else
             "replay differs from eager on the inputs the graph was captured with")
     return Outcome(check, desc, False, f"{what} ({_where(diff)})", _finding(diff, batch, submodule, segment))
+
+
+def _nothing_to_compare(check: str, desc: BatchDescriptor, output: Any, batch: Batch) -> Outcome:
+    what = "None" if output is None else f"a {type(output).__name__} with no tensor in it"
+    return Outcome(
+        check, desc, False,
+        f"forward returned {what}: there is nothing to compare between replay and eager, so no check can "
+        "tell whether the graph is right. Return the output tensor(s) from forward (a module that writes "
+        "its result into a buffer: return that buffer)",
+        Finding(output="the output", real_batch=batch.shape()),
+    )
 
 
 def _opaque_output(check: str, desc: BatchDescriptor, diff: Difference, batch: Batch) -> Outcome:

@@ -19,7 +19,7 @@ from ..context import running
 from ..errors import CaptureError
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
 from . import tree
-from .layout import PROBES, InputSpec, PadValue, call_make_inputs, infer_layout
+from .layout import PROBES, InputSpec, MakeInputsError, PadValue, call_make_inputs, infer_layout, not_a_module
 from .pieces import EagerPieceError, EagerSpec, capture_in_pieces, piece_of, resolve_eager_submodules
 
 __all__ = ["Batch", "GraphManager"]
@@ -226,7 +226,7 @@ class GraphManager:
         batch_dims: Mapping[str, int] | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
-            raise ValueError(f"module must be a torch.nn.Module; got {type(module).__name__}")
+            raise ValueError(not_a_module(module))
         if not callable(make_inputs):
             raise ValueError("make_inputs must be a callable (num_tokens, num_reqs) -> dict of inputs")
         if isinstance(config, Mapping):
@@ -252,6 +252,7 @@ class GraphManager:
                 f"e.g. {{'input_ids': 1}}; got {type(batch_dims).__name__}"
             )
         self._batch_dims = dict(batch_dims or {})
+        self._check_not_meta()
         self._backend: Backend = make_backend(backend, device if device is not None else self._module_device())
         self._backend.measure_device_memory = bool(measure_device_memory)
         self._backend.checked = resolve_checked(checked_capture, default=False)
@@ -259,6 +260,8 @@ class GraphManager:
         self._check_module_device()
 
         self._make_inputs = make_inputs
+        #: Set by the first capture(): run() before any capture is a mistake, told.
+        self._capture_called = False
         self.max_tokens = config.largest_capture_size
         self.max_reqs = min(self.max_tokens, config.max_num_reqs)
         self._inputs = infer_layout(
@@ -314,6 +317,16 @@ class GraphManager:
             return buffer.device
         return None
 
+    def _check_not_meta(self) -> None:
+        tensors: list[tuple[str, torch.Tensor]] = [*self.module.named_parameters(), *self.module.named_buffers()]
+        for name, tensor in tensors:
+            if tensor.device.type == "meta":
+                raise ValueError(
+                    f"module tensor '{name}' is on meta, the device that holds no data, so nothing can be "
+                    "run or compared; materialise the module first (module.to_empty(device=...) and load "
+                    "its weights, or build it on a real device)"
+                )
+
     def _check_module_device(self) -> None:
         tensors: list[tuple[str, torch.Tensor]] = [*self.module.named_parameters(), *self.module.named_buffers()]
         for name, tensor in tensors:
@@ -358,7 +371,20 @@ class GraphManager:
 
     @property
     def make_inputs(self) -> Callable[[int, int], Mapping[str, Any]]:
-        return self._make_inputs
+        """``make_inputs``, checked: a call whose keys differ from the layout's raises ``ValueError``."""
+        return self._checked_make_inputs
+
+    def _checked_make_inputs(self, num_tokens: int, num_reqs: int) -> dict[str, Any]:
+        inputs = call_make_inputs(self._make_inputs, num_tokens, num_reqs)
+        if inputs.keys() != self._inputs.keys():
+            missing = sorted(n for n in self._inputs if n not in inputs)
+            extra = sorted(n for n in inputs if n not in self._inputs)
+            raise MakeInputsError(
+                f"make_inputs(num_tokens={num_tokens}, num_reqs={num_reqs}) returned inputs {sorted(inputs)}, "
+                f"but at the probe and largest shapes it returned {sorted(self._inputs)} "
+                f"(missing {missing}, new {extra}); make_inputs must return the same keys at every shape"
+            )
+        return inputs
 
     @property
     def captured(self) -> bool:
@@ -421,6 +447,12 @@ class GraphManager:
         if self._entries:
             self.release()
         self._hot.clear()
+        # From here on run() may run eagerly (a failed or refused capture);
+        # before any capture() it is a mistake (see run_batch).
+        self._capture_called = True
+        from .estimate import check_capture_memory  # refuses, with its estimate, what will not fit
+
+        check_capture_memory(self, order)
         started = time.perf_counter()
         self._tracker.refresh()
         self._holders = _tensor_holders(list(self.module.modules()))
@@ -471,7 +503,7 @@ class GraphManager:
         a prefix of the largest shape's inputs need not be valid.
         """
         reqs = self.capture_reqs(desc)
-        sample = call_make_inputs(self._make_inputs, desc.num_tokens, reqs)
+        sample = self._checked_make_inputs(desc.num_tokens, reqs)
         self.load_inputs(desc, sample, self.batch_of(sample, num_reqs=reqs))
         return sample, self.forward_inputs(desc.num_tokens, reqs)
 
@@ -760,7 +792,16 @@ class GraphManager:
             hot = None
         if hot is not None and inputs.keys() == self._tensor_names and self._same_kind(inputs):
             return self._replay_hot(hot, inputs)
+        if not self._capture_called:
+            raise self._not_captured("run()")
         return self.run_batch(inputs)
+
+    def _not_captured(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"GraphManager.{what} was called before capture(): no graph exists yet, so the batch would run "
+            "eagerly and nothing graph-related would be exercised; call manager.capture() first "
+            "(manager.eager(**inputs) runs the module eagerly on purpose)"
+        )
 
     def _same_kind(self, inputs: Mapping[str, Any]) -> bool:
         # What the shape key leaves out and a copy into the static buffers
@@ -804,8 +845,13 @@ class GraphManager:
         """Dispatch a real batch, replay its graph (or run eagerly), return real rows.
 
         ``num_reqs`` defaults to what request-shaped inputs say, or to the
-        token count (capped at ``max_num_reqs``) when there are none.
+        token count (capped at ``max_num_reqs``) when there are none. Before
+        the first ``capture()`` it raises ``RuntimeError`` (no graph could
+        serve the batch; ``eager()`` runs eagerly on purpose); after a failed
+        or released capture, batches run eagerly until the next capture.
         """
+        if not self._capture_called:
+            raise self._not_captured("run_batch()")
         key: tuple[Any, ...] | None = None
         if inputs.keys() == self._tensor_names:
             # The hot path: a batch of input shapes and arguments seen before
@@ -968,6 +1014,9 @@ class GraphManager:
 
     def load_inputs(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> None:
         """Copy a real batch into the static buffers and pad the rest of ``desc``'s rows."""
+        missing = [n for n, _ in self._tensor_specs if n not in inputs]
+        if missing:
+            raise ValueError(f"missing input(s) {missing}; the module's inputs are {list(self._inputs)}")
         with torch.no_grad():
             self._load(desc, inputs, batch)
 

@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["PROBES", "BatchDim", "InputSpec", "call_make_inputs", "infer_layout"]
+__all__ = ["PROBES", "BatchDim", "InputSpec", "MakeInputsError", "call_make_inputs", "infer_layout",
+           "not_a_module"]
 
 # "multi": several dimensions follow the batch (see InputSpec.dims); code
 # that slices rows of "tokens" and "reqs" inputs leaves it alone.
@@ -135,9 +136,26 @@ class InputSpec:
         return f"a {self.dtype} tensor of shape ({', '.join(parts)})"
 
 
+class MakeInputsError(ValueError):
+    """``make_inputs`` returned something unusable; the message names the call and the fix."""
+
+
+def not_a_module(module: object, where: str = "module") -> str:
+    """The message for a ``module`` argument that is not a ``torch.nn.Module``."""
+    name = getattr(module, "__qualname__", None) or type(module).__name__
+    kind = "a function" if callable(module) else "an object"
+    return (
+        f"{where} must be a torch.nn.Module; got {kind} ({type(module).__name__} {name!r}). Graphs are "
+        "captured per module (its parameters and buffers are what replay reads); wrap the code in a "
+        "Module: class Wrapped(torch.nn.Module): def forward(self, x): return f(x)"
+    )
+
+
 def call_make_inputs(make_inputs: Callable[[int, int], Mapping[str, Any]], num_tokens: int, num_reqs: int) -> dict[str, Any]:
     try:
         inputs = make_inputs(num_tokens, num_reqs)
+    except MakeInputsError:  # already says which call and what to do
+        raise
     except Exception as exc:  # the user's code: say which call failed
         raise ValueError(
             f"make_inputs(num_tokens={num_tokens}, num_reqs={num_reqs}) raised "
@@ -226,6 +244,9 @@ def infer_layout(
     """
     batch_dims = dict(batch_dims or {})
     probes = [call_make_inputs(make_inputs, t, r) for t, r in PROBES]
+    from .estimate import check_input_memory  # refuses static buffers that will not fit, before making them
+
+    check_input_memory(probes, PROBES, max_tokens=max_tokens, max_reqs=max_reqs, device=device)
     full = call_make_inputs(make_inputs, max_tokens, max_reqs)
     names = list(full)
     for (t, r), probe in zip(PROBES, probes, strict=False):
@@ -263,6 +284,12 @@ def infer_layout(
         if not all(isinstance(v, torch.Tensor) for v in values):
             raise ValueError(f"input '{name}' is a tensor at some shapes and not at others")
         tensors: list[torch.Tensor] = values
+        if any(t.device.type == "meta" for t in tensors):
+            raise ValueError(
+                f"make_inputs returned input '{name}' on the meta device, which holds no data, so it can be "
+                f"neither copied into a static buffer nor compared; build it with real values "
+                f"({'on the CPU' if device.type == 'cpu' else f'on the CPU or on {device}'}), e.g. torch.randn(num_tokens, ..., device=...)"
+            )
         dtype = tensors[-1].dtype
         if any(t.dtype != dtype for t in tensors):
             raise ValueError(f"input '{name}' changes dtype with the batch shape: {[t.dtype for t in tensors]}")
