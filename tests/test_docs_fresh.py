@@ -1,0 +1,77 @@
+"""The outputs README.md and docs/ show are written by scripts/refresh_docs.py from real runs.
+
+Cheap checks only (the runs themselves take minutes; ``python scripts/refresh_docs.py --check``
+runs them, and CI does): every marked block has a registered command, every registered command
+has its block, markers are balanced, and each block holds a caption and one code block.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("refresh_docs", ROOT / "scripts" / "refresh_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("refresh_docs", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+refresh = _load()
+
+
+def test_every_marker_has_a_command_and_every_command_a_marker() -> None:
+    where = refresh.all_markers()
+    assert set(where) == set(refresh.BLOCKS)
+    for name, block in refresh.BLOCKS.items():
+        assert where[name] == [ROOT / block.file], (name, where[name])
+
+
+@pytest.mark.parametrize("name", sorted(refresh.BLOCKS))
+def test_each_block_holds_a_caption_and_one_code_block(name: str) -> None:
+    block = refresh.BLOCKS[name]
+    path = ROOT / block.file
+    lines = path.read_text().splitlines()
+    ((begin, end),) = [(b, e) for n, b, e in refresh.markers(path) if n == name]
+    inner = lines[begin + 1: end]
+    assert sum(ln.startswith("```") for ln in inner) == 2, inner
+    assert inner[0].strip() and not inner[0].startswith("```"), "a caption first"
+    assert refresh.code_lines(inner), "an empty block"
+
+
+def test_the_readme_commands_are_what_ci_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    for command in ('python -m pip install -e ".[hf]" && python -m pytest --cudagraph-verify examples/',
+                    'python -m pip install -e ".[test]" && python -m pytest'):
+        assert f"```bash\n{command}\n```" in readme
+        assert f"\n{command}\n" in ci
+
+
+def test_check_masks_timings_and_hypothesis_wording_but_not_counts() -> None:
+    norm = refresh.normalise
+    assert norm(["x: 4/4 captured, 35 checks passed, capture 65 ms, graph memory 12.0 KiB"]) == norm(
+        ["x: 4/4 captured, 35 checks passed, capture 71 ms, graph memory 13.5 KiB"])
+    assert norm(["graph gave -3.83, eager gave 6.7e-05"]) == norm(["graph gave 1.51, eager gave -2.16"])
+    assert norm(["E           Falsifying example: test_x("]) == norm(["E           Failing test case: test_x("])
+    assert norm(["38 checks passed"]) != norm(["34 checks passed"])
+    assert norm(["(calls: 6 -> 7)"]) != norm(["(calls: 8 -> 9)"])
+
+
+def test_unbalanced_markers_are_an_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.md"
+    bad.write_text("<!-- refresh: a -->\ntext\n")
+    with pytest.raises(ValueError, match="not closed"):
+        refresh.markers(bad)
+    bad.write_text("text\n<!-- /refresh -->\n")
+    with pytest.raises(ValueError, match="without a start"):
+        refresh.markers(bad)
