@@ -261,29 +261,34 @@ def _path(config: pytest.Config, name: str) -> Path | None:
 def check_report_path(path: Path, source: str) -> None:
     """UsageError naming ``source`` unless ``path`` can be written at the session's end.
 
-    The file may not exist yet, nor its folders: the nearest folder that does
-    exist must be writable (the report creates the rest), and an existing
-    ``path`` must be a writable file.
+    Tried, not guessed from permission bits (root passes ``os.access`` where
+    the file system still refuses, as in ``/proc``): the folders are made (the
+    report would make them anyway), a scratch file is created and removed
+    beside the report, and an existing report is opened for appending, which
+    leaves it as it is.
     """
-    import os
+    import tempfile
 
     if path.is_dir():
         raise pytest.UsageError(f"{source}: {path} is a directory; give a file path, such as {path / 'report.json'}")
-    if path.exists():
-        if not os.access(path, os.W_OK):
-            raise pytest.UsageError(f"{source}: {path} exists and is not writable; give a path you can write")
-        return
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    if not parent.is_dir():
+    if parent.exists() and not parent.is_dir():
         raise pytest.UsageError(
             f"{source}: cannot create {path}: {parent} is a file, not a folder; give a path you can write"
         )
-    if not os.access(parent, os.W_OK | os.X_OK):
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".cudagraph-check-"):
+            pass
+        if path.exists():
+            with path.open("a"):
+                pass
+    except OSError as exc:
         raise pytest.UsageError(
-            f"{source}: cannot create {path}: the folder {parent} is not writable; give a path you can write"
-        )
+            f"{source}: cannot write {path} ({exc.strerror or exc}); give a path you can write"
+        ) from None
 
 
 def check_session(run: Settings, config: pytest.Config) -> None:

@@ -5,6 +5,7 @@ that names the input and what to do."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -296,3 +297,13 @@ def test_inputs_on_wraps_make_inputs() -> None:
     moved = inputs_on(lambda t, r: {"x": torch.ones(t, 2), "n": r}, torch.device("meta"))
     inputs = moved(3, 2)
     assert inputs["x"].is_meta and tuple(inputs["x"].shape) == (3, 2) and inputs["n"] == 2
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc, which refuses new files even to root")
+def test_report_path_is_tried_not_guessed_from_permissions(inner: pytest.Pytester) -> None:
+    # Permission bits say root may write anywhere; /proc refuses all the same.
+    inner.makepyfile(NEVER_RUNS)
+    result = inner.runpytest("--cudagraph-report=/proc/cudagraph-nowhere/out.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --cudagraph-report: cannot write /proc/cudagraph-nowhere/out.json *"])
+    assert not (inner.path / "ran").exists()
