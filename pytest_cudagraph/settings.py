@@ -385,6 +385,14 @@ def _given(keywords: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (keywords or {}).items() if v is not None}
 
 
+def _for_test(parse: Callable[[object, str], _T], value: object, source: str) -> _T:
+    """``parse(value, source)``, its UsageError (a session's) raised as the ValueError of one test."""
+    try:
+        return parse(value, source)
+    except pytest.UsageError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def resolve(
     run: Settings, marker: Mapping[str, Any] | None = None, call: Mapping[str, Any] | None = None
 ) -> Settings:
@@ -398,20 +406,14 @@ def resolve(
     verify = run.verify
     if "exhaustive" in chosen:
         verify = bool(chosen["exhaustive"])
+    # A bad keyword value is the test's error (ValueError), not the session's.
     backend = run.backend
     if "backend" in chosen:
-        try:
-            backend = parse_backend(chosen["backend"], "backend")
-        except pytest.UsageError as exc:
-            raise ValueError(str(exc)) from None
+        backend = _for_test(parse_backend, chosen["backend"], "backend")
     sizes = run.sizes
     if "capture_sizes" in chosen:
-        # A list, a tuple or a string "1,2,4" alike (never character by
-        # character); a bad value is the test's error, not the session's.
-        try:
-            sizes = parse_sizes(chosen["capture_sizes"], "capture_sizes")
-        except pytest.UsageError as exc:
-            raise ValueError(str(exc)) from None
+        # A list, a tuple or a string "1,2,4" alike (never character by character).
+        sizes = _for_test(parse_sizes, chosen["capture_sizes"], "capture_sizes")
     nonfinite = run.nonfinite_padding
     if "nonfinite_padding" in chosen:
         nonfinite = bool(chosen["nonfinite_padding"])
