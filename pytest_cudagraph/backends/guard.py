@@ -22,7 +22,7 @@ import functools
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -345,21 +345,13 @@ class CaptureGuard:
     def exempt(self, modules: list[torch.nn.Module]) -> Iterator[None]:
         """Report nothing while any of ``modules`` runs."""
 
-        def enter(*_: Any) -> None:
-            self.suspended += 1
+        def count(step: int) -> None:
+            self.suspended += step
 
-        def leave(*_: Any) -> None:
-            self.suspended -= 1
-
-        handles = []
-        for m in modules:
-            handles.append(m.register_forward_pre_hook(enter))
-            handles.append(m.register_forward_hook(leave, always_call=True))
         try:
-            yield
+            with _while_running(modules, count):
+                yield
         finally:
-            for h in handles:
-                h.remove()
             self.suspended = 0
 
     def report(self, op: str, reason: str) -> None:
@@ -545,23 +537,28 @@ def as_captured(exempt: list[torch.nn.Module] | tuple[()] = (), *, emulated: boo
     """
     running = [0]
 
-    def enter(*_: Any) -> None:
-        running[0] += 1
+    def count(step: int) -> None:
+        running[0] += step
 
-    def leave(*_: Any) -> None:
-        running[0] -= 1
+    with _while_running(exempt, count), host_methods_watched(), \
+            (_InertFunctionMode() if emulated else contextlib.nullcontext()):
+        _AS_CAPTURED.append(running)
+        try:
+            yield
+        finally:
+            _AS_CAPTURED.pop()
 
+
+@contextlib.contextmanager
+def _while_running(modules: Iterable[torch.nn.Module], count: Callable[[int], None]) -> Iterator[None]:
+    """``count(+1)`` when any of ``modules`` starts its forward, ``count(-1)`` when it ends
+    (also on an exception), for the duration of the block."""
     handles = []
-    for m in exempt:
-        handles.append(m.register_forward_pre_hook(enter))
-        handles.append(m.register_forward_hook(leave, always_call=True))
+    for m in modules:
+        handles.append(m.register_forward_pre_hook(lambda *_: count(1)))
+        handles.append(m.register_forward_hook(lambda *_: count(-1), always_call=True))
     try:
-        with host_methods_watched(), (_InertFunctionMode() if emulated else contextlib.nullcontext()):
-            _AS_CAPTURED.append(running)
-            try:
-                yield
-            finally:
-                _AS_CAPTURED.pop()
+        yield
     finally:
         for h in handles:
             h.remove()
