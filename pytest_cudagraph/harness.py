@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from .checks import VerifyReport, verify
+from .checks import Check, VerifyReport, verify
 from .manager import GraphManager
 from .manager.layout import not_a_module
 from .plan import CaptureConfig
@@ -161,8 +161,11 @@ class Verifier:
         *,
         descriptor: str | None = None,
         quiet: bool = False,
+        hook_checks: list[Check] | None = None,
     ) -> None:
         self.settings = settings
+        #: Checks the session's ``pytest_cudagraph_checks`` hooks added, run after the built-ins.
+        self.hook_checks = list(hook_checks or [])
         self.marker = dict(marker)
         self._sink = sink
         #: -q: no progress bar, even on a terminal.
@@ -215,6 +218,10 @@ class Verifier:
         make_inputs = follow_device(module, make_inputs, keywords.get("device"))
         if self.quiet:
             keywords.setdefault("progress", False)
+        if self.hook_checks:
+            given = keywords.get("extra_checks")
+            given = [given] if isinstance(given, Check) else list(given or [])
+            keywords["extra_checks"] = [*self.hook_checks, *given]
         try:
             report = verify(module, make_inputs, **keywords)
         except ValueError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Generator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -32,6 +32,12 @@ _CUDAGRAPH_MARKER = (
 
 
 # -- options ---------------------------------------------------------------
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from . import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("cudagraph", "CUDA-graph verification (pytest-cudagraph)")
     group.addoption(
@@ -317,6 +323,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
             terminalreporter.section("cudagraph")
         for nodeid in unverified:
             terminalreporter.line(f"{nodeid}: no verification finished [{state.outcomes[nodeid]}]")
+    for line in pytest_report.skipped_lines(state.results):
+        terminalreporter.line(line)
     if state.written is not None:
         terminalreporter.line(f"cudagraph: JSON report written to {state.written}")
     for path in state.bench_written:
@@ -359,7 +367,24 @@ def cudagraph_verify(request: pytest.FixtureRequest, _cudagraph_slice: str | Non
     state = _state(request.config)
     record = functools.partial(state.add_pending, request.node.nodeid)
     return Verifier(state.settings, settings.marker_keywords(request.node), record, descriptor=_cudagraph_slice,
-                    quiet=request.config.get_verbosity() < 0)
+                    quiet=request.config.get_verbosity() < 0, hook_checks=_hook_checks(request))
+
+
+def _hook_checks(request: pytest.FixtureRequest) -> list[Any]:
+    """The checks the ``pytest_cudagraph_checks`` hooks return for this test: plugins', and those of
+    the conftest.py files above it (through the item's hook proxy, as pytest scopes conftest hooks)."""
+    from .checks.registry import Check
+
+    found: list[Any] = []
+    for result in request.node.ihook.pytest_cudagraph_checks(config=request.config):
+        items = [result] if isinstance(result, Check) else list(result)
+        bad = [c for c in items if not isinstance(c, Check)]
+        if bad:
+            raise TypeError(
+                f"pytest_cudagraph_checks returned {bad[0]!r}; it returns a list of pytest_cudagraph.checks.Check"
+            )
+        found.extend(items)
+    return found
 
 
 @pytest.fixture

@@ -229,6 +229,25 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
     return line
 
 
+def skipped_lines(results: Mapping[str, Iterable[Mapping[str, Any]]]) -> list[str]:
+    """The terminal summary's count of skipped checks, then one line per reason (most first) with its checks."""
+    counts: dict[str, dict[str, int]] = {}
+    for records in results.values():
+        for record in records:
+            for outcome in record["report"].get("outcomes", []):
+                if outcome.get("skipped"):
+                    checks = counts.setdefault(str(outcome.get("message", "")), {})
+                    name = str(outcome.get("check"))
+                    checks[name] = checks.get(name, 0) + 1
+    if not counts:
+        return []
+    total = sum(sum(c.values()) for c in counts.values())
+    lines = [f"cudagraph: {total} check{'s' if total != 1 else ''} skipped, by reason:"]
+    for reason, checks in sorted(counts.items(), key=lambda item: (-sum(item[1].values()), item[0])):
+        lines.append(f"  {sum(checks.values()):>4} x {reason} ({', '.join(sorted(checks))})")
+    return lines
+
+
 # -- the JSON report ---------------------------------------------------------
 def _tests(state: RunState) -> dict[str, dict[str, Any]]:
     tests: dict[str, dict[str, Any]] = {}

@@ -13,11 +13,14 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+
+from .plan.config import CaptureConfig
+from .plan.modes import GraphMode
 
 __all__ = [
     "BACKENDS",
@@ -40,24 +43,31 @@ __all__ = [
 
 BACKENDS: tuple[str, ...] = ("auto", "cuda", "emulate")
 
+
+def _shown_default(value: object) -> str:
+    """A config field's default as the marker's signature shows it: a required
+    field as None (the plugin's options fill it), the mode by its name."""
+    if value is MISSING:
+        return "None"
+    if isinstance(value, GraphMode):
+        return repr(value.name)
+    return repr(value)
+
+
+#: ``CaptureConfig``'s keywords: the part of the marker's that sets the plan.
+CONFIG_KEYWORDS: tuple[str, ...] = CaptureConfig.field_names()
 #: The marker's keywords and the defaults it shows: ``verify()``'s keyword
 #: arguments except ``module``, ``make_inputs`` and ``exhaustive`` (the last
-#: is a run setting: ``--cudagraph-verify``). ``capture_sizes=None`` means
-#: "from --cudagraph-sizes / ini cudagraph_sizes". A test keeps this list in
-#: step with ``verify``'s signature.
+#: is a run setting: ``--cudagraph-verify``). The config's come from
+#: ``CaptureConfig``; ``capture_sizes=None`` means "from --cudagraph-sizes /
+#: ini cudagraph_sizes". A test keeps this list in step with ``verify``'s
+#: signature.
 _MARKER_DEFAULTS: tuple[tuple[str, str], ...] = (
-    ("capture_sizes", "None"),
-    ("max_num_reqs", "None"),
-    ("mode", "'FULL'"),
-    ("decode_query_len", "1"),
-    ("lora_cases", "(0,)"),
-    ("varlen_decode", "False"),
-    ("max_capture_size", "None"),
-    ("num_ubatches", "1"),
-    ("ubatch_min_tokens", "1"),
+    *((name, _shown_default(CaptureConfig.defaults().get(name, MISSING))) for name in CONFIG_KEYWORDS),
     ("backend", "None"),
     ("device", "None"),
     ("checks", "None"),
+    ("extra_checks", "None"),
     ("rtol", "None"),
     ("atol", "None"),
     ("batch_invariant", "False"),
@@ -71,18 +81,6 @@ _MARKER_DEFAULTS: tuple[tuple[str, str], ...] = (
     ("progress", "None"),
 )
 MARKER_KEYWORDS: tuple[str, ...] = tuple(name for name, _ in _MARKER_DEFAULTS)
-#: ``CaptureConfig``'s keywords: the part of the marker's that sets the plan.
-CONFIG_KEYWORDS: tuple[str, ...] = (
-    "capture_sizes",
-    "max_num_reqs",
-    "mode",
-    "decode_query_len",
-    "lora_cases",
-    "varlen_decode",
-    "max_capture_size",
-    "num_ubatches",
-    "ubatch_min_tokens",
-)
 #: Keywords the ``cudagraph_verify`` fixture takes: the marker's and ``exhaustive``.
 VERIFY_KEYWORDS: tuple[str, ...] = (*MARKER_KEYWORDS, "exhaustive")
 #: On an xdist worker, a malformed marker's message: the test errors with it at

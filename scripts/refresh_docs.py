@@ -55,6 +55,15 @@ class Block:
     select: Callable[[str], list[str]]  # the run's output -> the block's lines
     caption: str  # formatted with {when} and {versions}
     setup: Callable[[Path], None] | None = None  # writes files into a temporary directory to run in
+    #: Markdown made in this process (no command, no fences): a table generated from the code.
+    generate: Callable[[], list[str]] | None = None
+
+
+def _checks_table() -> list[str]:
+    sys.path.insert(0, str(ROOT))
+    from pytest_cudagraph.checks import BUILTIN
+
+    return BUILTIN.markdown_table().splitlines()
 
 
 # -- choosing lines ----------------------------------------------------------------------------
@@ -160,6 +169,9 @@ BLOCKS: dict[str, Block] = {
         _last_lines(3),
         "Output (last lines; {cores} CPU cores, emulator, {when}, {versions}; written by `scripts/refresh_docs.py`):"),
 }
+
+
+BLOCKS["checks-table"] = Block("docs/checks.md", (), lambda out: [], "", generate=_checks_table)
 
 
 # -- markers -----------------------------------------------------------------------------------
@@ -282,17 +294,27 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.list:
         for name, block in BLOCKS.items():
-            print(f"{name:24} {block.file:26} {' '.join(block.command)}")
+            print(f"{name:24} {block.file:26} {' '.join(block.command) or '(generated from the code)'}")
         return 0
 
     drifted = []
     for name in args.only or list(BLOCKS):
         block = BLOCKS[name]
-        print(f"refresh_docs: {name}: {' '.join(block.command)}", flush=True)
-        caption, lines = run(name)
         path = ROOT / block.file
         text = path.read_text().splitlines()
         (begin, end), = [(b, e) for n, b, e in markers(path) if n == name]
+        if block.generate is not None:
+            print(f"refresh_docs: {name}: generated from the code", flush=True)
+            lines = block.generate()
+            if text[begin + 1: end] != lines:
+                if args.check:
+                    drifted.append(name)
+                    continue
+                text[begin + 1: end] = lines
+                path.write_text("\n".join(text) + "\n")
+            continue
+        print(f"refresh_docs: {name}: {' '.join(block.command)}", flush=True)
+        caption, lines = run(name)
         if args.check:
             old, new = normalise(code_lines(text[begin + 1: end])), normalise(lines)
             if old != new:

@@ -24,7 +24,7 @@ from torch import nn
 from pytest_cudagraph import CaptureConfig, CaptureError, GraphManager, GraphMode
 from pytest_cudagraph.backends.base import Backend, make_backend
 from pytest_cudagraph.backends.emulate import BLOCK, EmulateBackend, EmulatedGraph
-from pytest_cudagraph.backends.guard import CaptureGuard, ModuleTracker
+from pytest_cudagraph.guard import CaptureGuard, ModuleTracker
 from pytest_cudagraph.manager.pieces import SegmentedGraph, capture_in_pieces
 from tests import models
 from tests.test_pieces import PieceNet, manager, piece_inputs
@@ -236,9 +236,11 @@ def test_a_tensor_the_module_stored_then_dropped_is_reused_by_the_next_graph(bac
     # Graph 8 stores 3 * x on the module; the warm-up of graph 4 rebinds the
     # attribute, and graph 4 captures into the memory it freed: its output
     # is rows 4..8 of graph 8's stash, which graph 8 rewrites on every replay.
+    # (The checked capture warms each graph up just before its capture, the
+    # order this sequence needs; the fast one warms them all up first.)
     module = Stash(keep_all)
     mgr = GraphManager(module, rows_inputs(device), CaptureConfig(capture_sizes=(4, 8), max_num_reqs=8),
-                       backend=backend, device=device, output_views=True, progress=False)
+                       backend=backend, device=device, output_views=True, progress=False, checked_capture=True)
     mgr.capture()
     x4 = torch.randn(4, ROW, device=device)
     view4 = mgr.run(x=x4)

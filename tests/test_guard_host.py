@@ -21,13 +21,13 @@ from torch import nn
 
 import pytest_cudagraph
 from pytest_cudagraph import CaptureConfig, CaptureError, GraphManager
-from pytest_cudagraph.backends import guard as guard_module
-from pytest_cudagraph.backends.guard import (
+from pytest_cudagraph import guard as guard_module
+from pytest_cudagraph.guard import (
     CaptureGuard,
-    GuardDispatchMode,
     ModuleTracker,
     Violation,
     check_op,
+    find_violations,
     host_methods_watched,
 )
 
@@ -50,12 +50,13 @@ def verify(module: nn.Module, backend: str = "emulate", device: torch.device | s
 
 def guarded_violations(module: nn.Module, x: torch.Tensor | None = None) -> list[Violation]:
     """Every violation of one eager forward under the guard, as capture_safety runs it (on the CPU)."""
-    tracker = ModuleTracker(module)
-    guard = CaptureGuard(tracker, torch.device("cpu"))
     x = torch.randn(4, D) if x is None else x  # made outside: made inside, it would be a host value
-    with tracker.track(), torch.no_grad(), guard.function_mode(), GuardDispatchMode(guard):
-        module(x=x)
-    return guard.violations
+
+    def forward() -> None:
+        with torch.no_grad():
+            module(x=x)
+
+    return find_violations(forward, ModuleTracker(module), torch.device("cpu"))
 
 
 def capture_safety_failures(report: Any) -> list[Any]:

@@ -2,7 +2,7 @@
 
 Caught by ``real_batches``. The plugin prints:
 
-    BatchStatistics on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 23 real batches, 4 failure(s) in padding_isolation, real_batches; capture 3 ms, graph memory 2.5 KiB
+    BatchStatistics on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 23 real batches, 4 failure(s) in padding_isolation, real_batches, 2 skipped; capture 3 ms, graph memory 2.5 KiB
     FAIL real_batches           FULL-T8-R4
          real rows differ from eager on the unpadded batch within tolerance (the output: values differ)
          real batch (num_reqs=3, num_tokens=5, num_active_loras=0, num_ubatches=1); output <the output> at index [0, 0]; graph gave 0.24637103080749512, eager gave 0.2882392406463623; max abs diff 0.0747, max ULP 2017253320; first divergent submodule: 'lin'

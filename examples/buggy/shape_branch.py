@@ -2,7 +2,7 @@
 
 Caught by ``real_batches``. The plugin prints:
 
-    ShapeBranch on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 26 real batches, 1 failure(s) in real_batches; capture 2 ms, graph memory 2.0 KiB
+    ShapeBranch on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 26 real batches, 1 failure(s) in real_batches, 2 skipped; capture 2 ms, graph memory 2.0 KiB
     FAIL real_batches           FULL-T4-R4
          real rows differ from eager on the unpadded batch within tolerance (the output: values differ)
          real batch (num_reqs=2, num_tokens=3, num_active_loras=0, num_ubatches=1); output <the output> at index [0, 0]; graph gave 0.3531811535358429, eager gave 0.17659057676792145; max abs diff 1.09, max ULP 8388608; first divergent submodule: the top-level module

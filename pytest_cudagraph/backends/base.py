@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .guard import CaptureGuard
+from ..guard import CaptureGuard
 
 __all__ = ["BACKEND_NAMES", "Backend", "CapturedGraph", "OpenCapture", "make_backend"]
 

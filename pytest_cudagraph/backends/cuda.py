@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from ..guard import CaptureGuard, GuardDispatchMode
 from .base import Backend, CapturedGraph, OpenCapture
-from .guard import CaptureGuard, GuardDispatchMode
 
 __all__ = ["CudaBackend", "CudaGraph"]
 
@@ -31,24 +31,51 @@ def _graph_collects_garbage() -> bool:
     return bool(getattr(config, "force_cudagraph_gc", True))
 
 
+class _OnDevice:
+    """``torch.cuda.device(index)`` for an index already resolved.
+
+    torch.cuda.device resolves its argument (``_get_device_index``) on every
+    use; a capture sequence enters the device twice a graph.
+    """
+
+    __slots__ = ("index", "previous")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.previous = -1
+
+    def __enter__(self) -> None:
+        self.previous = torch.cuda._exchange_device(self.index)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda._maybe_exchange_device(self.previous)
+
+
 class _OnStream:
     """``torch.cuda.stream(stream)`` for a stream of the current device.
 
     torch.cuda.stream looks the current device up (an environment read and
-    more) three times a use; a capture sequence switches streams twice a
-    graph, and the hand-written loops it is measured against pay that too.
+    more) three times a use and builds a ``Stream`` object for the stream it
+    puts back; a capture sequence switches streams twice a graph. This keeps
+    the previous stream as the raw (id, device, type) triple instead.
     """
+
+    __slots__ = ("index", "previous", "stream")
 
     def __init__(self, stream: torch.cuda.Stream, index: int) -> None:
         self.stream = stream
         self.index = index
+        self.previous: tuple[int, int, int] = (0, index, 0)
 
     def __enter__(self) -> None:
-        self.previous = torch.cuda.current_stream(self.index)
-        torch.cuda.set_stream(self.stream)
+        self.previous = torch._C._cuda_getCurrentStream(self.index)
+        stream = self.stream
+        torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
+                                 device_type=stream.device_type)
 
     def __exit__(self, *exc: object) -> None:
-        torch.cuda.set_stream(self.previous)
+        stream_id, device_index, device_type = self.previous
+        torch._C._cuda_setStream(stream_id=stream_id, device_index=device_index, device_type=device_type)
 
 
 class CudaGraph(CapturedGraph):
@@ -78,13 +105,20 @@ class _CudaCapture(OpenCapture):
     full guard.
     """
 
-    def __init__(self, backend: CudaBackend, guard: CaptureGuard) -> None:
+    def __init__(self, backend: CudaBackend, guard: CaptureGuard, *, whole: bool = False) -> None:
         self.backend = backend
+        #: A whole forward's capture (``CudaBackend.capture``), not a segment
+        #: between eager pieces: see CudaBackend._reserved_after.
+        self.whole = whole
         index = backend.index
+        # The pool reading the last whole capture ended with, if nothing has
+        # run on the device since; taken once.
+        chained = backend._reserved_after if whole else None
+        backend._reserved_after = None
         self.reads: list[torch.Tensor] = []
         self.outer = contextlib.ExitStack()  # device, no_grad, stream
         self.inner = contextlib.ExitStack()  # the guard, inside the capture
-        self.outer.enter_context(torch.cuda.device(index))
+        self.outer.enter_context(_OnDevice(index))
         # torch.cuda.graph synchronizes, collects garbage and empties the
         # allocator's cache before every capture. The synchronize is kept
         # (the capture starts from a quiet device); the collection and the
@@ -93,8 +127,9 @@ class _CudaCapture(OpenCapture):
         # warm-up's blocks back to the driver for the next warm-up to
         # allocate again, at a tenth of a millisecond and more a graph. Pool
         # growth is still this graph's alone: nothing outside the pool is
-        # allocated or returned while the capture runs.
-        torch.cuda.synchronize(index)
+        # allocated or returned while the capture runs. (torch.cuda.synchronize
+        # would resolve and enter the device again: it is current already.)
+        torch._C._cuda_synchronize()
         self.free_before = torch.cuda.mem_get_info(index)[0] if backend.measure_device_memory else 0
         self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         try:
@@ -108,7 +143,7 @@ class _CudaCapture(OpenCapture):
             # Read once the capture has begun: capture_begin itself allocates,
             # outside the pool, the RNG seed and offset of the first graph that
             # registers with the generator, which are no graph's pool growth.
-            self.before = _reserved(index)
+            self.before = chained if chained is not None else _reserved(index)
             self.inner.enter_context(guard.function_mode())
             if backend.checked:
                 self.inner.enter_context(GuardDispatchMode(guard, self.reads))
@@ -136,7 +171,10 @@ class _CudaCapture(OpenCapture):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         self.graph = None
         index = self.backend.index
-        grown = _reserved(index) - self.before
+        after = _reserved(index)
+        if self.whole:
+            self.backend._reserved_after = after
+        grown = after - self.before
         taken = grown
         if self.backend.measure_device_memory:
             # Device-wide: the pool's growth plus what the driver keeps for
@@ -148,6 +186,7 @@ class _CudaCapture(OpenCapture):
         return captured
 
     def abort(self) -> None:
+        self.backend._reserved_after = None
         # Ending an invalidated capture raises its own, vaguer error; the
         # caller re-raises the error that says why.
         with contextlib.suppress(BaseException):
@@ -187,6 +226,24 @@ class CudaBackend(Backend):
         # eager warm-up on the same stream would not.
         self._warmup_stream: torch.cuda.Stream | None = None
         self._capture_stream: torch.cuda.Stream | None = None
+        #: (caller -> warm-up stream, warm-up stream -> caller), recorded anew by every warm-up.
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._caller: torch.cuda.Stream | None = None
+        self._caller_raw: tuple[int, int, int] | None = None
+        # The allocator's reserved bytes when the last whole capture ended,
+        # kept only while nothing can have allocated or freed device memory
+        # since: the next whole capture starts from it instead of reading the
+        # statistics again (a dozen microseconds a graph). Reserved memory
+        # changes only when the allocator takes a segment from the driver or
+        # hands one back. Between two whole captures of the fast sequence only
+        # the manager's bookkeeping runs (every warm-up ran before the first
+        # capture, and staging copies into buffers that exist), and
+        # capture_begin allocates only the first graph's RNG state, which the
+        # sequence's first capture reads after. Anything else that runs
+        # device work forgets it: a warm-up (the checked capture's, a
+        # failure's diagnosis), a segment between eager pieces, a failed
+        # capture, trim, begin and release.
+        self._reserved_after: int | None = None
 
     def _streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         if self._warmup_stream is None or self._capture_stream is None:
@@ -208,6 +265,7 @@ class CudaBackend(Backend):
         # cannot die in the middle of it and drop that stream's workspace; one
         # that dies after it frees the block into this private pool, which
         # only this manager's captures use.
+        self._reserved_after = None
         if _graph_collects_garbage():
             gc.collect()
         torch.cuda.synchronize(self.index)
@@ -222,31 +280,64 @@ class CudaBackend(Backend):
         self.trim()
 
     def trim(self) -> bool:
+        self._reserved_after = None
         torch.cuda.synchronize(self.index)
         torch.cuda.empty_cache()
         return True
 
+    def _current_stream(self) -> torch.cuda.Stream:
+        """The caller's current stream, as a ``Stream`` made again only when it changes."""
+        raw = torch._C._cuda_getCurrentStream(self.index)
+        if raw != self._caller_raw or self._caller is None:
+            self._caller = torch.cuda.Stream(  # type: ignore[no-untyped-call]
+                stream_id=raw[0], device_index=raw[1], device_type=raw[2])
+            self._caller_raw = raw
+        return self._caller
+
     def warmup(self, fn: Callable[[], Any]) -> Any:
         # Warm up on the side stream the capture uses, as PyTorch advises:
         # lazy initialisation (cuBLAS handles, workspaces) must not happen
-        # inside the capture.
+        # inside the capture. The two streams are ordered by two events made
+        # once, not by wait_stream, which makes an event for every wait.
+        self._reserved_after = None
         index = self.index
-        with torch.cuda.device(index):
-            caller = torch.cuda.current_stream(index)
-            stream = self._streams()[0]
-            stream.wait_stream(caller)
-            with torch.no_grad(), _OnStream(stream, index):
-                out = fn()
-            caller.wait_stream(stream)
-            return out
+        stream = self._streams()[0]
+        if self._events is None:
+            self._events = (torch.cuda.Event(), torch.cuda.Event())  # type: ignore[no-untyped-call]
+        to_side, to_caller = self._events
+        with _OnDevice(index):
+            caller = self._current_stream()
+            to_side.record(caller)
+            to_side.wait(stream)
+            try:
+                with torch.no_grad(), _OnStream(stream, index):
+                    return fn()
+            finally:
+                # Also after a failure: the caller's later work (the next
+                # sample copied into the static buffers) must not overtake it.
+                to_caller.record(stream)
+                to_caller.wait(caller)
 
     def open_capture(self, guard: CaptureGuard) -> OpenCapture:
+        # A segment between eager pieces: the pieces allocate outside the pool.
+        return self._open(guard, whole=False)
+
+    def _open(self, guard: CaptureGuard, *, whole: bool) -> _CudaCapture:
         if self._pool is None:
             # One pool for every graph of this manager: smaller graphs,
             # captured after larger ones, reuse the larger ones' memory.
             with torch.cuda.device(self.device):
                 self._pool = torch.cuda.graph_pool_handle()
-        return _CudaCapture(self, guard)
+        return _CudaCapture(self, guard, whole=whole)
+
+    def capture(self, fn: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
+        capture = self._open(guard, whole=True)
+        try:
+            output = fn()
+        except BaseException:
+            capture.abort()
+            raise
+        return capture.end(output)
 
     def _recover(self) -> None:
         """Leave the device fit for another capture after a failed one.
@@ -256,6 +347,7 @@ class CudaBackend(Backend):
         mode, and every later random op then fails. An empty capture on the
         same stream runs the generator's prologue and epilogue again.
         """
+        self._reserved_after = None
         try:
             torch.cuda.synchronize(self.index)
             with warnings.catch_warnings():
@@ -272,6 +364,7 @@ class CudaBackend(Backend):
         # fresh pool instead of reusing a handle whose last user died (which
         # trips the allocator's "use_count > 0" assertion).
         self._pool = None
+        self._reserved_after = None
         self.trim()
 
     def synchronize(self) -> None:

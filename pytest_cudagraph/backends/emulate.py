@@ -43,8 +43,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..guard import CaptureGuard
 from .base import Backend, CapturedGraph, OpenCapture
-from .guard import CaptureGuard
 
 __all__ = ["EmulateBackend", "EmulatedGraph"]
 

@@ -91,10 +91,7 @@ def measure_manager(
                 return manager.module(**kwargs)
 
         def run(inputs: dict[str, Any] = inputs, batch: Batch = batch) -> Any:
-            return manager.run_batch(inputs, num_reqs=batch.num_reqs,
-                                     uniform_token_count=batch.uniform_token_count,
-                                     num_active_loras=batch.num_active_loras,
-                                     max_query_len=batch.max_query_len, num_ubatches=batch.num_ubatches)
+            return manager.run_batch(inputs, batch)
 
         def replay(desc: BatchDescriptor = desc) -> None:
             manager.graph(desc).replay()

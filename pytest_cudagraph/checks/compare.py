@@ -67,6 +67,13 @@ def _layout(t: torch.Tensor) -> tuple[int | None, ...]:
     return tuple(stride if size > 1 else None for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
+def _same_sign(g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Where the sign bits of two floating tensors agree (both parts of a complex one)."""
+    if g.is_complex():
+        return _same_sign(g.real, e.real) & _same_sign(g.imag, e.imag)
+    return torch.signbit(g) == torch.signbit(e)
+
+
 def _scalar(t: torch.Tensor) -> Any:
     value = t.item()
     return value
@@ -85,10 +92,17 @@ def _compare_tensors(path: str, got: torch.Tensor, expected: torch.Tensor, rtol:
     g = got.detach()
     e = expected.detach().to(g.device)
     floating = g.is_floating_point() or g.is_complex()
+    dtype = g.dtype
+    if floating and not g.is_complex() and dtype not in _INT_VIEW:
+        # float8 and the like lack most CPU kernels (signbit, isfinite, isclose); float32
+        # holds each of their values exactly, signed zeros and NaN included.
+        g, e = g.float(), e.float()
     if floating:
         both_nan = torch.isnan(g) & torch.isnan(e)
         if rtol == 0 and atol == 0:
-            same = (g == e) | both_nan
+            # Bit for bit: 0.0 == -0.0 in IEEE arithmetic, but the sign bit is
+            # part of the value (1 / x, atan2 and copysign read it).
+            same = ((g == e) & _same_sign(g, e)) | both_nan
         else:
             same = torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
     else:
@@ -103,11 +117,11 @@ def _compare_tensors(path: str, got: torch.Tensor, expected: torch.Tensor, rtol:
         if bool(finite.any()):
             delta = (g.double() - e.double()).abs()[finite]
             diff.max_abs = float(delta.max())
-            if g.dtype in _INT_VIEW:
+            if dtype in _INT_VIEW:
                 ulps = (_ordered_bits(g) - _ordered_bits(e)).abs()[finite]
                 diff.max_ulp = int(ulps.max())
     elif not floating:
-        diff.max_abs = float((g.long() - e.long()).abs().max()) if g.dtype != torch.bool else None
+        diff.max_abs = float((g.long() - e.long()).abs().max()) if dtype != torch.bool else None
     return diff
 
 

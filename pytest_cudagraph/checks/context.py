@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..backends.guard import as_captured
 from ..context import running
+from ..guard import as_captured
 from ..manager import GraphManager, tree
 from ..manager.layout import call_make_inputs
 from ..plan import Batch, BatchDescriptor, GraphMode
@@ -42,6 +42,8 @@ class VerifyContext:
         exhaustive: bool,
         scratch_state: Mapping[str, ScratchRegion],
         nonfinite_padding: bool = False,
+        plan_dispatch: bool = False,
+        dispatch_here: bool = True,
     ) -> None:
         self.manager = manager
         self.module = manager.module
@@ -67,6 +69,12 @@ class VerifyContext:
         self.captured_attributes: dict[str, Any] = {}
         #: Attributes forward rebinds on every call (found once, lazily).
         self.rebound_attributes: list[str] | None = None
+        #: A verification split by descriptor: the dispatch check tests the
+        #: plan's dispatch, and only in the item of the plan's first descriptor.
+        self.plan_dispatch = plan_dispatch
+        self.dispatch_here = dispatch_here
+        #: What checks prepared before capture, by check name (address_stability: the addresses).
+        self.prepared: dict[str, Any] = {}
 
     def module_is_random(self, desc: BatchDescriptor) -> bool:
         """Whether eager output depends on the seed at this descriptor's shape."""
@@ -90,7 +98,7 @@ class VerifyContext:
         found: list[Batch] = []
         for n in plan.candidate_range(desc):
             candidate = self._batch_for(desc, n, reqs_cap)
-            if candidate is not None and self.manager.dispatch(**candidate.dispatch_args()) == desc:
+            if candidate is not None and self.manager.dispatch_batch(candidate) == desc:
                 found.append(candidate)
         return found
 
@@ -167,19 +175,12 @@ class VerifyContext:
         desc = BatchDescriptor(mode=GraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=batch.num_reqs,
                                num_active_loras=self.manager.plan.effective_loras(batch.num_active_loras))
         return self.eager(kwargs, desc, captured_path=captured_path,
-                          served_by=self.manager.dispatch(**batch.dispatch_args()))
+                          served_by=self.manager.dispatch_batch(batch))
 
     def run(self, inputs: Mapping[str, Any], batch: Batch) -> Any:
         """The user's path: ``GraphManager.run_batch``."""
         self.real_batches_run += 1
-        return self.manager.run_batch(
-            inputs,
-            num_reqs=batch.num_reqs,
-            uniform_token_count=batch.uniform_token_count,
-            num_active_loras=batch.num_active_loras,
-            max_query_len=batch.max_query_len,
-            num_ubatches=batch.num_ubatches,
-        )
+        return self.manager.run_batch(inputs, batch)
 
     # -- module state -------------------------------------------------------
     def _state_items(self) -> list[tuple[str, torch.Tensor]]:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ..manager import GraphManager
+from ..plan import BatchDescriptor
 from ..plan.properties import DispatchPropertyError, check_dispatch, check_reachability
 from ..strategies import batches, invalid_batches
+from .context import VerifyContext
 from .report import Finding, Outcome
 
-__all__ = ["dispatch_properties"]
+__all__ = ["dispatch_check", "dispatch_properties"]
 
 
 def dispatch_properties(manager: GraphManager, *, max_examples: int, plan_only: bool = False) -> Outcome:
@@ -28,7 +31,8 @@ def dispatch_properties(manager: GraphManager, *, max_examples: int, plan_only: 
     dispatch = plan.dispatch if plan_only else manager.dispatch
     if set(captured) != set(plan.descriptors):
         return Outcome("dispatch", None, True, skipped=True,
-                       message="not every descriptor is captured (quick mode), so dispatch is not property-tested")
+                       message="not every descriptor of the plan is captured (quick mode, or a capture failed), so "
+                               "dispatch is not property-tested")
     try:
         check_reachability(plan, dispatch=dispatch, captured=captured)
 
@@ -43,3 +47,15 @@ def dispatch_properties(manager: GraphManager, *, max_examples: int, plan_only: 
         return Outcome("dispatch", None, False, str(exc),
                        Finding(real_batch=exc.batch.shape() if exc.batch is not None else None))
     return Outcome("dispatch", None, True, figures={"examples": max_examples})
+
+
+def dispatch_check(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> Outcome:
+    """The ``dispatch`` check of a verification (exhaustive, once per plan)."""
+    if not ctx.exhaustive:
+        return Outcome("dispatch", None, True, skipped=True,
+                       message="quick verification (exhaustive=False) does not property-test dispatch")
+    if not ctx.dispatch_here:
+        return Outcome("dispatch", None, True, skipped=True,
+                       message="a verification split by descriptor property-tests the plan's dispatch once, in "
+                               "the item of the plan's first descriptor")
+    return dispatch_properties(ctx.manager, max_examples=200, plan_only=ctx.plan_dispatch)

@@ -10,59 +10,63 @@ from typing import Any
 
 import torch
 
-from ..errors import CaptureError
 from ..manager import GraphManager
-from ..manager.layout import not_a_module
+from ..manager.layout import MakeInputsError, not_a_module
 from ..manager.pieces import EagerSpec
-from ..plan import BatchDescriptor, CaptureConfig, GraphMode
+from ..plan import BatchDescriptor, CaptureConfig
 from ..plan.selection import select_descriptors
+from .builtin import BUILTIN, DISPATCH_CHECK
 from .context import ScratchRegion, VerifyContext
+from .registry import Check, CheckRegistry
 from .report import Finding, Outcome, VerifyReport
-from .suite import (
-    DESCRIPTOR_CHECKS,
-    address_stability,
-    attributes_restored,
-    capture_safety,
-    output_lifetime,
-    record_addresses,
-    tensor_attributes,
-)
+from .suite import attributes_restored, tensor_attributes
 
-__all__ = ["CHECKS", "DISPATCH_CHECK", "select_descriptors", "verify"]
+__all__ = ["CHECKS", "DISPATCH_CHECK", "registry_with", "select_descriptors", "verify"]
 
-#: Every check, in the order it runs.
-CHECKS: tuple[str, ...] = (
-    "capture_safety",
-    "replay_matches_eager",
-    "fresh_inputs",
-    "real_batches",
-    "padding_isolation",
-    "state",
-    "side_outputs",
-    "determinism",
-    "output_lifetime",
-    "address_stability",
-    "rng",
-)
+#: The built-in checks of a module's graphs, in the order they run (the
+#: dispatch check, which concerns the plan, is ``DISPATCH_CHECK``).
+CHECKS: tuple[str, ...] = tuple(name for name in BUILTIN.names() if name != DISPATCH_CHECK)
 
 
-#: Property-tests the manager's dispatch; runs in exhaustive verification.
-DISPATCH_CHECK = "dispatch"
+def registry_with(extra_checks: Iterable[Check] | Check | None) -> CheckRegistry:
+    """The built-in checks, then ``extra_checks`` (ValueError on anything that is not a ``Check``)."""
+    if extra_checks is None:
+        return BUILTIN
+    if isinstance(extra_checks, Check):
+        extra_checks = [extra_checks]
+    if isinstance(extra_checks, (str, bytes)) or not isinstance(extra_checks, Iterable):
+        raise ValueError(f"extra_checks must be a list of pytest_cudagraph.checks.Check; got {extra_checks!r}")
+    return BUILTIN.extended(extra_checks)
 
 
-def _check_names(checks: Iterable[str] | None) -> tuple[str, ...]:
-    if checks is None:
-        return (*CHECKS, DISPATCH_CHECK)
-    if isinstance(checks, str):
-        checks = [c.strip() for c in checks.split(",") if c.strip()]
-    chosen = tuple(checks)
-    known = (*CHECKS, DISPATCH_CHECK)
-    unknown = [c for c in chosen if c not in known]
+def _config(config: CaptureConfig | Mapping[str, Any] | None, keywords: Mapping[str, Any]) -> CaptureConfig:
+    """The capture configuration: ``config``, or ``CaptureConfig``'s keywords given to ``verify``."""
+    fields = CaptureConfig.field_names()
+    unknown = sorted(set(keywords) - set(fields))
     if unknown:
-        raise ValueError(f"unknown check(s) {unknown}; the checks are {', '.join(known)}")
-    if not chosen:
-        raise ValueError(f"checks must name at least one of {', '.join(known)}")
-    return tuple(c for c in known if c in chosen)
+        raise ValueError(
+            f"verify() got unexpected keyword(s) {', '.join(unknown)}; besides its own it takes "
+            f"CaptureConfig's: {', '.join(fields)}"
+        )
+    if config is not None:
+        if keywords:
+            raise ValueError(f"pass config or its keywords ({', '.join(sorted(keywords))}), not both")
+        if isinstance(config, CaptureConfig):
+            return config
+        if not isinstance(config, Mapping):
+            raise ValueError(f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}")
+        keywords = config
+    keywords = dict(keywords)
+    if "capture_sizes" not in keywords:
+        raise ValueError("verify() needs capture_sizes (the token counts to capture a graph for), or a config")
+    sizes = keywords["capture_sizes"]
+    if isinstance(sizes, Iterable) and not isinstance(sizes, (str, bytes)):
+        keywords["capture_sizes"] = sizes = tuple(sizes)
+    if keywords.get("max_num_reqs") is None:
+        # As many requests as the largest graph has tokens: every decode batch has a graph.
+        keywords["max_num_reqs"] = max(sizes) if isinstance(sizes, tuple) and sizes and \
+            all(isinstance(n, int) for n in sizes) else 1
+    return CaptureConfig(**keywords)
 
 
 def _labels(descriptors: Iterable[str] | str | None) -> tuple[str, ...] | None:
@@ -80,18 +84,11 @@ def verify(
     module: torch.nn.Module,
     make_inputs: Callable[[int, int], Mapping[str, Any]],
     *,
-    capture_sizes: Iterable[int],
-    max_num_reqs: int | None = None,
-    mode: GraphMode | str = "FULL",
-    decode_query_len: int = 1,
-    lora_cases: Iterable[int] = (0,),
-    varlen_decode: bool = False,
-    max_capture_size: int | None = None,
-    num_ubatches: int = 1,
-    ubatch_min_tokens: int = 1,
+    config: CaptureConfig | Mapping[str, Any] | None = None,
     backend: str | None = None,
     device: torch.device | str | None = None,
-    checks: Iterable[str] | None = None,
+    checks: Iterable[str] | str | None = None,
+    extra_checks: Iterable[Check] | Check | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     batch_invariant: bool = False,
@@ -104,9 +101,17 @@ def verify(
     nonfinite_padding: bool = False,
     batch_dims: Mapping[str, int] | None = None,
     progress: bool | None = None,
+    **config_keywords: Any,
 ) -> VerifyReport:
     """Capture every descriptor of ``module`` and check each against eager.
 
+    The capture plan is ``config`` (a ``CaptureConfig`` or a dict of its
+    keywords), or ``CaptureConfig``'s keywords given here: ``capture_sizes``
+    (required), ``max_num_reqs`` (default: the largest capture size),
+    ``mode``, ``decode_query_len``, ``lora_cases``, ... ``checks`` selects
+    checks by name (default: every default check); ``extra_checks`` adds
+    ``Check``s of your own (see ``pytest_cudagraph.checks.registry``), run
+    after the built-ins and selectable by name.
     Returns a ``VerifyReport``; ``report.ok`` is False when a check failed, and
     ``report.format()`` names the check, the descriptor, the real batch, the
     output and first differing index, and the first divergent submodule.
@@ -127,19 +132,9 @@ def verify(
     """
     if not isinstance(module, torch.nn.Module):
         raise ValueError(not_a_module(module))
-    names = _check_names(checks)
-    sizes = tuple(capture_sizes)
-    config = CaptureConfig(
-        capture_sizes=sizes,
-        max_num_reqs=max_num_reqs if max_num_reqs is not None else (max(sizes) if sizes else 1),
-        mode=mode,
-        decode_query_len=decode_query_len,
-        lora_cases=lora_cases,
-        varlen_decode=varlen_decode,
-        max_capture_size=max_capture_size,
-        num_ubatches=num_ubatches,
-        ubatch_min_tokens=ubatch_min_tokens,
-    )
+    registry = registry_with(extra_checks)
+    names = registry.select(checks)
+    capture_config = _config(config, config_keywords)
     for name, value in (("rtol", rtol), ("atol", atol)):
         if value is not None and (not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"{name} must be a number >= 0 or None (dtype default); got {value!r}")
@@ -148,7 +143,8 @@ def verify(
     # back afterwards, and so are the module's buffers.
     rng_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=rng_devices):
-        return _verify(module, make_inputs, config, names, backend=backend, device=device, rtol=rtol, atol=atol,
+        return _verify(module, make_inputs, capture_config, [registry[n] for n in names], backend=backend,
+                       device=device, rtol=rtol, atol=atol,
                        batch_invariant=batch_invariant, exhaustive=exhaustive, pad_values=pad_values,
                        scratch_state=scratch_state, eager_submodules=eager_submodules,
                        descriptors=_labels(descriptors), seed=seed, nonfinite_padding=bool(nonfinite_padding),
@@ -159,7 +155,7 @@ def _verify(
     module: torch.nn.Module,
     make_inputs: Callable[[int, int], Mapping[str, Any]],
     config: CaptureConfig,
-    names: tuple[str, ...],
+    checks: list[Check],
     *,
     backend: str | None,
     device: torch.device | str | None,
@@ -189,8 +185,8 @@ def _verify(
                            batch_dims=batch_dims)
     selected = select_descriptors(manager.plan.capture_order, exhaustive=exhaustive)
     # The dispatch check concerns the whole plan: in a verification split by
-    # descriptor it runs once, with the plan's first descriptor, on the plan.
-    run_dispatch = True
+    # descriptor it runs once, in the item of the plan's first descriptor.
+    dispatch_here = True
     if descriptors is not None:
         order = manager.plan.capture_order
         labels = [d.label() for d in order]
@@ -199,37 +195,27 @@ def _verify(
             raise ValueError(f"descriptors {unknown} are not in the plan; its descriptors are {', '.join(labels)}")
         # Named descriptors are verified whatever the quick selection says.
         selected = [d for d in order if d.label() in descriptors]
-        run_dispatch = labels[0] in descriptors
+        dispatch_here = labels[0] in descriptors
     report = VerifyReport(
         module=type(module).__name__,
         backend=manager.backend,
         device=str(manager.device),
         mode=config.mode.name,
         exhaustive=exhaustive,
-        checks=names,
+        checks=tuple(c.name for c in checks),
         planned=len(manager.plan.descriptors),
         training=training,
-        config={
-            "capture_sizes": list(config.capture_sizes),
-            "max_num_reqs": config.max_num_reqs,
-            "mode": config.mode.name,
-            "decode_query_len": config.decode_query_len,
-            "lora_cases": list(config.lora_cases),
-            "varlen_decode": config.varlen_decode,
-            "max_capture_size": config.max_capture_size,
-            "num_ubatches": config.num_ubatches,
-            "ubatch_min_tokens": config.ubatch_min_tokens,
-        },
+        config=config.to_dict(),
     )
     ctx = VerifyContext(manager, rtol=rtol, atol=atol, batch_invariant=batch_invariant, seed=seed,
                         exhaustive=exhaustive, scratch_state=scratch_state or {},
-                        nonfinite_padding=nonfinite_padding)
+                        nonfinite_padding=nonfinite_padding, plan_dispatch=descriptors is not None,
+                        dispatch_here=dispatch_here)
     try:
         # Probes, warm-ups and captures run forward many times: the tensors it
         # stores on the module (side outputs) are put back, as its buffers are.
         with ctx.preserved_state(), attributes_restored(module):
-            _run(ctx, report, selected, names if run_dispatch else tuple(n for n in names if n != DISPATCH_CHECK),
-                 plan_dispatch=descriptors is not None, progress=progress)
+            _run(ctx, report, selected, checks, progress=progress)
         report.real_batches = ctx.real_batches_run
     finally:
         manager.release()
@@ -272,27 +258,46 @@ def progress_over(items: list[BatchDescriptor], progress: bool | None, *, desc: 
     return bar
 
 
-def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescriptor], names: tuple[str, ...],
-         *, plan_dispatch: bool = False, progress: bool | None = None) -> None:
+def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescriptor], checks: list[Check],
+         *, progress: bool | None = None) -> None:
+    """Every check of ``checks`` on ``selected``: one outcome per check and descriptor.
+
+    A descriptor that a before-capture check fails, or whose capture fails,
+    is that descriptor's failure: the others are still captured and checked,
+    and its own descriptor checks are reported skipped with the reason.
+    """
     manager = ctx.manager
     if not selected:
         return
-    if "capture_safety" in names:
-        safety = capture_safety(ctx, selected)
-        report.add(safety)
-        if not all(o.passed for o in safety):
-            _skip_rest(report, names, "capture_safety failed: nothing was captured")
-            return
-    before = record_addresses(ctx)
-    try:
-        manager.capture(selected)
-    except CaptureError as exc:
-        report.add([Outcome(
-            "capture_safety", exc.descriptor, False, str(exc),
-            Finding(submodule=exc.module_path, ops=[f"{exc.op} ({exc.reason})"] if exc.op else []),
-        )])
-        _skip_rest(report, names, "capture failed: nothing was verified")
-        return
+    # desc -> why it was not captured, for the outcomes of its other checks
+    blocked: dict[BatchDescriptor, str] = {}
+    for check in (c for c in checks if c.scope == "before_capture"):
+        for outcome in _guarded_each(check, ctx, selected):
+            report.add([outcome])
+            if not outcome.passed and not outcome.skipped and outcome.descriptor is not None:
+                blocked.setdefault(outcome.descriptor, f"not captured: {check.name} failed for this descriptor")
+    runnable = []
+    for check in checks:
+        if check.prepare is None:
+            runnable.append(check)
+            continue
+        try:
+            check.prepare(ctx)
+        except Exception as exc:  # a check that cannot prepare cannot run: said, not skipped in silence
+            report.add([Outcome(check.name, None, False,
+                                f"the check could not run: its prepare step raised {type(exc).__name__}: {exc}")])
+        else:
+            runnable.append(check)
+    to_capture = [d for d in selected if d not in blocked]
+    if to_capture:
+        manager.capture(to_capture, keep_going=True)
+        for desc, error in manager.capture_failures.items():
+            _replace(report, Outcome(
+                "capture_safety", desc, False, str(error),
+                Finding(submodule=error.module_path, ops=[f"{error.op} ({error.reason})"] if error.op else []),
+            ))
+            blocked[desc] = "not captured: its capture failed (capture_safety says why)"
+    captured = [d for d in selected if d not in blocked]
     # What forward stored on the module during capture: after a replay these
     # attributes still hold it (Python does not run on replay).
     ctx.captured_attributes = tensor_attributes(ctx.module)
@@ -301,33 +306,52 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
     report.graph_memory = manager.graph_memory
     started = time.perf_counter()
     label = f"Verifying {report.module} ({manager.backend})"
+    per_descriptor = [c for c in runnable if c.scope == "descriptor"]
     for desc in progress_over(selected, progress, desc=label):
-        for name in names:
-            check = DESCRIPTOR_CHECKS.get(name)
-            if check is not None:
-                report.add([_guarded(name, desc, partial(check, ctx, desc))])
-    if "output_lifetime" in names:
-        report.add([_guarded("output_lifetime", None, partial(output_lifetime, ctx, selected))])
-    if "address_stability" in names:
-        report.add([address_stability(ctx, before)])
-    if ctx.exhaustive and DISPATCH_CHECK in names:
-        # Exhaustive runs also prove the dispatcher over the graphs captured;
-        # an item of a split verification proves the plan's.
-        from .dispatch import dispatch_properties
-
-        report.add([dispatch_properties(manager, max_examples=200, plan_only=plan_dispatch)])
+        for check in per_descriptor:
+            if desc in blocked:
+                report.add([Outcome(check.name, desc, True, blocked[desc], skipped=True)])
+            else:
+                report.add([_guarded(check, desc, partial(check.run, ctx, desc))])
+    for check in (c for c in runnable if c.scope == "module"):
+        if not captured:
+            report.add([Outcome(check.name, None, True, "nothing was captured (capture_safety says why)",
+                                skipped=True)])
+        else:
+            report.add([_guarded(check, None, partial(check.run, ctx, captured))])
     report.check_seconds = time.perf_counter() - started
 
 
-def _guarded(name: str, desc: BatchDescriptor | None, fn: Callable[[], Outcome | None]) -> Any:
+def _replace(report: VerifyReport, outcome: Outcome) -> None:
+    """Put ``outcome`` in place of its check's outcome on its descriptor (one outcome per check and descriptor)."""
+    for i, old in enumerate(report.outcomes):
+        if old.check == outcome.check and old.descriptor == outcome.descriptor:
+            report.outcomes[i] = outcome
+            return
+    report.add([outcome])
+
+
+def _guarded(check: Check, desc: BatchDescriptor | None, fn: Callable[[], Any]) -> Outcome:
     try:
-        return fn()
+        return check.outcome(fn(), desc)
+    except MakeInputsError:
+        raise  # the caller's make_inputs is wrong: told plainly, as verify's other bad arguments are
     except Exception as exc:  # a check that cannot run is a finding, not a crash of verify()
-        return Outcome(name, desc, False, f"the check could not run: {type(exc).__name__}: {exc}")
+        return Outcome(check.name, desc, False, f"the check could not run: {type(exc).__name__}: {exc}")
 
 
-def _skip_rest(report: VerifyReport, names: tuple[str, ...], why: str) -> None:
-    for name in names:
-        if name == "capture_safety":
-            continue
-        report.add([Outcome(name, None, True, why, skipped=True)])
+def _guarded_each(check: Check, ctx: VerifyContext, descs: list[BatchDescriptor]) -> list[Outcome]:
+    """A before-capture check's outcomes, one per descriptor; a crash fails every descriptor it left."""
+    try:
+        results = check.run(ctx, descs)
+        outcomes = [check.outcome(r, None) for r in results]
+    except MakeInputsError:
+        raise
+    except Exception as exc:
+        return [Outcome(check.name, d, False, f"the check could not run: {type(exc).__name__}: {exc}")
+                for d in descs]
+    seen = {o.descriptor for o in outcomes}
+    missing = [d for d in descs if d not in seen]
+    # An outcome per descriptor, or the check says nothing about some: that is a defect of the check, told.
+    return outcomes + [Outcome(check.name, d, False, "the check returned no outcome for this descriptor")
+                       for d in missing]

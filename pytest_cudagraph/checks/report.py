@@ -133,6 +133,19 @@ class VerifyReport:
         return not self.failures
 
     @property
+    def skips(self) -> list[Outcome]:
+        """Checks that had nothing to do somewhere; each says why (``message``)."""
+        return [o for o in self.outcomes if o.skipped]
+
+    def skipped_reasons(self) -> list[tuple[str, str, list[str]]]:
+        """(check, reason, where) for every skipped check, one entry per check and reason."""
+        grouped: dict[tuple[str, str], list[str]] = {}
+        for o in self.skips:
+            where = o.descriptor.label() if o.descriptor is not None else "module"
+            grouped.setdefault((o.check, o.message), []).append(where)
+        return [(check, reason, where) for (check, reason), where in grouped.items()]
+
+    @property
     def graph_memory_bytes(self) -> int:
         return sum(self.graph_memory.values())
 
@@ -143,6 +156,8 @@ class VerifyReport:
         failed = self.failures
         checks = sorted({o.check for o in failed})
         status = "all checks passed" if not failed else f"{len(failed)} failure(s) in {', '.join(checks)}"
+        if self.skips:
+            status += f", {len(self.skips)} skipped"
         mode = f" in {self.training} mode" if self.training else ""
         return (
             f"{self.module} on {self.backend} ({self.device}){mode}: {len(self.descriptors)}/{self.planned} descriptors "
@@ -152,7 +167,7 @@ class VerifyReport:
         )
 
     def format(self, *, verbose: bool = False) -> str:
-        """A readable report: the summary, then each failure with where it shows."""
+        """A readable report: the summary, each failure with where it shows, then every skipped check and why."""
         lines = [self.summary()]
         for outcome in self.outcomes if verbose else self.failures:
             lines.append(outcome.headline())
@@ -164,6 +179,11 @@ class VerifyReport:
                     lines.append(f"     {described}")
                 for op in outcome.finding.ops:
                     lines.append(f"       - {op}")
+        if not verbose:
+            for check, reason, where in self.skipped_reasons():
+                shown = ", ".join(where[:3]) + (f", ... {len(where) - 3} more" if len(where) > 3 else "")
+                lines.append(f"SKIP {check:<22} {shown}")
+                lines.append(f"     {reason}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,6 +199,7 @@ class VerifyReport:
             "planned_descriptors": self.planned,
             "descriptors": [descriptor_dict(d) for d in self.descriptors],
             "passed": self.ok,
+            "skipped": [{"check": c, "reason": r, "where": w} for c, r, w in self.skipped_reasons()],
             "capture_seconds": self.capture_seconds,
             "check_seconds": self.check_seconds,
             "graph_memory_bytes": {d.label(): n for d, n in self.graph_memory.items()},

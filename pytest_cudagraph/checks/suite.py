@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ..backends.guard import CaptureGuard, GuardDispatchMode, ModuleTracker
 from ..context import running
-from ..manager.graph_manager import MODULE_INTERNALS
+from ..guard import ModuleTracker, find_violations
+from ..manager.capture import MODULE_INTERNALS
 from ..plan import Batch, BatchDescriptor, GraphMode
 from .compare import Difference, first_difference, leaves
 from .context import VerifyContext, clone_tree
@@ -22,7 +22,6 @@ from .divergence import locate_divergence
 from .report import Finding, Outcome
 
 __all__ = [
-    "DESCRIPTOR_CHECKS",
     "address_stability",
     "attributes_restored",
     "capture_safety",
@@ -69,29 +68,31 @@ def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list
     manager = ctx.manager
     tracker = ModuleTracker(ctx.module)
     for desc in descs:
-        guard = CaptureGuard(tracker, manager.device)
         reqs = manager.capture_reqs(desc)
         batch = ctx.exact_batch(desc)
         with ctx.preserved_state():
             kwargs = ctx.load(desc, ctx.make(batch), batch)
-            try:
-                with tracker.track(), torch.no_grad(), running(desc), guard.exempt(manager.eager_modules(desc)), \
-                        guard.function_mode(), GuardDispatchMode(guard):
+
+            def forward(kwargs: dict[str, Any] = kwargs, desc: BatchDescriptor = desc) -> None:
+                with torch.no_grad(), running(desc):
                     ctx.module(**kwargs)
+
+            try:
+                violations = find_violations(forward, tracker, manager.device, exempt=manager.eager_modules(desc))
             except Exception as exc:
                 outcomes.append(Outcome(
                     "capture_safety", desc, False,
                     f"the module fails eagerly at this shape (tokens={desc.num_tokens}, reqs={reqs}): "
                     f"{type(exc).__name__}: {exc}",
-                    Finding(submodule=tracker.path),
+                    Finding(submodule=tracker.failed_path),
                 ))
                 continue
-        if guard.violations:
-            first = guard.violations[0]
+        if violations:
+            first = violations[0]
             outcomes.append(Outcome(
                 "capture_safety", desc, False,
-                f"{len(guard.violations)} op(s) cannot be captured in a graph; the first is {first.describe()}",
-                Finding(submodule=first.module_path, ops=[v.describe() for v in guard.violations]),
+                f"{len(violations)} op(s) cannot be captured in a graph; the first is {first.describe()}",
+                Finding(submodule=first.module_path, ops=[v.describe() for v in violations]),
             ))
         else:
             outcomes.append(Outcome("capture_safety", desc, True))
@@ -186,18 +187,123 @@ def replay_matches_eager(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                            fresh=False)
 
 
+def _drawn_value(value: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Fresh floating values in ``value``'s observed range (around it, when it holds one value)."""
+    finite = value[torch.isfinite(value)].float()
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
+    if lo == hi:
+        half = max(abs(lo), 1.0) / 2
+        lo, hi = lo - half, lo + half
+    drawn = torch.rand(value.shape, generator=gen, dtype=torch.float32) * (hi - lo) + lo
+    return drawn.to(dtype=value.dtype, device=value.device)
+
+
+def _permuted_rows(value: torch.Tensor, dim: int, gen: torch.Generator,
+                   observed: tuple[int, int]) -> tuple[torch.Tensor, str]:
+    """``value``'s rows along ``dim`` in another order; if that changes nothing, integers drawn in the
+    ``observed`` range (what make_inputs gives at the largest shape, so an index stays a valid index).
+    With what was done ("" when nothing could change)."""
+    n = value.shape[dim]
+    if n > 1:
+        perm = torch.randperm(n, generator=gen)
+        if torch.equal(perm, torch.arange(n)):  # never the identity
+            perm = perm.roll(1)
+        permuted = value.index_select(dim, perm.to(value.device))
+        if not torch.equal(permuted, value):
+            return permuted, "rows permuted"
+    lo, hi = observed
+    if value.dtype == torch.bool or lo == hi:
+        return value, ""  # one value: any other may be out of range
+    drawn = torch.randint(lo, hi + 1, value.shape, generator=gen, dtype=torch.int64)
+    if torch.equal(drawn.to(value.device), value.long()):
+        drawn = torch.where(drawn == lo, hi, lo)
+    return drawn.to(dtype=value.dtype, device=value.device), f"drawn in [{lo}, {hi}]"
+
+
+def _observed_ranges(ctx: VerifyContext, names: list[str]) -> dict[str, tuple[int, int]]:
+    """(min, max) of each integer input at the largest shape make_inputs is asked for."""
+    manager = ctx.manager
+    largest = ctx.make(Batch(num_tokens=manager.max_tokens, num_reqs=manager.max_reqs))
+    ranges = {}
+    for name in names:
+        value = largest.get(name)
+        if isinstance(value, torch.Tensor) and value.numel() and value.dtype != torch.bool:
+            ranges[name] = (int(value.min()), int(value.max()))
+        else:
+            ranges[name] = (0, 0)
+    return ranges
+
+
+def drawn_inputs(ctx: VerifyContext, inputs: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Inputs the harness draws where ``make_inputs`` gives the same values every call, and what it changed.
+
+    Floating inputs get fresh values in their observed range. Only where there
+    are none are integer inputs changed, and only within what make_inputs
+    gives: rows permuted along the batch, else integers drawn in the range
+    make_inputs gives at the largest shape, so an index stays a valid index. ("", unchanged) when nothing can change.
+    """
+    gen = torch.Generator().manual_seed(ctx.seed + 7919)
+    specs = ctx.manager.input_specs
+    tensors = {name: v for name, v in inputs.items()
+               if isinstance(v, torch.Tensor) and v.numel() and getattr(specs.get(name), "kind", "") != "const"}
+    drawn = dict(inputs)
+    floats = [name for name, v in tensors.items() if v.is_floating_point()]
+    for name in floats:
+        drawn[name] = _drawn_value(tensors[name], gen)
+    if floats:
+        return drawn, f"fresh floating values in {', '.join(repr(n) for n in floats)}"
+    changed = []
+    observed = _observed_ranges(ctx, list(tensors))
+    for name, value in tensors.items():
+        spec = specs.get(name)
+        dims = getattr(spec, "dims", ())
+        new, how = _permuted_rows(value, dims[0][0] if dims else 0, gen, observed[name])
+        if how:
+            drawn[name] = new
+            changed.append(f"integers of {name!r} {how}")
+    return drawn, ", ".join(changed)
+
+
 def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    """After capture, new inputs give replay equal to eager (values frozen at capture show here)."""
     batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
     first = ctx.make(batch)
     second = ctx.make(batch)
+    made = ""
     if first_difference(first, second) is None:
-        return Outcome("fresh_inputs", desc, True, skipped=True,
-                       message="make_inputs returns the same values every call, so fresh inputs cannot be drawn")
+        # make_inputs is deterministic (torch.ones, arange): the harness draws
+        # the fresh inputs itself rather than leave the check undone.
+        second, made = drawn_inputs(ctx, second)
+        if not made:
+            return Outcome(
+                "fresh_inputs", desc, False,
+                "the check could not run: make_inputs returns the same values on every call, and no input "
+                "can be given other values by the harness (no floating input; integer inputs hold one value "
+                "each). Return fresh values from make_inputs (draw them from torch's generator)",
+                Finding(real_batch=batch.shape()),
+            )
     # Replay once on one new set, then check a second one.
     with ctx.preserved_state():
         ctx.load(desc, first, batch)
         ctx.replay(desc)
-    return _compare_padded(ctx, desc, batch, second, "fresh_inputs", fresh=True)
+    try:
+        outcome = _compare_padded(ctx, desc, batch, second, "fresh_inputs", fresh=True)
+    except Exception as exc:
+        if not made:
+            raise
+        return Outcome(
+            "fresh_inputs", desc, False,
+            f"the check could not run: make_inputs returns the same values on every call, and on the inputs "
+            f"the harness drew instead ({made}) the module raised {type(exc).__name__}: {exc}. Return fresh "
+            "values from make_inputs (draw them from torch's generator)",
+            Finding(real_batch=batch.shape()),
+        )
+    if made:
+        outcome.figures["harness_inputs"] = made
+        if not outcome.passed:
+            outcome.message += (f" [make_inputs returns the same values on every call, so the harness drew "
+                                f"these inputs: {made}]")
+    return outcome
 
 
 # -- real batches ------------------------------------------------------------
@@ -510,7 +616,7 @@ def output_lifetime(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> Out
             return failed
     n = manager.max_tokens + 1
     batch = Batch(num_tokens=n, num_reqs=min(manager.config.max_num_reqs, max(1, (n + 1) // 2)))
-    eager_desc = manager.dispatch(**batch.dispatch_args())
+    eager_desc = manager.dispatch_batch(batch)
     if eager_desc.mode is GraphMode.NONE:
         failed = _lifetime(ctx, eager_desc, batch)
         if failed is not None:
@@ -566,16 +672,21 @@ def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
 
 
 # -- after everything: addresses -------------------------------------------------
-def record_addresses(ctx: VerifyContext) -> dict[str, tuple[torch.Tensor, int]]:
-    """Every tensor graphs read by address: the object and its address now."""
+def _addresses(ctx: VerifyContext) -> dict[str, tuple[torch.Tensor, int]]:
     tensors = {f"static input '{n}'": t for n, t in ctx.manager.static_inputs.items()}
     for name, t in ctx._state_items():
         tensors[f"module tensor '{name}'"] = t
     return {name: (t, t.data_ptr()) for name, t in tensors.items()}
 
 
-def address_stability(ctx: VerifyContext, before: dict[str, tuple[torch.Tensor, int]]) -> Outcome:
-    after = record_addresses(ctx)
+def record_addresses(ctx: VerifyContext) -> None:
+    """Before capture: every tensor graphs read by address, the object and its address now."""
+    ctx.prepared["address_stability"] = _addresses(ctx)
+
+
+def address_stability(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> Outcome:
+    before: dict[str, tuple[torch.Tensor, int]] = ctx.prepared["address_stability"]
+    after = _addresses(ctx)
     for name, (tensor, ptr) in before.items():
         now = after.get(name)
         # The object, not only the address: a rebound buffer can land at the
@@ -595,15 +706,3 @@ def address_stability(ctx: VerifyContext, before: dict[str, tuple[torch.Tensor, 
         return Outcome("address_stability", None, False,
                        f"new module tensors appeared after capture: {sorted(missing)}", Finding())
     return Outcome("address_stability", None, True)
-
-
-DESCRIPTOR_CHECKS: dict[str, Callable[[VerifyContext, BatchDescriptor], Outcome]] = {
-    "replay_matches_eager": replay_matches_eager,
-    "fresh_inputs": fresh_inputs,
-    "real_batches": real_batches,
-    "padding_isolation": padding_isolation,
-    "state": state,
-    "side_outputs": side_outputs,
-    "determinism": determinism,
-    "rng": rng,
-}

@@ -15,6 +15,14 @@ created bytes on top. When that is more than the device has free (CUDA:
 machine has available (the emulator: ``MemAvailable``), the capture is
 refused with a ``CaptureError`` that gives the estimate, before any graph.
 
+The fast CUDA capture (the manager's default) runs no forward of its own for
+this: its warm-up of the largest graph, which runs anyway, is measured from
+the storage counter (``WarmupMeter``), and the sequence is
+refused after the warm-up, before any capture (``check_measured_memory``).
+There the device is asked what it has free (``cudaMemGetInfo``, about a
+millisecond) only when the estimate is more than ``SMALL_NEED_FRACTION`` of
+what the device holds beyond this process's reserved memory.
+
 ``check_input_memory`` does the same for the static input buffers, which are
 allocated at the largest shape when the manager is built.
 """
@@ -39,18 +47,21 @@ from ..plan import BatchDescriptor, GraphMode
 from .layout import call_make_inputs
 
 if TYPE_CHECKING:
-    from .graph_manager import GraphManager
+    from .capture import CapturePart
 
 __all__ = [
     "DIRECT_TOKENS",
     "CaptureEstimate",
     "Footprint",
+    "WarmupMeter",
     "available_memory",
     "check_capture_memory",
     "check_input_memory",
+    "check_measured_memory",
     "estimate_capture",
     "format_bytes",
     "measure_forward",
+    "memory_check_enabled",
 ]
 
 #: Graphs up to this many tokens are measured at their own shape; larger ones
@@ -137,24 +148,30 @@ def measure_forward(
     """The footprint of one eager forward, without autograd (as captures run).
 
     The module's buffers are put back afterwards."""
-    from .graph_manager import buffers_restored
+    from .capture import buffers_restored
 
-    counter = _StorageCounter()
     with buffers_restored(module), torch.no_grad():
         if marker is not None:
-            with running(marker), counter:
-                out = module(**kwargs)
+            with running(marker):
+                out, footprint = _counted(module, kwargs)
         else:
-            with counter:
-                out = module(**kwargs)
-        held = {
-            leaf.untyped_storage().data_ptr()
-            for leaf in tree_leaves(out)
-            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.device.type != "meta"
-        }
-        output = sum(counter.holders[p][0] for p in held if p in counter.holders)
+            out, footprint = _counted(module, kwargs)
     del out
-    return Footprint(created=counter.created, peak=counter.peak, output=output)
+    return footprint
+
+
+def _counted(module: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[Any, Footprint]:
+    """``module(**kwargs)`` under the storage counter: its output and footprint."""
+    counter = _StorageCounter()
+    with counter:
+        out = module(**kwargs)
+    held = {
+        leaf.untyped_storage().data_ptr()
+        for leaf in tree_leaves(out)
+        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.device.type != "meta"
+    }
+    output = sum(counter.holders[p][0] for p in held if p in counter.holders)
+    return out, Footprint(created=counter.created, peak=counter.peak, output=output)
 
 
 def _extrapolate(points: Sequence[tuple[int, int]], at: int) -> int:
@@ -225,14 +242,17 @@ def available_memory(device: torch.device) -> int | None:
         return None
 
 
-def _footprint_at(manager: GraphManager, num_tokens: int, num_reqs: int) -> Footprint:
+_AVAILABLE_MEMORY = available_memory
+
+
+def _footprint_at(manager: CapturePart, num_tokens: int, num_reqs: int) -> Footprint:
     sample = call_make_inputs(manager.make_inputs, num_tokens, num_reqs)
     kwargs = manager.eager_kwargs(sample, num_tokens)
     marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
     return measure_forward(manager.module, kwargs, marker=marker)
 
 
-def estimate_capture(manager: GraphManager, descriptors: Iterable[BatchDescriptor]) -> CaptureEstimate | None:
+def estimate_capture(manager: CapturePart, descriptors: Iterable[BatchDescriptor]) -> CaptureEstimate | None:
     """The memory capturing ``descriptors`` will take; None when there is
     nothing to capture or the module cannot run eagerly at the shapes
     measured (the capture then reports what is wrong)."""
@@ -250,7 +270,7 @@ def estimate_capture(manager: GraphManager, descriptors: Iterable[BatchDescripto
         return None
 
 
-def _estimate(manager: GraphManager, order: list[BatchDescriptor], largest: BatchDescriptor) -> CaptureEstimate:
+def _estimate(manager: CapturePart, order: list[BatchDescriptor], largest: BatchDescriptor) -> CaptureEstimate:
     top = largest.num_tokens
     if top <= DIRECT_TOKENS:
         foot = _footprint_at(manager, top, manager.capture_reqs(largest))
@@ -280,14 +300,19 @@ def _estimate(manager: GraphManager, order: list[BatchDescriptor], largest: Batc
     )
 
 
-def check_capture_memory(manager: GraphManager, descriptors: Iterable[BatchDescriptor]) -> CaptureEstimate | None:
+def memory_check_enabled() -> bool:
+    """False when ``PYTEST_CUDAGRAPH_MEMORY_CHECK=0`` switches the estimate off."""
+    return os.environ.get(CHECK_ENV, "").strip() != "0"
+
+
+def check_capture_memory(manager: CapturePart, descriptors: Iterable[BatchDescriptor]) -> CaptureEstimate | None:
     """Refuse, with a ``CaptureError`` that gives the estimate, a capture that
     will not fit; else return the estimate (None when none could be made).
 
     Nothing is captured or released here: a refused manager runs batches
     eagerly, and a ``capture()`` of fewer or smaller descriptors may follow.
     ``PYTEST_CUDAGRAPH_MEMORY_CHECK=0`` skips it."""
-    if os.environ.get(CHECK_ENV, "").strip() == "0":
+    if not memory_check_enabled():
         return None
     # As in the capture sequence that follows: no cyclic garbage collection
     # while forwards run (see GraphManager.capture).
@@ -298,6 +323,10 @@ def check_capture_memory(manager: GraphManager, descriptors: Iterable[BatchDescr
     finally:
         if collecting:
             gc.enable()
+    return _refuse_unless_fits(estimate)
+
+
+def _refuse_unless_fits(estimate: CaptureEstimate | None) -> CaptureEstimate | None:
     if estimate is None or estimate.fits:
         return estimate
     # A refused capture is a failed one: the manager runs batches eagerly
@@ -309,6 +338,66 @@ def check_capture_memory(manager: GraphManager, descriptors: Iterable[BatchDescr
         descriptor=estimate.largest,
         backend=estimate.backend,
     )
+
+
+class WarmupMeter:
+    """The footprint of the largest graph's warm-up forward, counted as it
+    runs: what the fast capture measures instead of an estimate forward of
+    its own (``measure_forward``). The warm-up is a real one: the module's
+    buffers are left as it leaves them, and the allocator's statistics
+    (peaks included, which a user may be reading) are not touched."""
+
+    def __init__(self) -> None:
+        self.footprint: Footprint | None = None
+
+    def run(self, module: Callable[..., Any], inputs: Mapping[str, Any]) -> Any:
+        """``module(**inputs)``, measured."""
+        out, self.footprint = _counted(module, inputs)
+        return out
+
+
+#: The device's memory is not asked for (``cudaMemGetInfo``, about a
+#: millisecond) when a capture needs at most this fraction of what the
+#: device holds beyond this process's reserved memory.
+SMALL_NEED_FRACTION = 1 / 64
+
+
+def _cuda_room(device: torch.device, need: int) -> int | None:
+    """What a CUDA capture may take (``available_memory``), or None, taken
+    as room enough, when ``need`` is at most ``SMALL_NEED_FRACTION`` of the
+    device's memory beyond what this process has reserved."""
+    if available_memory is _AVAILABLE_MEMORY:  # not replaced (a test's stand-in is always asked)
+        index = device.index or 0
+        try:
+            total = torch.cuda.get_device_properties(index).total_memory
+            reserved = int(torch._C._cuda_memoryStats(index)["reserved_bytes"]["all"]["current"])
+        except (AttributeError, KeyError, TypeError, RuntimeError):
+            total = reserved = 0
+        if need <= (total - reserved) * SMALL_NEED_FRACTION:
+            return None
+    return available_memory(device)
+
+
+def check_measured_memory(
+    manager: CapturePart, order: Sequence[BatchDescriptor], largest: BatchDescriptor, foot: Footprint
+) -> CaptureEstimate:
+    """``check_capture_memory`` for the fast CUDA capture: the estimate from
+    the largest graph's warm-up footprint (``WarmupMeter``), refused with
+    the same ``CaptureError`` before any capture starts."""
+    top = largest.num_tokens
+    others = sum(d.num_tokens for d in order if d is not largest)
+    graph_bytes = foot.peak + math.ceil(foot.output / top * others)
+    estimate = CaptureEstimate(
+        largest=largest,
+        count=len(order),
+        graph_bytes=graph_bytes,
+        transient_bytes=0,
+        available_bytes=_cuda_room(manager.device, graph_bytes),
+        backend=manager.backend,
+        extrapolated=False,
+    )
+    _refuse_unless_fits(estimate)
+    return estimate
 
 
 def _tensor_bytes(inputs: Mapping[str, Any]) -> int:

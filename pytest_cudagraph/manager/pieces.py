@@ -27,8 +27,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..backends.base import Backend, CapturedGraph, OpenCapture
-from ..backends.guard import CaptureGuard
 from ..context import running
+from ..guard import CaptureGuard
 from ..plan import BatchDescriptor
 
 __all__ = [

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from itertools import groupby, product
 from types import MappingProxyType
 
+from .batch import Batch
 from .config import CaptureConfig
 from .descriptor import BatchDescriptor
 from .modes import GraphMode
@@ -279,7 +280,8 @@ class CapturePlan:
         same count, else None. ``max_query_len``: the longest request's tokens,
         or None when the batch may hold a prefill. A batch no graph can serve
         (larger than every graph, say) gets ``GraphMode.NONE``: run it eagerly.
-        Invalid batches raise ``ValueError``.
+        Invalid batches raise ``ValueError``. ``dispatch_batch`` takes the same
+        as a ``Batch``.
         """
         key = (num_reqs, num_tokens, uniform_token_count, num_active_loras, max_query_len, num_ubatches)
         hit = self._memo.get(key)
@@ -315,6 +317,16 @@ class CapturePlan:
             self._memo.clear()
         self._memo[key] = answer
         return answer
+
+    def dispatch_batch(self, batch: Batch) -> BatchDescriptor:
+        """``dispatch`` for a ``Batch``.
+
+        The memo and the miss path work on the raw values (a tuple): making a
+        ``Batch`` per new shape would double the cost of a first dispatch.
+        """
+        return self.dispatch(num_reqs=batch.num_reqs, num_tokens=batch.num_tokens,
+                             uniform_token_count=batch.uniform_token_count, num_active_loras=batch.num_active_loras,
+                             max_query_len=batch.max_query_len, num_ubatches=batch.num_ubatches)
 
     @staticmethod
     def _validate_batch(

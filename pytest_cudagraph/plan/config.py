@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from itertools import islice
+from typing import Any
 
 from .modes import GraphMode
 
@@ -162,24 +163,49 @@ class CaptureConfig:
     def largest_capture_size(self) -> int:
         return self._sorted_sizes[-1]
 
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The keywords, in declaration order: the one list every other place derives from."""
+        return _FIELD_NAMES
+
+    @classmethod
+    def required_names(cls) -> tuple[str, ...]:
+        """The keywords without a default."""
+        return tuple(n for n in _FIELD_NAMES if n not in _DEFAULTS)
+
+    @classmethod
+    def defaults(cls) -> dict[str, object]:
+        """Each keyword with a default, and that default (as declared: ``mode`` a ``GraphMode``)."""
+        return dict(_DEFAULTS)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values: tuples as lists, ``mode`` as its name."""
+        return {name: _jsonable(getattr(self, name)) for name in _FIELD_NAMES}
+
     def replace(self, **changes: object) -> CaptureConfig:
         """A copy with some fields changed (validated again)."""
-        fields = {
-            "capture_sizes": self.capture_sizes,
-            "max_num_reqs": self.max_num_reqs,
-            "mode": self.mode,
-            "decode_query_len": self.decode_query_len,
-            "lora_cases": self.lora_cases,
-            "varlen_decode": self.varlen_decode,
-            "max_capture_size": self.max_capture_size,
-            "num_ubatches": self.num_ubatches,
-            "ubatch_min_tokens": self.ubatch_min_tokens,
-        }
-        unknown = set(changes) - set(fields)
+        current: dict[str, object] = {name: getattr(self, name) for name in _FIELD_NAMES}
+        unknown = set(changes) - set(current)
         if unknown:
             raise ValueError(f"unknown CaptureConfig field(s): {', '.join(sorted(unknown))}")
         if "capture_sizes" in changes and "max_capture_size" not in changes:
             # The bound followed the old sizes; let it follow the new ones.
-            fields["max_capture_size"] = None
-        fields.update(changes)
-        return CaptureConfig(**fields)  # type: ignore[arg-type]
+            current["max_capture_size"] = None
+        current.update(changes)
+        return CaptureConfig(**current)  # type: ignore[arg-type]
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, GraphMode):
+        return value.name
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+# Derived once from the dataclass: adding a field is its declaration, its
+# __init__ keyword and its validation, nothing elsewhere.
+_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(CaptureConfig) if f.init)
+_DEFAULTS: dict[str, object] = {
+    f.name: f.default for f in fields(CaptureConfig) if f.init and f.default is not MISSING
+}

@@ -22,7 +22,7 @@ import functools
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CaptureGuard", "ModuleTracker", "Violation"]
+__all__ = ["CaptureGuard", "GuardDispatchMode", "ModuleTracker", "Violation", "find_violations"]
 
 aten = torch.ops.aten
 
@@ -126,7 +126,7 @@ class Violation:
 # Frames that are machinery, not the caller a violation should name.
 _SKIPPED_DIRS = (
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # this package
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,  # this package
 )
 _SKIPPED_FILES = frozenset(
     os.path.abspath(m.__file__) for m in (contextlib, functools) if m.__file__ is not None
@@ -635,6 +635,50 @@ class GuardDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for t in tensors_in(outs, None):
                 self._made.add(t.untyped_storage().data_ptr())
         return out
+
+
+class _FirstFound(Exception):
+    """Stops a forward at its first violation, before the op runs."""
+
+
+def _stop(_violation: Violation) -> None:
+    raise _FirstFound
+
+
+def find_violations(
+    forward: Callable[[], object],
+    tracker: ModuleTracker,
+    device: torch.device,
+    *,
+    exempt: Sequence[torch.nn.Module] = (),
+    first_only: bool = False,
+) -> list[Violation]:
+    """Run ``forward`` eagerly under the full guard and return the ops a graph cannot hold, in the order met.
+
+    The full guard sees every ATen op, the host methods (``.item()``,
+    ``bool(tensor)``, ...) and, on the emulator, the values made on the host;
+    ``tracker`` names the submodule of each op. ``exempt`` modules run eagerly
+    anyway (a PIECEWISE graph's eager pieces): their ops are not the graph's.
+    ``device`` is the graph's device (the CPU on the emulator).
+
+    ``first_only``: stop the forward at the first violation, before that op
+    runs (a diagnosis needs one name, and on a GPU the op is not run); a
+    failure of the forward after a violation was met then returns that
+    violation. Otherwise every violation is listed (each op still runs) and
+    a failure of the forward propagates; either way ``tracker.failed_path``
+    then names the submodule that was running.
+    """
+    guard = CaptureGuard(tracker, device, on_violation=_stop if first_only else None)
+    try:
+        with tracker.track(), guard.exempt(list(exempt)), guard.function_mode(), GuardDispatchMode(guard):
+            forward()
+    except _FirstFound:
+        pass
+    except Exception:
+        # A module may catch the stop and fail another way: the op met first is still the answer.
+        if not (first_only and guard.violations):
+            raise
+    return guard.violations[:1] if first_only else guard.violations
 
 
 class _HostValueMode(TorchFunctionMode):

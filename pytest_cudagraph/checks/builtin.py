@@ -1,0 +1,138 @@
+"""The built-in checks, registered as a downstream suite registers its own.
+
+The words here are the checks table of docs/checks.md
+(``scripts/refresh_docs.py`` writes it from ``BUILTIN.markdown_table()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import suite
+from .registry import Check, CheckRegistry
+
+__all__ = ["BUILTIN", "DISPATCH_CHECK"]
+
+#: Property-tests the manager's dispatch; runs in exhaustive verification.
+DISPATCH_CHECK = "dispatch"
+
+
+def _dispatch(ctx: Any, descs: Any) -> Any:
+    """Every dispatch property, for generated real batches, against the manager's dispatch."""
+    from .dispatch import dispatch_check  # hypothesis is imported only when the check runs
+
+    return dispatch_check(ctx, descs)
+
+
+BUILTIN = CheckRegistry([
+    Check(
+        "capture_safety", suite.capture_safety, scope="before_capture",
+        compares="before capture, every descriptor's shape runs eagerly under a guard that lists every op a graph "
+                 "cannot hold, with its submodule and its call site (`file:line in function`, the first frame "
+                 "outside torch and this plugin); then the capture itself, descriptor by descriptor: a "
+                 "descriptor whose capture fails fails here and the others are still captured and verified",
+        catches="host syncs (`.item()`, `bool(t)`, `int(t)`), data-dependent shapes (`nonzero`, boolean-mask "
+                "indexing, `repeat_interleave` without `output_size`), device-to-host copies, CPU tensors on the "
+                "CUDA path; values made on the host inside `forward` and written into or moved to the graph's "
+                "device (`t[0] = float(n)`, `torch.tensor(data, device=...)`, `torch.arange(n).to(x.device)`), "
+                "which the emulator tells by where they were made. Not flagged, because a real capture holds "
+                "them: `t[mask] = 0.0` (a `masked_fill_`), `torch.tensor([], device=...)` (a copy of nothing), "
+                "a 0-dim CPU tensor as an operand",
+        applies="never",
+    ),
+    Check(
+        "replay_matches_eager", suite.replay_matches_eager,
+        compares="on the very inputs a graph was captured with, replay equals eager bit for bit (NaN equals NaN, "
+                 "-0.0 differs from 0.0; shape, dtype and strides too)",
+        catches="Python state changed by every forward (named: `inner.calls: 3 -> 4`), nondeterministic eager "
+                "(said so instead)",
+        applies="never",
+    ),
+    Check(
+        "fresh_inputs", suite.fresh_inputs,
+        compares="after capture, new inputs give replay equal to eager. Where `make_inputs` returns the same "
+                 "values on every call (`torch.ones`, `arange`), the harness makes its own: fresh floating "
+                 "values in the observed range, or integer rows permuted (then drawn) within it",
+        catches="tensors computed at warm-up and memoised (by identity, say), stale buffers, values frozen at "
+                "capture",
+        applies="never: where no input can be changed (no tensor input, or only integers of one value), the "
+                "check fails saying it could not run",
+    ),
+    Check(
+        "real_batches", suite.real_batches,
+        compares="every real batch size a descriptor serves (its candidate range) returns real rows equal to "
+                 "eager on the *unpadded* batch, within a dtype-aware tolerance (bit for bit with "
+                 "`batch_invariant=True`); max abs and ULP difference are reported",
+        catches="statistics over the whole batch, padded rows included; outputs cut wrongly",
+        applies="no real batch dispatches to the descriptor; the module draws random numbers (the `rng` check "
+                "covers them)",
+    ),
+    Check(
+        "padding_isolation", suite.padding_isolation,
+        compares="real-row outputs and module state are identical whether padded rows of floating inputs hold "
+                 "zeros, random values or large finite values, as padded rows of an engine do (stale rows, "
+                 "hidden states of pad tokens); with `nonfinite_padding=True` (marker keyword, "
+                 "`--cudagraph-nonfinite-padding`, ini `cudagraph_nonfinite_padding`) also NaN and inf, a "
+                 "strictness whose failures say so. Integer inputs keep their pad value; inputs whose padding "
+                 "is declared semantics (a square mask with its `pad_values`) are not filled",
+        catches="attention that reads padded keys (bidirectional over the padded sequence), pooling over padded "
+                "rows, batch statistics (a BatchNorm in train mode is named), padded rows writing into state "
+                "(allow a scratch region with `scratch_state`); strict: masking by multiplication "
+                "(`0 * NaN = NaN`)",
+        applies="no real batch of the descriptor leaves padded rows; no floating-point input has padded rows "
+                "to fill",
+    ),
+    Check(
+        "state", suite.state,
+        compares="module buffers, and inputs that eager mutates in place, end in the same state after `run()` as "
+                 "after eager (state snapshot and restored around each comparison, so a graph-safe counter "
+                 "buffer passes)",
+        catches="in-place writes to inputs (the graph writes its static copy, never the caller's tensor)",
+        applies="never",
+    ),
+    Check(
+        "side_outputs", suite.side_outputs,
+        compares="a tensor that `forward` stores on a plain attribute on every call (`self.hidden = h`) holds "
+                 "after `run()` what eager leaves there, with the attributes as capture left them",
+        catches="side outputs kept on the module (hidden states for a drafter): after replay the attribute is "
+                "the capture-time tensor, padded and in graph memory that later replays overwrite; named with "
+                "its shape and the fix (return it, or copy into a registered buffer)",
+        applies="never (a module that stores nothing passes)",
+    ),
+    Check(
+        "determinism", suite.determinism,
+        compares="two replays of the same inputs, from the same state and seed, are bit-identical",
+        catches="state kept outside registered buffers, nondeterministic kernels",
+        applies="never",
+    ),
+    Check(
+        "rng", suite.rng,
+        compares="with a seeded generator, replay draws equal eager draws, and successive replays draw fresh "
+                 "values",
+        catches="seeding inside `forward`, generators a graph does not advance",
+        applies="eager itself is not reproducible under one seed (the `determinism` and replay checks say why)",
+    ),
+    Check(
+        "output_lifetime", suite.output_lifetime, scope="module",
+        compares="outputs returned by `run()` keep their values after later runs, on the graph path and on the "
+                 "eager path (a batch larger than every graph)",
+        catches="outputs that alias a buffer the module rewrites",
+        applies="never",
+    ),
+    Check(
+        "address_stability", suite.address_stability, scope="module", prepare=suite.record_addresses,
+        compares="static buffers and every module parameter and buffer keep their addresses (and stay the same "
+                 "tensor objects) through capture, replays and eager runs",
+        catches="buffers rebound in `forward` (`self.x = self.x * a + b`): graphs keep reading the old memory",
+        applies="never",
+    ),
+    Check(
+        DISPATCH_CHECK, _dispatch, scope="module",
+        compares="the manager's dispatch, property-tested with hypothesis over the graphs captured: every real "
+                 "batch goes to the smallest captured graph that can serve it, or runs eagerly",
+        catches="a dispatcher that picks a graph too small, of the wrong mode or LoRA case, or none where one "
+                "serves",
+        applies="quick verification (`exhaustive=False`) or a subset of the plan captured; in a verification "
+                "split by descriptor it runs in the item of the plan's first descriptor",
+    ),
+])

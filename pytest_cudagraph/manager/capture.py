@@ -1,0 +1,611 @@
+"""The manager's capture part: making the graphs, and dropping them.
+
+It owns the capture sequence (``capture``: one pool, largest graph first, the
+cyclic garbage collector off), staging each descriptor's sample into the
+static buffers, the capture guard's use during capture, the diagnosis of a
+failed capture (which op, which submodule, which eager piece), a failed
+descriptor's record under ``keep_going`` (``capture_failures``), learning how
+each output is cut to a batch's real rows (the output-row probe and its
+settling across descriptors), and ``release``.
+
+It hands the runtime part one ``Entry`` per captured descriptor, in
+``_entries``, and clears the runtime's hot-path cache whenever the graphs
+change. It stages samples through the runtime's own copy-in (``batch_of``,
+``load_inputs``, ``forward_inputs``), so a graph is captured on exactly the
+buffers it will replay from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..backends.base import CapturedGraph
+from ..context import running
+from ..errors import CaptureError
+from ..guard import CaptureGuard, ModuleTracker, Violation, find_violations, host_methods_watched
+from ..plan import BatchDescriptor, GraphMode
+from . import tree
+from .layout import PROBES, CountKind, MakeInputsError, call_make_inputs
+from .pieces import EagerPieceError, EagerSpec, capture_in_pieces, piece_of, resolve_eager_submodules
+from .runtime import Entry, OutCut, RuntimePart
+
+__all__ = ["MODULE_INTERNALS", "CapturePart", "buffers_restored"]
+
+# What every nn.Module keeps in its __dict__ (hook tables, the parameter and
+# buffer dicts, ...): never user state, so never walked.
+MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)  # also the checks' (side_outputs)
+
+
+def _tensor_holders(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, list[str]]]:
+    """Each module with the names of its own attributes (not nn.Module's
+    bookkeeping): read once a capture sequence, so that each graph's walk
+    over them is short."""
+    return [(sub, [k for k in sub.__dict__ if k not in MODULE_INTERNALS]) for sub in modules]
+
+
+# Attribute values that hold no tensor, told by their exact type alone.
+_NO_TENSOR_TYPES = frozenset({int, float, bool, str, type(None)})
+
+
+def _tensors_of(holders: list[tuple[torch.nn.Module, list[str]]]) -> list[Any]:
+    """Every tensor the modules hold now: parameters, buffers and tensor attributes.
+
+    Walked once a graph, so written for speed: empty tables and plain
+    scalars are passed over without a call."""
+    found: list[Any] = []
+    extend = found.extend
+    append = found.append
+    tensor = torch.Tensor
+    scalars = _NO_TENSOR_TYPES
+    for sub, names in holders:
+        params = sub._parameters
+        if params:
+            extend(params.values())
+        buffers = sub._buffers
+        if buffers:
+            extend(buffers.values())
+        if not names:
+            continue
+        attrs = sub.__dict__
+        for name in names:
+            value = attrs.get(name)
+            if type(value) in scalars:
+                continue
+            if isinstance(value, tensor):
+                append(value)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    if isinstance(v, tensor):
+                        append(v)
+            elif isinstance(value, dict):
+                for v in value.values():
+                    if isinstance(v, tensor):
+                        append(v)
+    return found
+
+
+@contextlib.contextmanager
+def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
+    """Put the module's buffers back as they were when the block ends: for
+    forwards run only to learn something (shapes, memory), not for their effect."""
+    snapshot = {name: t.detach().clone() for name, t in module.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, t in module.named_buffers():
+                if name in snapshot:
+                    t.copy_(snapshot[name])
+
+
+class _Uncapturable(Exception):
+    def __init__(self, violation: Violation) -> None:
+        super().__init__(violation.describe())
+        self.violation = violation
+
+
+def _raise_violation(violation: Violation) -> None:
+    raise _Uncapturable(violation)
+
+
+def _forget_frames(exc: BaseException) -> None:
+    """Drop the local variables of the frames ``exc`` and its causes went
+    through: a failure kept in ``capture_failures`` must not keep the failed
+    capture's tensors (graph-pool memory on a GPU) alive. The tracebacks still print."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+
+
+@dataclass
+class _Staged:
+    """A descriptor's sample after its warm-up: what ``make_inputs`` gave, and the forward's keyword inputs."""
+
+    sample: dict[str, Any]
+    kwargs: dict[str, Any]
+
+
+class CapturePart(RuntimePart):
+    """The capture sequence, its diagnosis and output-row learning (see the module's docstring)."""
+
+    # -- set by GraphManager.__init__ -------------------------------------
+    progress: bool | None
+    capture_seconds: float
+    eager_pieces: list[tuple[str, torch.nn.Module]]  # (dotted name, submodule) run eagerly in PIECEWISE
+    _eager_spec: EagerSpec
+    _make_inputs: Callable[[int, int], Mapping[str, Any]]
+    _tracker: ModuleTracker  # names the submodule running, for diagnosis
+    # The module tree and its attribute names, read at each capture().
+    _holders: list[tuple[torch.nn.Module, list[str]]]
+    # Per output leaf, the dimensions the probes saw follow the batch; None
+    # until probed, or when the module cannot run at the probe shapes.
+    _probed_rows: list[OutCut] | None
+    #: Descriptors whose capture failed under ``capture(keep_going=True)``,
+    #: with why; reset by each capture().
+    capture_failures: dict[BatchDescriptor, CaptureError]
+
+    # -- the sequence ---------------------------------------------------
+    def capture(self, descriptors: Iterable[BatchDescriptor] | None = None, *, keep_going: bool = False) -> None:
+        """Capture every descriptor of the plan (or those given), largest first.
+
+        Each descriptor is warmed up eagerly, then captured on the static
+        buffers into one pool shared by all graphs. The fast capture (the
+        default) warms every descriptor up first and then captures them all,
+        the loop PyTorch's docs write; the checked capture warms each up just
+        before its own capture, vLLM's order, which verification reproduces. On failure every graph is
+        released, ``CaptureError`` is raised, and the manager runs batches
+        eagerly until a later ``capture()`` succeeds.
+
+        ``keep_going=True``: a descriptor whose capture fails is that
+        descriptor's failure alone. It gets no graph (what its capture made is
+        dropped), its ``CaptureError`` is kept in ``capture_failures``, the
+        others are still captured, and capture() returns; batches it would
+        serve run eagerly. A failure that is no one descriptor's (the memory
+        estimate refusing the sequence, an interrupt) still releases every
+        graph and raises.
+        """
+        order = list(self.plan.capture_order if descriptors is None else descriptors)
+        known = set(self.plan.descriptors)
+        unknown = [d for d in order if d not in known]
+        if unknown:
+            raise ValueError(f"descriptor {unknown[0]} is not in this manager's plan")
+        if self._entries:
+            self.release()
+        self._hot.clear()
+        self.capture_failures = {}
+        # From here on run() may run eagerly (a failed or refused capture);
+        # before any capture() it is a mistake (see run_batch).
+        self._capture_called = True
+        from .estimate import check_capture_memory, memory_check_enabled  # refuses what will not fit
+
+        # The fast CUDA capture measures the largest graph's footprint during
+        # its own warm-up (see _warm_up) and refuses there, before any capture;
+        # every other capture runs a forward of its own for the estimate first.
+        measured = self.backend == "cuda" and not self._backend.checked
+        if not measured:
+            check_capture_memory(self, order)
+        started = time.perf_counter()
+        self._tracker.refresh()
+        self._holders = _tensor_holders(list(self.module.modules()))
+        # Submodules replaced since the last capture are found again.
+        self.eager_pieces = resolve_eager_submodules(self.module, self._eager_spec)
+        # No cyclic garbage collection while the sequence runs: a collected
+        # graph of another manager, captured on a stream PyTorch's stream pool
+        # also handed to this one, would drop that stream's cuBLAS workspace
+        # in the middle of it (pytorch#193402).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            if self._probed_rows is None:
+                self._probed_rows = self._probe_output_rows()
+            self._backend.begin()
+            with host_methods_watched():  # once for the sequence: see its docstring
+                # The fast capture warms every shape up first, then captures
+                # them all; the checked capture (verification) warms each up
+                # just before its capture, as vLLM's capture loop does, so a
+                # warm-up that leaves state for the capture shows as it
+                # would in such an engine (a tensor memoised by identity).
+                staged = {} if self._backend.checked else self._warm_up(
+                    order, measure=measured and memory_check_enabled())
+                for desc in self._progress(order):
+                    try:
+                        self._capture_one(desc, staged.get(desc))
+                    except CaptureError as exc:
+                        if not keep_going:
+                            raise
+                        _forget_frames(exc)
+                        self.capture_failures[desc] = exc
+            self._backend.finish()
+        except BaseException:
+            self.release()
+            raise
+        finally:
+            if collecting:
+                gc.enable()
+        if self._probed_rows is None:
+            self._settle_row_kinds()
+        self.capture_seconds = time.perf_counter() - started
+
+    def release(self) -> None:
+        """Drop every graph and the pool. Static buffers stay; capture() again works."""
+        self._entries.clear()
+        self._hot.clear()
+        self._backend.release()
+
+    def _progress(self, order: list[BatchDescriptor]) -> Iterable[BatchDescriptor]:
+        show = self.progress
+        if show is None:
+            show = len(order) >= 16 and sys.stderr.isatty()
+        if not show:
+            return order
+        try:
+            from tqdm import tqdm
+        except ImportError:  # tqdm is a dependency, but progress is optional
+            return order
+        bar: Iterable[BatchDescriptor] = tqdm(order, desc=f"Capturing graphs ({self.backend})", unit="graph")
+        return bar
+
+    # -- staging --------------------------------------------------------
+    @property
+    def make_inputs(self) -> Callable[[int, int], Mapping[str, Any]]:
+        """``make_inputs``, checked: a call whose keys differ from the layout's raises ``ValueError``."""
+        return self._checked_make_inputs
+
+    def _checked_make_inputs(self, num_tokens: int, num_reqs: int) -> dict[str, Any]:
+        inputs = call_make_inputs(self._make_inputs, num_tokens, num_reqs)
+        if inputs.keys() != self._inputs.keys():
+            missing = sorted(n for n in self._inputs if n not in inputs)
+            extra = sorted(n for n in inputs if n not in self._inputs)
+            raise MakeInputsError(
+                f"make_inputs(num_tokens={num_tokens}, num_reqs={num_reqs}) returned inputs {sorted(inputs)}, "
+                f"but at the probe and largest shapes it returned {sorted(self._inputs)} "
+                f"(missing {missing}, new {extra}); make_inputs must return the same keys at every shape"
+            )
+        return inputs
+
+    def stage_sample(self, desc: BatchDescriptor) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``make_inputs`` at ``desc``'s own shape, loaded into the static buffers:
+        (the sample, the keyword inputs a forward of that shape reads).
+
+        Captures run on valid data of their very shape (indices in range, say):
+        a prefix of the largest shape's inputs need not be valid.
+        """
+        reqs = self.capture_reqs(desc)
+        sample = self._checked_make_inputs(desc.num_tokens, reqs)
+        kwargs = self.forward_inputs(desc.num_tokens, reqs)
+        self._load_sample(desc, reqs, sample, kwargs)
+        return sample, kwargs
+
+    def _load_sample(self, desc: BatchDescriptor, reqs: int, sample: Mapping[str, Any],
+                     kwargs: Mapping[str, Any]) -> None:
+        """Copy ``desc``'s own sample into the static buffers.
+
+        A sample of the descriptor's exact shape (what ``make_inputs`` gives at
+        that shape) fills the windows the forward reads, ``kwargs``, as they
+        are: each tensor is copied straight in and no load plan is built, since
+        nothing is padded. Anything else (a key, dtype, device or shape off the
+        layout) goes through ``batch_of`` and ``load_inputs``, which say what
+        is wrong or pad what is short.
+        """
+        if sample.keys() == self._tensor_names:
+            index = self._device_index
+            exact = True
+            for name, spec in self._tensor_specs:
+                value = sample[name]
+                if not (isinstance(value, torch.Tensor) and value.dtype == spec.dtype
+                        and value.shape == kwargs[name].shape
+                        and (value.is_cpu if index < 0 else value.get_device() == index)):
+                    exact = False
+                    break
+            if exact:
+                with torch.no_grad():
+                    for name, _ in self._tensor_specs:
+                        kwargs[name].copy_(sample[name])
+                    if self._is_padding is not None:
+                        kwargs["is_padding"].fill_(False)
+                return
+        self.load_inputs(desc, sample, self.batch_of(sample, num_reqs=reqs))
+
+    # -- warm-up ----------------------------------------------------------
+    def _warm_up(self, order: list[BatchDescriptor], *,
+                 measure: bool = False) -> dict[BatchDescriptor, _Staged | Exception]:
+        """Stage every descriptor's sample and run its forward once, back to back, in one warm-up.
+
+        Lazy initialisation (cuBLAS handles, workspaces) must happen before a
+        capture, not inside it. One warm-up pass over every shape, then the
+        captures, is the loop PyTorch's docs write: the forwards run back to
+        back on the side stream, and each descriptor's ``make_inputs`` runs
+        once. A forward that fails here
+        is kept as its descriptor's failure, told by ``_capture_one``; a bad
+        ``make_inputs`` (the caller's mistake) raises at once.
+
+        ``measure`` (the fast CUDA capture, memory check on): the largest
+        descriptor's warm-up is also its memory footprint, counted as it runs
+        (``WarmupMeter``), and a sequence
+        that will not fit is refused once the warm-up ends, before any
+        capture: what ``check_capture_memory`` tells, without a forward of
+        its own.
+        """
+        from .estimate import WarmupMeter, check_measured_memory
+
+        staged: dict[BatchDescriptor, _Staged | Exception] = {}
+        largest = max(order, key=lambda d: d.num_tokens) if measure and order else None
+        meter = WarmupMeter() if largest is not None else None
+
+        def warm() -> None:
+            for desc in order:
+                sample, kwargs = self.stage_sample(desc)
+                try:
+                    with running(desc):
+                        if desc is largest and meter is not None:
+                            meter.run(self.module, kwargs)
+                        else:
+                            self.module(**kwargs)
+                except Exception as exc:
+                    staged[desc] = exc
+                else:
+                    staged[desc] = _Staged(sample, kwargs)
+
+        self._backend.warmup(warm)
+        if largest is not None and meter is not None and meter.footprint is not None:
+            check_measured_memory(self, order, largest, meter.footprint)
+        return staged
+
+    # -- one descriptor -------------------------------------------------
+    def _capture_one(self, desc: BatchDescriptor, staged: _Staged | Exception | None) -> None:
+        """Capture ``desc``: warmed up here (``staged`` None), or by ``_warm_up`` (its
+        sample and inputs, or the exception its warm-up raised, told as a failed capture)."""
+        reqs = self.capture_reqs(desc)
+        if isinstance(staged, _Staged):
+            sample, kwargs = staged.sample, staged.kwargs
+        else:
+            sample, kwargs = self.stage_sample(desc)
+
+        def forward() -> Any:
+            with running(desc):
+                return self.module(**kwargs)
+
+        self._tracker.failed_path = ""
+        holders = self._holders
+        guard = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation)
+        try:
+            try:
+                # Capture runs as fast as the module allows: no hooks on
+                # submodules. Only a failure pays for naming where it came
+                # from, by an eager rerun under the tracker.
+                if staged is None:
+                    self._backend.warmup(forward)
+                elif isinstance(staged, Exception):
+                    raise staged
+                elif self._backend.capture_executes or (self.eager_pieces and desc.mode is GraphMode.PIECEWISE):
+                    # The capture runs the forward on the values in the static
+                    # buffers (the emulator; eager pieces between segments),
+                    # which later samples' staging overwrote: load this one's
+                    # again. A CUDA capture records addresses, not values.
+                    self.load_inputs(desc, sample, self.batch_of(sample, num_reqs=reqs))
+                held = _tensors_of(holders)
+                graph = self._record(desc, forward, guard)
+            except Exception as exc:
+                found = self._diagnose(desc, forward)
+                if found is not None:
+                    raise _Uncapturable(found) from None
+                if isinstance(exc, _Uncapturable):
+                    # The rerun did not meet the op again (it came from a
+                    # capture-only branch): name what the capture saw.
+                    raise _Uncapturable(Violation(exc.violation.op, exc.violation.reason,
+                                                  self._tracker.failed_path, exc.violation.location)) from None
+                raise
+            # Tensors bound before capture are what the graph reads; those bound
+            # during capture live in its own pool.
+            graph.hold(held)
+        except _Uncapturable as exc:
+            v = exc.violation
+            raise CaptureError(
+                f"cannot capture {v.describe()} while capturing {desc} on the {self.backend} "
+                f"backend. A graph cannot read device values on the host or size outputs "
+                f"from data: keep shapes static and values on the device{self._piece_hint(desc, v.module_path)}",
+                op=v.op, reason=v.reason, module_path=v.module_path, descriptor=desc, backend=self.backend,
+            ) from None
+        except CaptureError:
+            raise
+        except Exception as exc:
+            where = self._tracker.failed_path or (exc.path if isinstance(exc, EagerPieceError) else "")
+            raise CaptureError(
+                f"capture of {desc} failed on the {self.backend} backend"
+                f"{f' in submodule {where!r}' if where else ''}: {type(exc).__name__}: {exc}"
+                f"{self._piece_hint(desc, where)}",
+                module_path=where, descriptor=desc, backend=self.backend,
+            ) from exc
+        self._entries[desc] = Entry(graph, reqs, self._out_dims(graph.output, desc.num_tokens, reqs), sample)
+
+    def _diagnose(self, desc: BatchDescriptor, forward: Callable[[], Any]) -> Violation | None:
+        """After a failed capture, run the forward eagerly under the full guard:
+        the first op a graph cannot hold, named before torch fails on it, or
+        None. When the forward fails eagerly too, the tracker's ``failed_path``
+        names the submodule that was running."""
+        try:
+            found: list[Violation] = self._backend.warmup(lambda: find_violations(
+                forward, self._tracker, self.device, exempt=self.eager_modules(desc), first_only=True))
+        except Exception:
+            return None  # no op to name: the original error stands
+        return found[0] if found else None
+
+    def _record(self, desc: BatchDescriptor, forward: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
+        """Capture ``desc``'s forward, whole or in pieces.
+
+        The backend keeps the allocator's cache through a sequence (see
+        CudaBackend.begin), and an allocation inside a capture cannot hand
+        cached blocks back to the driver. So a capture that runs out of
+        memory is tried once more after the cache is handed back, which is
+        where torch.cuda.graph would have started it.
+        """
+        for last in (False, True):
+            try:
+                if self.eager_pieces and desc.mode is GraphMode.PIECEWISE:
+                    return capture_in_pieces(self._backend, forward, guard, self.eager_pieces, desc)
+                return self._backend.capture(forward, guard)
+            except torch.OutOfMemoryError:
+                # Retried outside this handler, once the traceback (and the
+                # graph memory its frames hold) is gone.
+                if last or not self._backend.trim():
+                    raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def eager_modules(self, desc: BatchDescriptor) -> list[torch.nn.Module]:
+        """The submodules ``desc``'s graph runs eagerly: the eager pieces in a
+        PIECEWISE graph, none in a FULL one. Their ops are not the graph's."""
+        return [m for _, m in self.eager_pieces] if desc.mode is GraphMode.PIECEWISE else []
+
+    def _piece_hint(self, desc: BatchDescriptor, path: str) -> str:
+        # An eager piece runs eagerly only in PIECEWISE graphs; a FULL graph
+        # holds the whole forward, pieces included.
+        if desc.mode is GraphMode.PIECEWISE:
+            return ""
+        piece = piece_of(path, [p for p, _ in self.eager_pieces])
+        if piece is not None:
+            return (f". '{piece}' is an eager piece, but only PIECEWISE graphs run it eagerly: a FULL "
+                    f"graph captures the whole forward. Make it capturable, or use mode='PIECEWISE' "
+                    f"(no FULL graphs)")
+        return ""
+
+    # -- output rows ----------------------------------------------------
+    def _out_dims(self, output: Any, num_tokens: int, num_reqs: int) -> list[OutCut]:
+        """How each leaf of one graph's output is cut: what the probes learned,
+        where the leaf has those dimensions, else what this descriptor alone shows."""
+        leaves = tree.leaves(output)
+        own = self._row_kinds(leaves, num_tokens, num_reqs)
+        probed = self._probed_rows
+        if probed is None or len(probed) != len(own):
+            return own
+        return [
+            p if isinstance(leaf, torch.Tensor) and all(d < leaf.dim() for d, _ in p) else mine
+            for p, mine, leaf in zip(probed, own, leaves, strict=True)
+        ]
+
+    @staticmethod
+    def _row_kinds(leaves: list[Any], num_tokens: int, num_reqs: int) -> list[OutCut]:
+        # From one descriptor alone, per output leaf: cut its leading dimension
+        # to the real tokens, the real requests, or return it whole. When tokens
+        # and requests are the same count, rows follow tokens, as hidden states
+        # do in inference engines. A later dimension of the same size may be a
+        # coincidence (a hidden size of 8 at 8 tokens): only several
+        # descriptors tell (_settle_row_kinds).
+        kinds: list[OutCut] = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+                kinds.append(())
+            elif leaf.shape[0] == num_tokens:
+                kinds.append(((0, "tokens"),))
+            elif leaf.shape[0] == num_reqs:
+                kinds.append(((0, "reqs"),))
+            else:
+                kinds.append(())
+        return kinds
+
+    def _probe_output_rows(self) -> list[OutCut] | None:
+        """Which dimensions of each output leaf follow the token or request
+        count, learned as the inputs' are: by running the module eagerly at the
+        two probe shapes (state restored after).
+
+        A descriptor alone cannot tell a per-request output from a per-token
+        one when it holds as many tokens as requests. None if the module cannot
+        run at the probe shapes; then each descriptor's own shapes decide. A
+        leaf that changes with the batch in a way that follows neither count
+        (a flattened ``2 * T``) cannot be cut to the real batch: ValueError.
+        """
+        outputs = []
+        try:
+            with buffers_restored(self.module):
+                for num_tokens, num_reqs in PROBES:
+                    kwargs = self.eager_kwargs(call_make_inputs(self._make_inputs, num_tokens, num_reqs), num_tokens)
+                    marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
+                    with torch.no_grad(), running(marker):
+                        outputs.append(tree.flatten_with_paths(self.module(**kwargs)))
+        except Exception:
+            return None
+        first, second = outputs
+        if [p for p, _ in first] != [p for p, _ in second]:
+            return None
+        (t1, r1), (t2, r2) = PROBES
+        kinds: list[OutCut] = []
+        for (path, a), (_, b) in zip(first, second, strict=True):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or (a.dim() == 0 and b.dim() == 0):
+                kinds.append(())
+                continue
+            dims: list[tuple[int, CountKind]] = []
+            unrelated = a.dim() != b.dim()
+            for d, (n1, n2) in enumerate(zip(a.shape, b.shape, strict=False)):
+                if n1 == n2:
+                    continue
+                if (n1, n2) == (t1, t2):
+                    dims.append((d, "tokens"))
+                elif (n1, n2) == (r1, r2):
+                    dims.append((d, "reqs"))
+                else:
+                    unrelated = True
+            if unrelated:
+                where = f"output {path}" if path else "the output"
+                raise ValueError(
+                    f"{where} has shape {tuple(a.shape)} at (num_tokens={t1}, num_reqs={r1}) and "
+                    f"{tuple(b.shape)} at (num_tokens={t2}, num_reqs={r2}): it changes with the batch, but "
+                    "not as num_tokens or num_reqs. The manager can only cut dimensions that follow "
+                    "num_tokens or num_reqs (exactly that many) to a real batch's rows, and return the "
+                    "others whole; return it unflattened (say (num_tokens, 2, ...) rather than "
+                    "(2 * num_tokens, ...)), or compute it outside the captured module"
+                )
+            kinds.append(tuple(dims))
+        return kinds
+
+    def _settle_row_kinds(self) -> None:
+        # One descriptor alone cannot tell an output of fixed size from one
+        # that follows the batch when the sizes coincide. Across descriptors
+        # it can: a leading dimension whose size never changes is returned
+        # whole, and one that tracks the request count is cut by requests; a
+        # later dimension is cut only when its size changes across
+        # descriptors, each time as the token (or request) count.
+        shapes: dict[int, list[tuple[tuple[int, ...], int, int]]] = {}
+        for desc, entry in self._entries.items():
+            for i, leaf in enumerate(entry.leaves):
+                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                    shapes.setdefault(i, []).append((tuple(leaf.shape), desc.num_tokens, entry.num_reqs))
+        for i, seen in shapes.items():
+            ndim = len(seen[0][0])
+            if any(len(shape) != ndim for shape, _, _ in seen):
+                continue  # no one layout across descriptors: each keeps its own
+            lead: CountKind | Literal["whole"] | None = None  # None: each descriptor's own
+            later: list[tuple[int, CountKind]] = []
+            for d in range(ndim):
+                sizes = [(shape[d], t, r) for shape, t, r in seen]
+                follows_tokens = all(n == t for n, t, _ in sizes)
+                follows_reqs = all(n == r for n, _, r in sizes)
+                constant = len({n for n, _, _ in sizes}) == 1
+                if d == 0:
+                    if constant and not follows_tokens and not follows_reqs:
+                        lead = "whole"
+                    elif follows_reqs and not follows_tokens:
+                        lead = "reqs"
+                elif not constant and (follows_tokens or follows_reqs):
+                    later.append((d, "tokens" if follows_tokens else "reqs"))
+            for entry in self._entries.values():
+                if i >= len(entry.leaves) or not isinstance(entry.leaves[i], torch.Tensor) \
+                        or entry.leaves[i].dim() != ndim:
+                    continue
+                own = [(d, k) for d, k in entry.out_dims[i] if d == 0]
+                if lead == "whole":
+                    own = []
+                elif lead == "reqs":
+                    own = [(0, "reqs")]
+                entry.out_dims[i] = (*own, *later)
+                entry.cuts.clear()

@@ -1,0 +1,558 @@
+"""Mutation testing: does the suite notice when the code that says "equal" (or any check) lies?
+
+Each mutant is one small, hand-written change to the package: an exact snippet
+of today's code and what replaces it. For every mutant the script copies the
+working tree (tracked files and untracked files git does not ignore, as
+``git ls-files -co --exclude-standard`` lists them) into a fresh temporary
+folder, applies the mutant there (the tree it reads is never written), and
+runs pytest on the copy with ``PYTHONPATH`` pointing at it, after checking in a
+subprocess that ``pytest_cudagraph`` really imports from the copy:
+
+1. the mutant's targeted tests, ``python -m pytest -x -q -p no:cacheprovider <tests>``;
+2. only if they all pass (and without ``--fast``): the whole suite, ``tests``
+   and then ``examples``, each with ``-x``.
+
+A mutant is **killed** when a run fails (or times out), **survived** when every
+run passes, and **invalid** when the mutated package does not even import (a
+mutant that breaks the import proves nothing about the tests). A snippet that
+is not found exactly once is a **stale** mutant, an error: the code moved or
+changed and the mutant must be rewritten. A snippet not found in the file
+named is looked for in every file of the package, so mutants of code that is
+moved between files (``manager/*``, ``checks/suite.py``, ``checks/engine.py``:
+marked ``*`` in the table) follow it.
+
+Before the mutants, the unmutated copy must import and pass every selected
+mutant's targeted tests (the baseline), or nothing is run.
+
+Run it (CPU work: one thread per pytest process)::
+
+    OMP_NUM_THREADS=1 python scripts/mutants.py              # every mutant, whole suite for survivors
+    OMP_NUM_THREADS=1 python scripts/mutants.py --fast       # targeted tests only
+    python scripts/mutants.py --list                         # the mutants
+    python scripts/mutants.py --only compare-all-any --only suite-address-identity
+    python scripts/mutants.py --jobs 4                       # mutants in parallel
+    python scripts/mutants.py --tree /path/to/a/clean/copy  # mutate another copy of the repo
+
+It prints a table (id, file, result, the test that killed it or why not,
+seconds) and the kill rate, killed / (killed + survived); invalid mutants are
+counted apart. The exit status is 1 if a mutant survived, 2 on a stale mutant
+or a failing baseline, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = "pytest_cudagraph"
+# Code that moves between files as the package is reorganised (the manager's parts, the
+# checks): a mutant's snippet there is looked for in the whole package (the table marks it).
+MOVING = ("pytest_cudagraph/manager/", "pytest_cudagraph/checks/suite.py", "pytest_cudagraph/checks/engine.py")
+PYTEST = ("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE")
+WHOLE_SUITE = ("tests", "examples")
+
+COMPARE_TESTS = ("tests/test_compare.py",)
+SENSITIVITY = "tests/test_check_sensitivity.py"
+DISPATCH = ("tests/test_dispatch_rules.py",)
+ROWS = ("tests/test_manager_rows.py",)
+
+
+def pair(buggy: str) -> str:
+    """The gallery test that ``buggy`` fails its check (tests/test_checks.py)."""
+    return f"tests/test_checks.py::test_buggy_module_fails_its_check[emulate-{buggy}]"
+
+
+def twin(correct: str) -> str:
+    """The gallery test that the correct twin ``correct`` passes every check."""
+    return f"tests/test_checks.py::test_correct_twin_passes_every_check[emulate-{correct}]"
+
+
+def sensitivity(*names: str) -> tuple[str, ...]:
+    return tuple(f"{SENSITIVITY}::{name}" for name in names)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str  # where the snippet is today (relative to the repository root)
+    original: str  # exact text, found exactly once
+    replacement: str
+    tests: tuple[str, ...]  # pytest arguments run first (node ids or paths)
+    about: str = ""
+    # (original, replacement) of the same mutant in code being rewritten: tried in order when
+    # ``original`` is not found (today's code and the restructured one, say).
+    alternatives: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def moving(self) -> bool:
+        return self.file.startswith(MOVING)
+
+    @property
+    def variants(self) -> list[tuple[str, str]]:
+        return [(self.original, self.replacement), *self.alternatives]
+
+
+C = "pytest_cudagraph/checks/compare.py"
+S = "pytest_cudagraph/checks/suite.py"
+X = "pytest_cudagraph/checks/context.py"
+GM = "pytest_cudagraph/manager/runtime.py"
+L = "pytest_cudagraph/manager/layout.py"
+PP = "pytest_cudagraph/plan/properties.py"
+CP = "pytest_cudagraph/plan/capture_plan.py"
+E = "pytest_cudagraph/checks/engine.py"
+RG = "pytest_cudagraph/checks/registry.py"
+RP = "pytest_cudagraph/checks/report.py"
+REGISTRY = ("tests/test_registry.py",)
+ONE_EACH = ("tests/test_one_outcome_each.py",)
+
+EXACT = "same = ((g == e) & _same_sign(g, e)) | both_nan"
+
+MUTANTS: list[Mutant] = [
+    # -- checks/compare.py: the code that says "equal" --------------------------------------------------
+    Mutant("compare-all-any", C, "if bool(same.all()):", "if bool(same.any()):", COMPARE_TESTS,
+           "equal when any element is: a bug in one column passes"),
+    Mutant("compare-nan-exact", C, EXACT, "same = (g == e) & _same_sign(g, e)", COMPARE_TESTS,
+           "NaN differs from NaN bit for bit"),
+    Mutant("compare-nan-tolerance", C, "equal_nan=True", "equal_nan=False", COMPARE_TESTS,
+           "NaN differs from NaN within tolerance"),
+    Mutant("compare-signed-zero", C, EXACT, "same = (g == e) | both_nan", COMPARE_TESTS,
+           "+0.0 equals -0.0 bit for bit (the bug this change fixed)"),
+    Mutant("compare-tolerance-per-dtype", C, "r, a = default_tolerance(g.dtype)",
+           "r, a = default_tolerance(torch.float32)", COMPARE_TESTS, "fp32's tolerance for every dtype"),
+    Mutant("compare-no-tolerance-table", C, "return _TOLERANCES.get(dtype, (0.0, 0.0))", "return (0.0, 0.0)",
+           COMPARE_TESTS, "no default tolerance: rtol=None means bit for bit"),
+    Mutant("compare-strides-dropped", C, "if check_strides and got.numel() > 1",
+           "if False and check_strides and got.numel() > 1", COMPARE_TESTS, "strides never compared"),
+    Mutant("compare-size1-strides", C, "stride if size > 1 else None", "stride", COMPARE_TESTS,
+           "strides of size-1 dimensions compared"),
+    Mutant("compare-plain-leaves-dropped", C, "elif g != e and not (g != g and e != e):", "elif False:",
+           COMPARE_TESTS, "non-tensor leaves never compared"),
+    Mutant("compare-plain-nan", C, "elif g != e and not (g != g and e != e):", "elif g != e:",
+           COMPARE_TESTS, "a NaN Python float differs from itself"),
+    Mutant("compare-index-off-by-one", C, "flat_index = int((~same).reshape(-1).nonzero()[0, 0])",
+           "flat_index = int((~same).reshape(-1).nonzero()[0, 0]) + 1", COMPARE_TESTS,
+           "the reported index one past the first difference"),
+    Mutant("compare-index-last", C, "flat_index = int((~same).reshape(-1).nonzero()[0, 0])",
+           "flat_index = int((~same).reshape(-1).nonzero()[-1, 0])", COMPARE_TESTS,
+           "the last difference reported, not the first"),
+    Mutant("compare-dtype-dropped", C, "if got.dtype != expected.dtype:", "if False:", COMPARE_TESTS,
+           "dtype never compared"),
+    Mutant("compare-shape-dropped", C, "if got.shape != expected.shape:", "if got.numel() != expected.numel():",
+           COMPARE_TESTS, "shapes compared by element count only"),
+    Mutant("compare-structure-dropped", C,
+           "if [p for p, _ in got_leaves] != [p for p, _ in exp_leaves]:",
+           "if len(got_leaves) != len(exp_leaves):", COMPARE_TESTS, "structure compared by leaf count only"),
+    Mutant("compare-opaque-dropped", C, "if g is not e:", "if False:", COMPARE_TESTS,
+           "an object forward made compares equal to any other"),
+    Mutant("compare-float8-widen", C, "g, e = g.float(), e.float()", "pass", COMPARE_TESTS,
+           "float8 compared without widening: no kernels for signbit, isfinite, isclose"),
+    Mutant("compare-max-ulp", C, "diff.max_ulp = int(ulps.max())", "diff.max_ulp = int(ulps.min())",
+           COMPARE_TESTS, "the smallest ULP difference reported"),
+    Mutant("compare-ordered-bits", C, "return torch.where(bits < 0, -magnitude, magnitude)", "return magnitude",
+           COMPARE_TESTS, "ULPs of negative values counted as positive"),
+    # -- checks/suite.py: the checks ----------------------------------------------------------------------
+    Mutant("suite-replay-compare", S, "diff = first_difference(graph, eager, check_strides=True)",
+           "diff = first_difference(graph, graph, check_strides=True)",
+           (*sensitivity("test_a_bug_in_one_column_or_one_element_fails_replay_and_fresh_inputs"),
+            pair("PythonCounter")),
+           "replay compared with itself"),
+    Mutant("suite-padding-first-row", S, "fill(view)", "fill(view[1:])",
+           (*sensitivity("test_padding_isolation_fills_the_first_padded_row"), pair("PoolsPaddedRows")),
+           "the first padded row left unfilled (issue #15)"),
+    Mutant("suite-padding-compare", S, "diff = first_difference(out, base_out)", "diff = None",
+           (*sensitivity("test_padding_isolation_fills_the_first_padded_row"), pair("PoolsPaddedRows")),
+           "real rows under different fills never compared"),
+    Mutant("suite-padding-state", S, "diff = ctx.state_difference(state, base_state, use_scratch=True)",
+           "diff = None", sensitivity("test_padding_isolation_catches_padded_rows_written_into_state"),
+           "state written by padded rows never compared"),
+    Mutant("suite-lifetime-no-later-runs", S,
+           "for _ in range(2):\n            ctx.run(ctx.make(batch), batch)",
+           "for _ in range(0):\n            ctx.run(ctx.make(batch), batch)",
+           (*sensitivity("test_output_lifetime_runs_later_batches"), pair("ReturnsStatsBuffer")),
+           "output_lifetime runs no later batch (issue #15)"),
+    Mutant("suite-lifetime-eager-path", S, "if eager_desc.mode is GraphMode.NONE:", "if False:",
+           (*sensitivity("test_output_lifetime_runs_later_batches"), pair("ReturnsStatsBuffer")),
+           "the eager path's outputs never checked"),
+    Mutant("suite-address-identity", S, "if now is None or now[0] is not tensor or now[1] != ptr:",
+           "if now is None or now[1] != ptr:",
+           sensitivity("test_address_stability_checks_identity_not_only_the_address"),
+           "address_stability ignores identity (issue #15)"),
+    Mutant("suite-state-inputs", S, "diff = first_difference(graph_inputs, eager_inputs)", "diff = None",
+           (*sensitivity("test_state_catches_an_input_mutated_in_one_element"), pair("MutatesInput")),
+           "inputs mutated by eager never compared"),
+    Mutant("suite-state-buffers", S, "diff = ctx.state_difference(graph_state, eager_state, use_scratch=False)",
+           "diff = None", sensitivity("test_state_catches_a_buffer_that_ends_differently_in_one_element"),
+           "module state after run() never compared"),
+    Mutant("suite-determinism", S, "diff = first_difference(outs[1], outs[0])", "diff = None",
+           (*sensitivity("test_determinism_catches_a_difference_in_one_column"), pair("UnregisteredState")),
+           "two replays never compared"),
+    Mutant("suite-rng", S, 'diff = first_difference(draws["graph", s0], draws["eager", s0])', "diff = None",
+           (pair("ReseedsInForward"),), "seeded draws of replay and eager never compared"),
+    Mutant("suite-real-batches", S, "diff = first_difference(got, expected, rtol=rtol, atol=atol)", "diff = None",
+           (pair("BatchStatistics"),), "real batches never compared with unpadded eager"),
+    Mutant("suite-side-outputs", S,
+           "diff = first_difference(got[name], expected[name], rtol=ctx.rtol, atol=ctx.atol)", "diff = None",
+           (pair("StoresHidden"),), "side outputs never compared"),
+    Mutant("suite-capture-safety", S, "if violations:\n            first = violations[0]",
+           "if False:\n            first = violations[0]",
+           sensitivity("test_capture_safety_lists_every_op_at_every_descriptor_before_capture"),
+           "ops a graph cannot hold never reported"),
+    # -- checks/context.py: state put back between comparisons -----------------------------------------------
+    Mutant("context-restore-noop", X, "t.copy_(snap[name])", "pass",
+           (*sensitivity("test_a_counter_buffer_passes_every_check_and_is_put_back"), twin("BufferCounter")),
+           "restore() puts nothing back"),
+    Mutant("context-preserved-state", X, "finally:\n            self.restore(snap)", "finally:\n            pass",
+           (*sensitivity("test_a_counter_buffer_passes_every_check_and_is_put_back"), twin("BufferCounter")),
+           "preserved_state() does not restore"),
+    Mutant("context-seed", X, "def seed_all(self, seed: int) -> None:\n        torch.manual_seed(seed)",
+           "def seed_all(self, seed: int) -> None:\n        pass", (twin("DrawsNoise"),),
+           "checks never seed the generator"),
+    # -- manager: copy-in, padding, cut (snippets kept small, so they follow the code between files) ------------
+    Mutant("manager-padding-views-first-row", GM, ".narrow(spec.dim, real, rows - real)))",
+           ".narrow(spec.dim, real + 1, rows - real - 1)))",
+           (*ROWS, *sensitivity("test_padding_isolation_fills_the_first_padded_row")),
+           "padding_views leaves out the first padded row (issue #15)"),
+    Mutant("manager-tail-first-row", GM, "tail = window.narrow(spec.dim, real, rows - real) if rows > real else None",
+           "tail = window.narrow(spec.dim, real + 1, rows - real - 1) if rows > real + 1 else None", ROWS,
+           "the first padded row keeps a stale value"),
+    Mutant("manager-no-pad-fill", GM, "tail.fill_(pad)", "pass", ROWS, "padded rows keep stale values"),
+    Mutant("manager-edge-first-row", GM, "tail.copy_(value[-1:].expand_as(tail))",
+           "tail.copy_(value[:1].expand_as(tail))",
+           ("tests/test_manager.py::test_edge_padding_repeats_the_last_real_row[emulate]",),
+           "'edge' padding repeats the first real row"),
+    Mutant("manager-mask", GM, "masks.append((self._is_padding[batch.num_tokens : tokens], True))",
+           "masks.append((self._is_padding[batch.num_tokens : tokens], False))",
+           (*ROWS, twin("MaskBySelect0")), "padded rows not marked in is_padding"),
+    Mutant("manager-cut-rows", GM, "leaf = leaf.narrow(d, 0, min(count, leaf.shape[d]))",
+           "leaf = leaf.narrow(d, 0, leaf.shape[d])", ROWS, "outputs not cut to the real rows"),
+    Mutant("manager-cut-reqs", GM, 'count = batch.num_tokens if kind == "tokens" else batch.num_reqs',
+           "count = batch.num_tokens", ROWS, "per-request outputs cut by the token count"),
+    Mutant("layout-full-shape", L, "if full != _count(kind, offset, max_tokens, max_reqs):", "if False:",
+           ("tests/test_manager_rows.py::test_probes_must_agree_with_the_largest_batch",),
+           "the largest batch's shape not checked against the probes (issue #15)"),
+    # -- plan: dispatch and its property checks -----------------------------------------------------------------------
+    Mutant("properties-check-rejects-any-exception", PP, "except ValueError:\n        return",
+           "except Exception:\n        return", DISPATCH,
+           "check_rejects accepts any exception (issue #15)"),
+    Mutant("properties-completeness-one-token", PP, "if serving and batch.num_tokens > 0:",
+           "if serving and batch.num_tokens > 1:", DISPATCH, "completeness skipped at one token (issue #15)"),
+    Mutant("properties-group-bound", PP, "d.num_tokens >= num_tokens]", "d.num_tokens > num_tokens]", DISPATCH,
+           "a graph of exactly the batch's size not a candidate for the checks"),
+    Mutant("plan-full-before-piecewise", CP,
+           "for mode in (GraphMode.FULL, GraphMode.PIECEWISE):\n            ascending",
+           "for mode in (GraphMode.PIECEWISE, GraphMode.FULL):\n            ascending", DISPATCH,
+           "PIECEWISE graphs tried before FULL ones"),
+    Mutant("plan-exact-size", CP, "at = bisect_left(sizes, num_tokens)", "at = bisect_left(sizes, num_tokens + 1)",
+           DISPATCH, "a batch of a captured size gets the next larger graph"),
+    Mutant("plan-reqs-bound", CP, "and (desc.num_reqs is None or num_reqs <= desc.num_reqs)",
+           "and (desc.num_reqs is None or num_reqs < desc.num_reqs)", DISPATCH,
+           "a FULL graph refuses a batch of exactly its request count"),
+    Mutant("plan-varlen-bound", CP, "max_query_len <= desc.max_query_len", "max_query_len < desc.max_query_len",
+           DISPATCH, "a varlen decode graph refuses its own query length"),
+    Mutant("plan-uniform", CP, "(desc.uniform_token_count is None or desc.uniform_token_count ==",
+           "(desc.uniform_token_count is None or True or desc.uniform_token_count ==", DISPATCH,
+           "uniform decode graphs serve mixed batches"),
+    Mutant("plan-lora-case", CP, "return cases[bisect_left(cases, num_active_loras)]",
+           "return cases[bisect_left(cases, num_active_loras) - 1]", DISPATCH,
+           "active adapters mapped to a case too small to hold them"),
+    Mutant("plan-fast-validation", CP, "and 0 <= num_reqs <= num_tokens", "and 0 <= num_reqs", DISPATCH,
+           "more requests than tokens answered instead of rejected"),
+    Mutant("plan-candidate-range", CP, "low = sizes[at - 1] + 1 if at else 1", "low = sizes[at - 1] if at else 1",
+           DISPATCH, "candidate ranges overlap"),
+    # -- the engine, the registry and the report: every check runs, fails loudly, is told ----------------------
+    Mutant("engine-crash-passes", E, 'return Outcome(check.name, desc, False, f"the check could not run:',
+           'return Outcome(check.name, desc, True, f"the check could not run:', REGISTRY,
+           "a check that raises passes"),
+    Mutant("engine-capture-failure-twice", E, "            report.outcomes[i] = outcome\n            return",
+           "            pass", ONE_EACH, "a failed capture is reported beside capture_safety's pass"),
+    Mutant("engine-uncaptured-checked", E,
+           'blocked.setdefault(outcome.descriptor, f"not captured: {check.name} failed for this descriptor")',
+           "pass", ONE_EACH, "checks run on a descriptor that was never captured"),
+    Mutant("registry-select-all", RG, "return tuple(c for c in known if c in chosen)", "return known", REGISTRY,
+           "checks= selects nothing: every check runs"),
+    Mutant("report-skips-hidden", RP, "        if not verbose:\n            for check, reason, where in",
+           "        if False:\n            for check, reason, where in", ONE_EACH,
+           "the report does not list skipped checks"),
+    Mutant("fresh-no-harness-inputs", S, "second, made = drawn_inputs(ctx, second)", "made = \"\"", ONE_EACH,
+           "with a deterministic make_inputs, fresh_inputs cannot run"),
+    Mutant("fresh-harness-same-values", S, "drawn[name] = _drawn_value(tensors[name], gen)",
+           "drawn[name] = tensors[name]", ONE_EACH, "the harness's fresh values are the old ones"),
+    Mutant("fresh-harness-ints-unchanged", S, "permuted = value.index_select(dim, perm.to(value.device))",
+           "permuted = value", ONE_EACH, "integer rows are not permuted"),
+]
+
+
+# -- running -------------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    mutant: Mutant
+    status: str  # killed | survived | invalid | stale | error
+    by: str = ""
+    seconds: float = 0.0
+    located: str = ""  # the file the snippet was found in
+    log: list[str] = field(default_factory=list)
+
+
+class Stale(Exception):
+    pass
+
+
+_NOT_SOURCE = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".tox", ".hypothesis"}
+
+
+def tree_files(tree: Path) -> list[str]:
+    """What git would commit: tracked files and untracked ones it does not ignore (files only:
+    a tracked file deleted in the working tree is left out). Outside git: every file but caches."""
+    proc = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=tree, capture_output=True)
+    if proc.returncode == 0:
+        names = proc.stdout.decode().split("\0")
+    else:
+        names = [str(p.relative_to(tree)) for p in tree.rglob("*")
+                 if not _NOT_SOURCE & set(p.relative_to(tree).parts) and not p.name.endswith(".egg-info")]
+    return sorted({name for name in names if name and (tree / name).is_file()})
+
+
+def copy_tree(tree: Path, files: Iterable[str], dest: Path) -> None:
+    for name in files:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(tree / name, target)
+
+
+def locate(copy: Path, mutant: Mutant) -> tuple[Path, str, str]:
+    """(file, original, replacement) of the first variant whose snippet is found exactly once: in
+    the file named, else in exactly one file of the package."""
+    named = copy / mutant.file
+    sources = {p: p.read_text() for p in sorted((copy / PACKAGE).rglob("*.py"))}
+    seen = []
+    for original, replacement in mutant.variants:
+        if named.is_file() and named.read_text().count(original) == 1:
+            return named, original, replacement
+        hits = [(p, text.count(original)) for p, text in sources.items() if original in text]
+        if len(hits) == 1 and hits[0][1] == 1:
+            return hits[0][0], original, replacement
+        where = ", ".join(f"{p.relative_to(copy)} x{n}" for p, n in hits) or "nowhere"
+        seen.append(f"{original!r} found {where}")
+    raise Stale(f"stale mutant {mutant.id}: snippet {'; '.join(seen)} (wanted once, in {mutant.file} or in "
+                "one file of the package)")
+
+
+def _env(copy: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(copy) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def import_error(copy: Path, module: str) -> str | None:
+    """None when the package imports from ``copy`` (checked by its ``__file__``) with ``module`` in it."""
+    code = (f"import {PACKAGE}, importlib; importlib.import_module({module!r}); "
+            f"print({PACKAGE}.__file__)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=copy, env=_env(copy), capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        return lines[-1] if lines else f"exit status {proc.returncode}"
+    where = Path(proc.stdout.strip().splitlines()[-1]).resolve()
+    if not where.is_relative_to(copy.resolve()):
+        raise RuntimeError(f"{PACKAGE} imports from {where}, not from the copy {copy}: PYTHONPATH does not win")
+    return None
+
+
+def _first_failure(output: str) -> str:
+    for line in output.splitlines():
+        m = re.match(r"(FAILED|ERROR) (.+?)(?: - |$)", line)  # a test id may hold spaces in its brackets
+        if m:
+            return m.group(2)
+    return ""
+
+
+def pytest_run(copy: Path, args: Sequence[str], timeout: float) -> tuple[int | None, str]:
+    """(exit status or None on timeout, the first failing test or the output's tail)."""
+    try:
+        proc = subprocess.run([sys.executable, *PYTEST, *args], cwd=copy, env=_env(copy), capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timeout after {timeout:.0f} s"
+    output = proc.stdout + proc.stderr
+    first = _first_failure(output)
+    if not first:
+        tail = [line for line in output.strip().splitlines() if line.strip()]
+        first = tail[-1] if tail else ""
+    return proc.returncode, first
+
+
+def module_name(path: Path, copy: Path) -> str:
+    return ".".join(path.relative_to(copy).with_suffix("").parts)
+
+
+def run_mutant(mutant: Mutant, tree: Path, files: list[str], *, fast: bool, timeout: float, keep: bool,
+               scratch: Path) -> Result:
+    start = time.monotonic()
+    copy = Path(tempfile.mkdtemp(prefix=f"{mutant.id}-", dir=scratch))
+    try:
+        copy_tree(tree, files, copy)
+        try:
+            target, original, replacement = locate(copy, mutant)
+        except Stale as exc:
+            return Result(mutant, "stale", str(exc), time.monotonic() - start)
+        located = str(target.relative_to(copy))
+        target.write_text(target.read_text().replace(original, replacement, 1))
+        broken = import_error(copy, module_name(target, copy))
+        if broken is not None:
+            return Result(mutant, "invalid", f"does not import: {broken}", time.monotonic() - start, located)
+        runs = [list(mutant.tests)] + ([] if fast else [[path] for path in WHOLE_SUITE])
+        for args in runs:
+            code, first = pytest_run(copy, args, timeout)
+            if code is None:
+                return Result(mutant, "killed", f"{' '.join(args)}: {first}", time.monotonic() - start, located)
+            if code in (1, 2, 3):  # tests failed, interrupted (collection), internal error
+                return Result(mutant, "killed", first, time.monotonic() - start, located)
+            if code != 0:  # usage error (a test id that does not exist), no tests collected
+                return Result(mutant, "error", f"pytest {' '.join(args)} exited {code}: {first}",
+                              time.monotonic() - start, located)
+        what = "targeted tests" if fast else "targeted tests, tests/ and examples/"
+        return Result(mutant, "survived", f"{what} passed", time.monotonic() - start, located)
+    finally:
+        if keep:
+            print(f"  kept {copy}", file=sys.stderr)
+        else:
+            shutil.rmtree(copy, ignore_errors=True)
+
+
+def baseline(tree: Path, files: list[str], mutants: Sequence[Mutant], timeout: float, scratch: Path) -> str | None:
+    """None when the unmutated copy imports and passes every selected mutant's targeted tests."""
+    copy = Path(tempfile.mkdtemp(prefix="baseline-", dir=scratch))
+    try:
+        copy_tree(tree, files, copy)
+        for mutant in mutants:
+            locate(copy, mutant)  # raises Stale
+        broken = import_error(copy, f"{PACKAGE}.checks")
+        if broken is not None:
+            return f"the unmutated tree does not import: {broken}"
+        tests = list(dict.fromkeys(t for m in mutants for t in m.tests))
+        code, first = pytest_run(copy, tests, timeout)
+        if code != 0:
+            return f"the unmutated tree fails the targeted tests (exit {code}): {first}"
+        return None
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def table(results: Sequence[Result]) -> str:
+    rows = [("id", "file", "result", "by", "s")]
+    for r in results:
+        name = r.located or r.mutant.file
+        name = name.removeprefix(f"{PACKAGE}/") + (" *" if r.mutant.moving else "")
+        rows.append((r.mutant.id, name, r.status, r.by, f"{r.seconds:.1f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = []
+    for row in rows:
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True))
+                     + "  " + row[4].rjust(6))
+    return "\n".join(lines)
+
+
+def summary(results: Sequence[Result]) -> str:
+    count = {s: sum(r.status == s for r in results) for s in ("killed", "survived", "invalid", "stale", "error")}
+    valid = count["killed"] + count["survived"]
+    rate = f"{100 * count['killed'] / valid:.1f}%" if valid else "n/a"
+    parts = [f"kill rate {count['killed']}/{valid} = {rate}"]
+    parts += [f"{n} {s}" for s, n in count.items() if n and s not in ("killed",)]
+    text = "; ".join(parts)
+    survivors = [r.mutant.id for r in results if r.status == "survived"]
+    if survivors:
+        text += "\nsurvived: " + ", ".join(survivors)
+    return text + "\n(* = snippet looked for in the whole package if it moved: manager/*, checks/suite.py, checks/engine.py)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--only", action="append", default=[], metavar="ID", help="run this mutant (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default 1)")
+    parser.add_argument("--fast", action="store_true", help="targeted tests only, not the whole suite")
+    parser.add_argument("--tree", type=Path, default=REPO, help="the repository to copy (default: this one)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per pytest run (default 1800)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated baseline run")
+    parser.add_argument("--keep", action="store_true", help="keep the mutated copies (paths on stderr)")
+    args = parser.parse_args(argv)
+
+    ids = [m.id for m in MUTANTS]
+    duplicates = {i for i in ids if ids.count(i) > 1}
+    if duplicates:
+        parser.error(f"duplicate mutant ids {sorted(duplicates)}")
+    unknown = [i for i in args.only if i not in ids]
+    if unknown:
+        parser.error(f"unknown mutant(s) {unknown}; see --list")
+    selected = [m for m in MUTANTS if not args.only or m.id in args.only]
+    if args.list:
+        for m in selected:
+            print(f"{m.id}{' *' if m.moving else ''}\n    {m.file}: {m.about}\n    tests: {' '.join(m.tests)}")
+        print(f"{len(selected)} mutants")
+        return 0
+
+    # Every copy lives under one folder, removed at the end, on Ctrl-C and on SIGTERM too.
+    scratch = Path(tempfile.mkdtemp(prefix="mutants-"))
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run(args, selected, scratch)
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _run(args: argparse.Namespace, selected: Sequence[Mutant], scratch: Path) -> int:
+    tree = args.tree.resolve()
+    files = tree_files(tree)
+    started = time.monotonic()
+    if not args.no_baseline:
+        try:
+            problem = baseline(tree, files, selected, args.timeout, scratch)
+        except Stale as exc:
+            problem = str(exc)
+        if problem is not None:
+            print(f"baseline: {problem}", file=sys.stderr)
+            return 2
+        print(f"baseline: the unmutated copy of {tree} passes the targeted tests "
+              f"({time.monotonic() - started:.0f} s)", flush=True)
+
+    def one(mutant: Mutant) -> Result:
+        result = run_mutant(mutant, tree, files, fast=args.fast, timeout=args.timeout, keep=args.keep,
+                            scratch=scratch)
+        print(f"  {result.status:8} {mutant.id} ({result.seconds:.1f} s) {result.by}", flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(one, selected))
+    print()
+    print(table(results))
+    print()
+    mode = "targeted tests only (--fast)" if args.fast else "targeted tests, then tests/ and examples/ for survivors"
+    print(f"{len(results)} mutants of {tree}, {mode}, {time.monotonic() - started:.0f} s")
+    print(summary(results))
+    if any(r.status in ("stale", "error") for r in results):
+        return 2
+    return 1 if any(r.status == "survived" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
