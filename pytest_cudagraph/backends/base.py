@@ -111,9 +111,13 @@ class Backend(ABC):
     def open_capture(self, guard: CaptureGuard) -> OpenCapture:
         """Start recording into the shared pool, checking every op with ``guard``."""
 
+    def open_whole_capture(self, guard: CaptureGuard) -> OpenCapture:
+        """``open_capture`` for a whole forward (not a segment between eager pieces)."""
+        return self.open_capture(guard)
+
     def capture(self, fn: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
         """Capture ``fn`` whole into the shared pool, checking every op with ``guard``."""
-        capture = self.open_capture(guard)
+        capture = self.open_whole_capture(guard)
         try:
             output = fn()
         except BaseException:

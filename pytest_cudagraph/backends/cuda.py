@@ -330,14 +330,8 @@ class CudaBackend(Backend):
                 self._pool = torch.cuda.graph_pool_handle()
         return _CudaCapture(self, guard, whole=whole)
 
-    def capture(self, fn: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
-        capture = self._open(guard, whole=True)
-        try:
-            output = fn()
-        except BaseException:
-            capture.abort()
-            raise
-        return capture.end(output)
+    def open_whole_capture(self, guard: CaptureGuard) -> OpenCapture:
+        return self._open(guard, whole=True)
 
     def _recover(self) -> None:
         """Leave the device fit for another capture after a failed one.
