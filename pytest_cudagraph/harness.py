@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from .checks import Check, VerifyReport, verify
+from .checks.registry import check_list
 from .manager import GraphManager
 from .manager.layout import not_a_module
 from .plan import CaptureConfig
@@ -219,9 +220,7 @@ class Verifier:
         if self.quiet:
             keywords.setdefault("progress", False)
         if self.hook_checks:
-            given = keywords.get("extra_checks")
-            given = [given] if isinstance(given, Check) else list(given or [])
-            keywords["extra_checks"] = [*self.hook_checks, *given]
+            keywords["extra_checks"] = [*self.hook_checks, *check_list(keywords.get("extra_checks"))]
         try:
             report = verify(module, make_inputs, **keywords)
         except ValueError as exc:

@@ -373,11 +373,11 @@ def cudagraph_verify(request: pytest.FixtureRequest, _cudagraph_slice: str | Non
 def _hook_checks(request: pytest.FixtureRequest) -> list[Any]:
     """The checks the ``pytest_cudagraph_checks`` hooks return for this test: plugins', and those of
     the conftest.py files above it (through the item's hook proxy, as pytest scopes conftest hooks)."""
-    from .checks.registry import Check
+    from .checks.registry import Check, check_list
 
     found: list[Any] = []
     for result in request.node.ihook.pytest_cudagraph_checks(config=request.config):
-        items = [result] if isinstance(result, Check) else list(result)
+        items = check_list(result, what="what pytest_cudagraph_checks returns")
         bad = [c for c in items if not isinstance(c, Check)]
         if bad:
             raise TypeError(

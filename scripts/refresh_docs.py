@@ -168,10 +168,9 @@ BLOCKS: dict[str, Block] = {
         "docs/examples/buggy.md", ("python", "-m", "pytest", "--cudagraph-verify", "examples/buggy", "-q"),
         _last_lines(3),
         "Output (last lines; {cores} CPU cores, emulator, {when}, {versions}; written by `scripts/refresh_docs.py`):"),
+    # Markdown the code makes, not a run's output: no command, no caption.
+    "checks-table": Block("docs/checks.md", (), lambda out: [], "", generate=_checks_table),
 }
-
-
-BLOCKS["checks-table"] = Block("docs/checks.md", (), lambda out: [], "", generate=_checks_table)
 
 
 # -- markers -----------------------------------------------------------------------------------

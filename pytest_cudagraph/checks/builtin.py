@@ -11,10 +11,13 @@ from typing import Any
 from . import suite
 from .registry import Check, CheckRegistry
 
-__all__ = ["BUILTIN", "DISPATCH_CHECK"]
+__all__ = ["BUILTIN", "CAPTURE_CHECK", "DISPATCH_CHECK"]
 
 #: Property-tests the manager's dispatch; runs in exhaustive verification.
 DISPATCH_CHECK = "dispatch"
+#: Where a failed capture is reported: the one check the engine names, since
+#: a capture is the engine's own step, not a check's.
+CAPTURE_CHECK = "capture_safety"
 
 
 def _dispatch(ctx: Any, descs: Any) -> Any:
@@ -26,7 +29,7 @@ def _dispatch(ctx: Any, descs: Any) -> Any:
 
 BUILTIN = CheckRegistry([
     Check(
-        "capture_safety", suite.capture_safety, scope="before_capture",
+        CAPTURE_CHECK, suite.capture_safety, scope="before_capture",
         compares="before capture, every descriptor's shape runs eagerly under a guard that lists every op a graph "
                  "cannot hold, with its submodule and its call site (`file:line in function`, the first frame "
                  "outside torch and this plugin); then the capture itself, descriptor by descriptor: a "

@@ -15,9 +15,9 @@ from ..manager.layout import MakeInputsError, not_a_module
 from ..manager.pieces import EagerSpec
 from ..plan import BatchDescriptor, CaptureConfig
 from ..plan.selection import select_descriptors
-from .builtin import BUILTIN, DISPATCH_CHECK
+from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
 from .context import ScratchRegion, VerifyContext
-from .registry import Check, CheckRegistry
+from .registry import Check, CheckRegistry, check_list
 from .report import Finding, Outcome, VerifyReport
 from .suite import attributes_restored, tensor_attributes
 
@@ -30,13 +30,8 @@ CHECKS: tuple[str, ...] = tuple(name for name in BUILTIN.names() if name != DISP
 
 def registry_with(extra_checks: Iterable[Check] | Check | None) -> CheckRegistry:
     """The built-in checks, then ``extra_checks`` (ValueError on anything that is not a ``Check``)."""
-    if extra_checks is None:
-        return BUILTIN
-    if isinstance(extra_checks, Check):
-        extra_checks = [extra_checks]
-    if isinstance(extra_checks, (str, bytes)) or not isinstance(extra_checks, Iterable):
-        raise ValueError(f"extra_checks must be a list of pytest_cudagraph.checks.Check; got {extra_checks!r}")
-    return BUILTIN.extended(extra_checks)
+    extra = check_list(extra_checks)
+    return BUILTIN.extended(extra) if extra else BUILTIN
 
 
 def _config(config: CaptureConfig | Mapping[str, Any] | None, keywords: Mapping[str, Any]) -> CaptureConfig:
@@ -284,8 +279,7 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
         try:
             check.prepare(ctx)
         except Exception as exc:  # a check that cannot prepare cannot run: said, not skipped in silence
-            report.add([Outcome(check.name, None, False,
-                                f"the check could not run: its prepare step raised {type(exc).__name__}: {exc}")])
+            report.add([_could_not_run(check, None, exc, "its prepare step raised ")])
         else:
             runnable.append(check)
     to_capture = [d for d in selected if d not in blocked]
@@ -293,10 +287,10 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
         manager.capture(to_capture, keep_going=True)
         for desc, error in manager.capture_failures.items():
             _replace(report, Outcome(
-                "capture_safety", desc, False, str(error),
+                CAPTURE_CHECK, desc, False, str(error),
                 Finding(submodule=error.module_path, ops=[f"{error.op} ({error.reason})"] if error.op else []),
             ))
-            blocked[desc] = "not captured: its capture failed (capture_safety says why)"
+            blocked[desc] = f"not captured: its capture failed ({CAPTURE_CHECK} says why)"
     captured = [d for d in selected if d not in blocked]
     # What forward stored on the module during capture: after a replay these
     # attributes still hold it (Python does not run on replay).
@@ -331,13 +325,18 @@ def _replace(report: VerifyReport, outcome: Outcome) -> None:
     report.add([outcome])
 
 
+def _could_not_run(check: Check, desc: BatchDescriptor | None, exc: Exception, step: str = "") -> Outcome:
+    """A check that raised: a failure that says so, never a pass (nor a crash of verify())."""
+    return Outcome(check.name, desc, False, f"the check could not run: {step}{type(exc).__name__}: {exc}")
+
+
 def _guarded(check: Check, desc: BatchDescriptor | None, fn: Callable[[], Any]) -> Outcome:
     try:
         return check.outcome(fn(), desc)
     except MakeInputsError:
         raise  # the caller's make_inputs is wrong: told plainly, as verify's other bad arguments are
-    except Exception as exc:  # a check that cannot run is a finding, not a crash of verify()
-        return Outcome(check.name, desc, False, f"the check could not run: {type(exc).__name__}: {exc}")
+    except Exception as exc:
+        return _could_not_run(check, desc, exc)
 
 
 def _guarded_each(check: Check, ctx: VerifyContext, descs: list[BatchDescriptor]) -> list[Outcome]:
@@ -348,8 +347,7 @@ def _guarded_each(check: Check, ctx: VerifyContext, descs: list[BatchDescriptor]
     except MakeInputsError:
         raise
     except Exception as exc:
-        return [Outcome(check.name, d, False, f"the check could not run: {type(exc).__name__}: {exc}")
-                for d in descs]
+        return [_could_not_run(check, d, exc) for d in descs]
     seen = {o.descriptor for o in outcomes}
     missing = [d for d in descs if d not in seen]
     # An outcome per descriptor, or the check says nothing about some: that is a defect of the check, told.

@@ -4,7 +4,8 @@ A ``Check`` says what it compares, when it applies and what bug it finds,
 and holds the function that runs it. The built-in checks are registered
 here the way a downstream suite registers its own (``verify(...,
 extra_checks=[...])``, or the ``pytest_cudagraph_checks`` hook in a
-``conftest.py``): the engine knows no check by name.
+``conftest.py``): the engine knows no check by name but one, ``capture_safety``,
+under which it reports a descriptor whose capture failed.
 
 A check runs in one of three places of a verification:
 
@@ -39,6 +40,7 @@ __all__ = [
     "SCOPES",
     "Check",
     "CheckRegistry",
+    "check_list",
     "failed",
     "passed",
     "skipped",
@@ -132,6 +134,19 @@ def skipped(reason: str) -> Outcome:
     if not isinstance(reason, str) or not reason:
         raise ValueError("skipped() needs the reason the check could not apply")
     return Outcome("", None, True, reason, skipped=True)
+
+
+def check_list(checks: Check | Iterable[Any] | None, *, what: str = "extra_checks") -> list[Any]:
+    """``checks`` as a list: None is none, one ``Check`` is itself (its items are not checked here:
+    ``CheckRegistry.register`` refuses what is not a ``Check``). ValueError, naming ``what``, on a
+    string or a non-iterable."""
+    if checks is None:
+        return []
+    if isinstance(checks, Check):
+        return [checks]
+    if isinstance(checks, (str, bytes)) or not isinstance(checks, Iterable):
+        raise ValueError(f"{what} must be a list of pytest_cudagraph.checks.Check; got {checks!r}")
+    return list(checks)
 
 
 class CheckRegistry:

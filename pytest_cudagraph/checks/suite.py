@@ -240,7 +240,8 @@ def drawn_inputs(ctx: VerifyContext, inputs: dict[str, Any]) -> tuple[dict[str, 
     Floating inputs get fresh values in their observed range. Only where there
     are none are integer inputs changed, and only within what make_inputs
     gives: rows permuted along the batch, else integers drawn in the range
-    make_inputs gives at the largest shape, so an index stays a valid index. ("", unchanged) when nothing can change.
+    make_inputs gives at the largest shape, so an index stays a valid index.
+    ("", unchanged) when nothing can change.
     """
     gen = torch.Generator().manual_seed(ctx.seed + 7919)
     specs = ctx.manager.input_specs
@@ -264,6 +265,9 @@ def drawn_inputs(ctx: VerifyContext, inputs: dict[str, Any]) -> tuple[dict[str, 
     return drawn, ", ".join(changed)
 
 
+_RETURN_FRESH = "Return fresh values from make_inputs (draw them from torch's generator)"
+
+
 def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     """After capture, new inputs give replay equal to eager (values frozen at capture show here)."""
     batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
@@ -279,7 +283,7 @@ def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 "fresh_inputs", desc, False,
                 "the check could not run: make_inputs returns the same values on every call, and no input "
                 "can be given other values by the harness (no floating input; integer inputs hold one value "
-                "each). Return fresh values from make_inputs (draw them from torch's generator)",
+                f"each). {_RETURN_FRESH}",
                 Finding(real_batch=batch.shape()),
             )
     # Replay once on one new set, then check a second one.
@@ -294,8 +298,7 @@ def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         return Outcome(
             "fresh_inputs", desc, False,
             f"the check could not run: make_inputs returns the same values on every call, and on the inputs "
-            f"the harness drew instead ({made}) the module raised {type(exc).__name__}: {exc}. Return fresh "
-            "values from make_inputs (draw them from torch's generator)",
+            f"the harness drew instead ({made}) the module raised {type(exc).__name__}: {exc}. {_RETURN_FRESH}",
             Finding(real_batch=batch.shape()),
         )
     if made:

@@ -285,16 +285,34 @@ def _estimate(manager: CapturePart, order: list[BatchDescriptor], largest: Batch
         out = _extrapolate([(t, f.output) for t, f in zip(shapes, feet, strict=True)], top)
         out_per_token = out / top
         extrapolated = True
+    transient = created if manager.backend == "emulate" else 0
+    return _capture_estimate(manager, order, largest, peak=peak, out_per_token=out_per_token,
+                             transient=transient, extrapolated=extrapolated,
+                             available=lambda need: available_memory(manager.device))
+
+
+def _capture_estimate(
+    manager: CapturePart,
+    order: Sequence[BatchDescriptor],
+    largest: BatchDescriptor,
+    *,
+    peak: int,
+    out_per_token: float,
+    transient: int,
+    extrapolated: bool,
+    available: Callable[[int], int | None],
+) -> CaptureEstimate:
+    """The estimate from the largest graph's footprint: ``available(need)``
+    says what the device or machine has for ``need`` bytes of graphs."""
     # Every graph's outputs stay in the pool; the largest graph's peak covers its own.
     others = sum(d.num_tokens for d in order if d is not largest)
     graph_bytes = peak + math.ceil(out_per_token * others)
-    transient = created if manager.backend == "emulate" else 0
     return CaptureEstimate(
         largest=largest,
         count=len(order),
         graph_bytes=graph_bytes,
         transient_bytes=transient,
-        available_bytes=available_memory(manager.device),
+        available_bytes=available(graph_bytes),
         backend=manager.backend,
         extrapolated=extrapolated,
     )
@@ -384,18 +402,9 @@ def check_measured_memory(
     """``check_capture_memory`` for the fast CUDA capture: the estimate from
     the largest graph's warm-up footprint (``WarmupMeter``), refused with
     the same ``CaptureError`` before any capture starts."""
-    top = largest.num_tokens
-    others = sum(d.num_tokens for d in order if d is not largest)
-    graph_bytes = foot.peak + math.ceil(foot.output / top * others)
-    estimate = CaptureEstimate(
-        largest=largest,
-        count=len(order),
-        graph_bytes=graph_bytes,
-        transient_bytes=0,
-        available_bytes=_cuda_room(manager.device, graph_bytes),
-        backend=manager.backend,
-        extrapolated=False,
-    )
+    estimate = _capture_estimate(manager, order, largest, peak=foot.peak,
+                                 out_per_token=foot.output / largest.num_tokens, transient=0,
+                                 extrapolated=False, available=lambda need: _cuda_room(manager.device, need))
     _refuse_unless_fits(estimate)
     return estimate
 
@@ -435,7 +444,7 @@ def check_input_memory(
     them takes ``make_inputs`` at the largest shape and the buffers, twice the
     inputs' bytes, before any graph. ``probes`` are ``make_inputs`` at the
     ``shapes`` ``(num_tokens, num_reqs)``."""
-    if os.environ.get(CHECK_ENV, "").strip() == "0":
+    if not memory_check_enabled():
         return
     need = 2 * input_bytes_estimate(probes, shapes, max_tokens=max_tokens, max_reqs=max_reqs)
     have = available(device)
