@@ -187,3 +187,71 @@ def test_progress_shows_when_asked(capsys):
 def test_progress_is_quiet_when_not_a_terminal_or_not_asked(capsys, progress):
     assert _verify(progress).ok
     assert "Verifying" not in capsys.readouterr().err
+
+
+# -- the fast CUDA capture's estimate, read from the allocator around its warm-up ----------
+
+
+class Scratch(nn.Module):
+    """Holds 2 MiB of scratch a token: 512 MiB at 256 tokens, more than the
+    cuBLAS workspaces CudaBackend.begin() hands back, so that after a reset of
+    the peak the largest warm-up sets a new one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = x.new_ones(x.shape[0], 1 << 19)
+        return x + scratch.sum(1, keepdim=True)
+
+
+def _cuda_manager(module: nn.Module):
+    device = torch.device("cuda", torch.cuda.current_device())
+    return GraphManager(module.to(device).eval(), lambda t, r: {"x": torch.randn(t, 16, device=device)},
+                        CaptureConfig(capture_sizes=(1, 4, 256), max_num_reqs=4), backend="cuda", device=device,
+                        progress=False), device
+
+
+@pytest.mark.cuda
+def test_the_warm_up_reading_is_the_forwards_own_peak_when_it_sets_one():
+    mgr, device = _cuda_manager(Wide())
+    kwargs = {"x": torch.randn(256, 16, device=device)}
+    counted = estimate.measure_forward(mgr.module, kwargs)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)  # the test's own reset: the meter never resets
+    meter = estimate.WarmupMeter(device)
+    with torch.no_grad():
+        meter.run(mgr.module, kwargs)
+    assert meter.exact and meter.footprint is not None
+    assert meter.footprint.output == counted.output
+    # The allocator rounds each block up to 512 bytes; the counter counts storages.
+    assert counted.peak <= meter.footprint.peak <= counted.peak + 512 * 4
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("loose", "room", "captured", "remeasured"), [
+    (True, 2 << 30, True, 1),   # the bound (an old peak) would refuse: measured again, it fits
+    (True, 1000, False, 1),     # measured again, it still does not fit: refused
+    (False, 1000, False, 0),    # the warm-up set the peak: its reading refuses alone
+    (False, 2 << 30, True, 0),
+])
+def test_the_fast_cuda_capture_refuses_from_its_warm_up_and_never_on_a_bound_alone(
+        monkeypatch, loose, room, captured, remeasured):
+    mgr, device = _cuda_manager(Scratch())
+    calls = []
+    real = estimate.measure_forward
+    monkeypatch.setattr(estimate, "measure_forward", lambda *a, **k: (calls.append(1), real(*a, **k))[-1])
+    monkeypatch.setattr(estimate, "available_memory", lambda device: room)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    if loose:  # an earlier peak of the process, far above what the capture needs
+        big = torch.empty(4 << 30, dtype=torch.uint8, device=device)
+        del big
+    if captured:
+        mgr.capture()
+        assert mgr.captured_descriptors == mgr.plan.capture_order
+    else:
+        with pytest.raises(CaptureError, match=r"refused before it started.*measured by an eager forward"):
+            mgr.capture()
+        assert not mgr.captured
+    assert len(calls) == remeasured
+    x = torch.randn(3, 16, device=device)
+    with torch.no_grad():
+        assert torch.equal(mgr.run(x=x), mgr.module(x=x))

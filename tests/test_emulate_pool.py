@@ -139,10 +139,11 @@ def test_after_capture_what_is_held_has_the_values_the_capture_computed(mode):
     # The emulator's capture runs the forward: before any replay, each output
     # (moved into the pool) still holds what its capture computed, and in
     # PIECEWISE graphs each eager piece read real values between segments.
+    # (The checked capture keeps each descriptor's sample.)
     if mode == "FULL":
-        mgr = emulated(models.MLP(), models.mlp_inputs(), (1, 2, 4, 8))
+        mgr = emulated(models.MLP(), models.mlp_inputs(), (1, 2, 4, 8), checked_capture=True)
     else:
-        mgr = manager(PieceNet(), "emulate", CPU)
+        mgr = manager(PieceNet(), "emulate", CPU, checked_capture=True)
     mgr.capture()
     for desc in mgr.captured_descriptors:
         sample = mgr.capture_sample(desc)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -640,3 +642,43 @@ def test_capture_mode_is_resolved_from_environment_then_argument_then_default(mo
     assert mgr._backend.checked is False  # a plain manager captures fast
     assert GraphManager(models.MLP(), models.mlp_inputs(), CaptureConfig(capture_sizes=[1], max_num_reqs=1),
                         backend="emulate", checked_capture=True)._backend.checked is True
+
+
+# -- what the capture keeps of its samples -------------------------------------------------
+
+
+def _recording_inputs(device):
+    """mlp_inputs that keeps a weak reference to every tensor it makes while ``recording`` is set."""
+    base = models.mlp_inputs(device=device)
+    made: list[tuple[int, weakref.ref]] = []
+    recording = [False]
+
+    def make_inputs(num_tokens, num_reqs):
+        inputs = base(num_tokens, num_reqs)
+        if recording[0]:
+            made.append((num_tokens, weakref.ref(inputs["x"])))
+        return inputs
+
+    return make_inputs, made, recording
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_only_the_checked_capture_keeps_its_samples(backend, device, checked):
+    make_inputs, made, recording = _recording_inputs(device)
+    mgr = make(models.MLP(), make_inputs, backend, device, checked_capture=checked, progress=False)
+    recording[0] = True
+    mgr.capture()
+    recording[0] = False
+    gc.collect()
+    assert {n for n, _ in made} >= {d.num_tokens for d in mgr.plan.descriptors}
+    alive = {id(ref()) for _, ref in made if ref() is not None}
+    for desc in mgr.captured_descriptors:
+        if checked:
+            # The very tensor the graph was captured on, and nothing else survives.
+            assert id(mgr.capture_sample(desc)["x"]) in alive
+        else:
+            with pytest.raises(LookupError, match=r"fast capture.*checked_capture=True"):
+                mgr.capture_sample(desc)
+    assert len(alive) == (len(mgr.captured_descriptors) if checked else 0)
+    x = torch.randn(3, 32, device=device)
+    assert torch.equal(mgr.run(x=x), eager(mgr.module, x=x))

@@ -116,9 +116,13 @@ class _CudaCapture(OpenCapture):
         chained = backend._reserved_after if whole else None
         backend._reserved_after = None
         self.reads: list[torch.Tensor] = []
-        self.outer = contextlib.ExitStack()  # device, no_grad, stream
-        self.inner = contextlib.ExitStack()  # the guard, inside the capture
-        self.outer.enter_context(_OnDevice(index))
+        # What is entered around the capture, undone in reverse by _leave:
+        # the device, autograd off and the capture stream outside it
+        # (``outer``), the guard inside it (``inner``). Plain lists, not
+        # ExitStacks: this runs twice a graph.
+        self.outer: list[Any] = []
+        self.inner: list[Any] = []
+        _enter(self.outer, _OnDevice(index))
         # torch.cuda.graph synchronizes, collects garbage and empties the
         # allocator's cache before every capture. The synchronize is kept
         # (the capture starts from a quiet device); the collection and the
@@ -129,24 +133,26 @@ class _CudaCapture(OpenCapture):
         # growth is still this graph's alone: nothing outside the pool is
         # allocated or returned while the capture runs. (torch.cuda.synchronize
         # would resolve and enter the device again: it is current already.)
-        torch._C._cuda_synchronize()
-        self.free_before = torch.cuda.mem_get_info(index)[0] if backend.measure_device_memory else 0
-        self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        self.graph: torch.cuda.CUDAGraph | None = None
         try:
-            self.outer.enter_context(torch.no_grad())
-            self.outer.enter_context(_OnStream(backend._streams()[1], index))
+            torch._C._cuda_synchronize()
+            self.free_before = torch.cuda.mem_get_info(index)[0] if backend.measure_device_memory else 0
+            self.graph = torch.cuda.CUDAGraph()
+            _enter(self.outer, _GradOff())
+            _enter(self.outer, _OnStream(backend._streams()[1], index))
             self.graph.capture_begin(pool=backend._pool)
         except BaseException:
-            self.outer.close()
+            self.graph = None
+            _leave(self.outer)
             raise
         try:
             # Read once the capture has begun: capture_begin itself allocates,
             # outside the pool, the RNG seed and offset of the first graph that
             # registers with the generator, which are no graph's pool growth.
             self.before = chained if chained is not None else _reserved(index)
-            self.inner.enter_context(guard.function_mode())
+            _enter(self.inner, guard.function_mode())
             if backend.checked:
-                self.inner.enter_context(GuardDispatchMode(guard, self.reads))
+                _enter(self.inner, GuardDispatchMode(guard, self.reads))
         except BaseException:
             self.abort()
             raise
@@ -155,14 +161,14 @@ class _CudaCapture(OpenCapture):
         graph = self.graph
         assert graph is not None, "capture already ended"
         try:
-            self.inner.close()
+            _leave(self.inner, strict=True)
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 graph.capture_end()
         except BaseException:
             self.abort()
             raise
-        self.outer.close()
+        _leave(self.outer)
         empty = False
         for w in seen:
             if "CUDA Graph is empty" in str(w.message):
@@ -182,22 +188,55 @@ class _CudaCapture(OpenCapture):
             torch.cuda.synchronize(index)
             taken = self.free_before - torch.cuda.mem_get_info(index)[0]
         captured = CudaGraph(graph, output, max(grown, 0), max(taken, 0), empty=empty)
-        captured.hold(self.reads)  # what the checked capture saw the graph read
+        if self.reads:
+            captured.hold(self.reads)  # what the checked capture saw the graph read
         return captured
 
     def abort(self) -> None:
         self.backend._reserved_after = None
         # Ending an invalidated capture raises its own, vaguer error; the
         # caller re-raises the error that says why.
-        with contextlib.suppress(BaseException):
-            self.inner.close()
+        _leave(self.inner)
         if self.graph is not None:
             with contextlib.suppress(BaseException):
                 self.graph.capture_end()
             self.graph = None
-        with contextlib.suppress(BaseException):
-            self.outer.close()
+        _leave(self.outer)
         self.backend._recover()
+
+
+class _GradOff:
+    """``torch.no_grad()`` without its object's set-up (it runs twice a graph)."""
+
+    __slots__ = ("previous",)
+
+    def __init__(self) -> None:
+        self.previous = True
+
+    def __enter__(self) -> None:
+        self.previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.previous)
+
+
+def _enter(entered: list[Any], context: Any) -> None:
+    context.__enter__()
+    entered.append(context)
+
+
+def _leave(entered: list[Any], *, strict: bool = False) -> None:
+    """Exit what was entered, last first, each once. ``strict``: the first
+    exit that raises stops there and raises (the rest are left for abort);
+    else every exit runs and their errors are dropped."""
+    while entered:
+        context = entered.pop()
+        if strict:
+            context.__exit__(None, None, None)
+        else:
+            with contextlib.suppress(BaseException):
+                context.__exit__(None, None, None)
 
 
 class CudaBackend(Backend):

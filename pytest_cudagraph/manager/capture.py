@@ -131,9 +131,11 @@ def _forget_frames(exc: BaseException) -> None:
 
 @dataclass
 class _Staged:
-    """A descriptor's sample after its warm-up: what ``make_inputs`` gave, and the forward's keyword inputs."""
+    """A descriptor's sample after its warm-up: what ``make_inputs`` gave (None
+    once it is in the static buffers, unless the capture loads it again), and
+    the forward's keyword inputs."""
 
-    sample: dict[str, Any]
+    sample: dict[str, Any] | None
     kwargs: dict[str, Any]
 
 
@@ -149,6 +151,9 @@ class CapturePart(RuntimePart):
     _tracker: ModuleTracker  # names the submodule running, for diagnosis
     # The module tree and its attribute names, read at each capture().
     _holders: list[tuple[torch.nn.Module, list[str]]]
+    # The tensors they held after the fast capture's warm-ups, walked once a
+    # sequence (see _capture_one); None until walked, and after a failure.
+    _walked: list[Any] | None
     # Per output leaf, the dimensions the probes saw follow the batch; None
     # until probed, or when the module cannot run at the probe shapes.
     _probed_rows: list[OutCut] | None
@@ -199,6 +204,7 @@ class CapturePart(RuntimePart):
         started = time.perf_counter()
         self._tracker.refresh()
         self._holders = _tensor_holders(list(self.module.modules()))
+        self._walked = None
         # Submodules replaced since the last capture are found again.
         self.eager_pieces = resolve_eager_submodules(self.module, self._eager_spec)
         # No cyclic garbage collection while the sequence runs: a collected
@@ -208,9 +214,11 @@ class CapturePart(RuntimePart):
         collecting = gc.isenabled()
         gc.disable()
         try:
-            if self._probed_rows is None:
-                self._probed_rows = self._probe_output_rows()
             self._backend.begin()
+            if self._probed_rows is None:
+                # On the warm-up stream, after begin(): the blocks its forwards
+                # free stay cached there for the warm-ups to reuse.
+                self._probed_rows = self._backend.warmup(self._probe_output_rows)
             with host_methods_watched():  # once for the sequence: see its docstring
                 # The fast capture warms every shape up first, then captures
                 # them all; the checked capture (verification) warms each up
@@ -338,11 +346,11 @@ class CapturePart(RuntimePart):
         capture: what ``check_capture_memory`` tells, without a forward of
         its own.
         """
-        from .estimate import WarmupMeter, check_measured_memory
+        from .estimate import WarmupMeter, check_measured_memory, measure_forward
 
         staged: dict[BatchDescriptor, _Staged | Exception] = {}
         largest = max(order, key=lambda d: d.num_tokens) if measure and order else None
-        meter = WarmupMeter() if largest is not None else None
+        meter = WarmupMeter(self.device) if largest is not None else None
 
         def warm() -> None:
             for desc in order:
@@ -356,18 +364,36 @@ class CapturePart(RuntimePart):
                 except Exception as exc:
                     staged[desc] = exc
                 else:
-                    staged[desc] = _Staged(sample, kwargs)
+                    # The fast capture keeps no sample past its staging (each
+                    # would hold device memory of its size, and allocating them
+                    # all costs the driver calls a warm-up on a warm cache
+                    # does not), except where the capture must load it again.
+                    staged[desc] = _Staged(sample if self._reloads(desc) else None, kwargs)
 
         self._backend.warmup(warm)
-        if largest is not None and meter is not None and meter.footprint is not None:
-            check_measured_memory(self, order, largest, meter.footprint)
+        if largest is not None and meter is not None and isinstance(staged.get(largest), _Staged):
+            def remeasure() -> Any:
+                # Only when the allocator's reading would refuse: the largest
+                # warm-up again, under the storage counter, on its own sample.
+                return self._backend.warmup(
+                    lambda: measure_forward(self.module, self.stage_sample(largest)[1], marker=largest))
+
+            check_measured_memory(self, order, largest, meter, remeasure)
         return staged
+
+    def _reloads(self, desc: BatchDescriptor) -> bool:
+        """Whether ``desc``'s capture runs the forward on the values in the static
+        buffers (the emulator; eager pieces between PIECEWISE segments), so that its
+        sample must be loaded again after later samples' staging overwrote it. A
+        CUDA capture records addresses, not values."""
+        return self._backend.capture_executes or bool(self.eager_pieces and desc.mode is GraphMode.PIECEWISE)
 
     # -- one descriptor -------------------------------------------------
     def _capture_one(self, desc: BatchDescriptor, staged: _Staged | Exception | None) -> None:
         """Capture ``desc``: warmed up here (``staged`` None), or by ``_warm_up`` (its
         sample and inputs, or the exception its warm-up raised, told as a failed capture)."""
         reqs = self.capture_reqs(desc)
+        sample: dict[str, Any] | None
         if isinstance(staged, _Staged):
             sample, kwargs = staged.sample, staged.kwargs
         else:
@@ -389,15 +415,23 @@ class CapturePart(RuntimePart):
                     self._backend.warmup(forward)
                 elif isinstance(staged, Exception):
                     raise staged
-                elif self._backend.capture_executes or (self.eager_pieces and desc.mode is GraphMode.PIECEWISE):
-                    # The capture runs the forward on the values in the static
-                    # buffers (the emulator; eager pieces between segments),
-                    # which later samples' staging overwrote: load this one's
-                    # again. A CUDA capture records addresses, not values.
+                elif sample is not None and self._reloads(desc):
                     self.load_inputs(desc, sample, self.batch_of(sample, num_reqs=reqs))
-                held = _tensors_of(holders)
+                if staged is None or self._reloads(desc):
+                    held = _tensors_of(holders)
+                else:
+                    # The fast capture's whole graphs: every warm-up ran before
+                    # the first capture, and nothing but these captures runs the
+                    # module since, so one walk after the warm-ups finds every
+                    # tensor bound before any of them. (A capture that rebinds
+                    # module state binds pool memory, which replay never
+                    # rebinds: the state frozen at capture that the checks name.)
+                    if self._walked is None:
+                        self._walked = _tensors_of(holders)
+                    held = self._walked
                 graph = self._record(desc, forward, guard)
             except Exception as exc:
+                self._walked = None  # the diagnosis below runs the module eagerly
                 found = self._diagnose(desc, forward)
                 if found is not None:
                     raise _Uncapturable(found) from None
@@ -428,7 +462,10 @@ class CapturePart(RuntimePart):
                 f"{self._piece_hint(desc, where)}",
                 module_path=where, descriptor=desc, backend=self.backend,
             ) from exc
-        self._entries[desc] = Entry(graph, reqs, self._out_dims(graph.output, desc.num_tokens, reqs), sample)
+        # Only the checked capture keeps the sample (capture_sample, which the
+        # checks replay on); the fast capture drops it (see _warm_up).
+        self._entries[desc] = Entry(graph, reqs, self._out_dims(graph.output, desc.num_tokens, reqs),
+                                    sample if self._backend.checked else None)
 
     def _diagnose(self, desc: BatchDescriptor, forward: Callable[[], Any]) -> Violation | None:
         """After a failed capture, run the forward eagerly under the full guard:

@@ -17,8 +17,10 @@ refused with a ``CaptureError`` that gives the estimate, before any graph.
 
 The fast CUDA capture (the manager's default) runs no forward of its own for
 this: its warm-up of the largest graph, which runs anyway, is measured from
-the storage counter (``WarmupMeter``), and the sequence is
-refused after the warm-up, before any capture (``check_measured_memory``).
+the caching allocator's statistics (``WarmupMeter``), and the sequence is
+refused after the warm-up, before any capture (``check_measured_memory``);
+only when that reading is a bound that would refuse is the forward run again
+under the storage counter.
 There the device is asked what it has free (``cudaMemGetInfo``, about a
 millisecond) only when the estimate is more than ``SMALL_NEED_FRACTION`` of
 what the device holds beyond this process's reserved memory.
@@ -359,18 +361,56 @@ def _refuse_unless_fits(estimate: CaptureEstimate | None) -> CaptureEstimate | N
 
 
 class WarmupMeter:
-    """The footprint of the largest graph's warm-up forward, counted as it
-    runs: what the fast capture measures instead of an estimate forward of
-    its own (``measure_forward``). The warm-up is a real one: the module's
-    buffers are left as it leaves them, and the allocator's statistics
-    (peaks included, which a user may be reading) are not touched."""
+    """The footprint of the largest graph's warm-up forward, read from the
+    caching allocator's statistics around it: what the fast capture measures
+    instead of an estimate forward of its own (``measure_forward``).
 
-    def __init__(self) -> None:
+    The warm-up is a real one, at full speed: the module's buffers are left as
+    it leaves them, no dispatch mode watches it, and the allocator's
+    statistics are only read, never reset (a user may be reading the peaks).
+    So the peak it gives, the allocator's peak after the forward less what
+    was allocated before it, is the forward's own peak when the forward set a
+    new one (``exact``), else an upper bound: an earlier peak of the process
+    may stand above it. ``check_measured_memory`` accepts a capture on the
+    bound, and measures again with the storage counter only when the bound
+    alone would refuse it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.index = device.index or 0
         self.footprint: Footprint | None = None
+        #: The footprint is the forward's own peak, not a bound above it.
+        self.exact = False
+
+    def _allocated(self) -> tuple[int, int] | None:
+        try:
+            stat = torch._C._cuda_memoryStats(self.index)["allocated_bytes"]["all"]
+            return int(stat["current"]), int(stat["peak"])
+        except (AttributeError, KeyError, TypeError, RuntimeError):
+            return None
 
     def run(self, module: Callable[..., Any], inputs: Mapping[str, Any]) -> Any:
         """``module(**inputs)``, measured."""
-        out, self.footprint = _counted(module, inputs)
+        before = self._allocated()
+        if before is None:  # no statistics to read: count storages instead
+            out, self.footprint = _counted(module, inputs)
+            self.exact = True
+            return out
+        out = module(**inputs)
+        after = self._allocated()
+        if after is None:
+            return out
+        (now, peak_before), (_, peak_after) = before, after
+        storages = {
+            leaf.untyped_storage().data_ptr(): leaf.untyped_storage().nbytes()
+            for leaf in tree_leaves(out)
+            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.device.type != "meta"
+        }
+        peak = max(0, peak_after - now)
+        # What the forward created in all is not read here: the fast
+        # capture's estimate needs the peak and the outputs only (the
+        # emulator's recording, which holds every creation, is not involved).
+        self.footprint = Footprint(created=peak, peak=peak, output=sum(storages.values()))
+        self.exact = peak_after > peak_before
         return out
 
 
@@ -397,16 +437,31 @@ def _cuda_room(device: torch.device, need: int) -> int | None:
 
 
 def check_measured_memory(
-    manager: CapturePart, order: Sequence[BatchDescriptor], largest: BatchDescriptor, foot: Footprint
+    manager: CapturePart, order: Sequence[BatchDescriptor], largest: BatchDescriptor, meter: WarmupMeter,
+    remeasure: Callable[[], Footprint],
 ) -> CaptureEstimate:
     """``check_capture_memory`` for the fast CUDA capture: the estimate from
     the largest graph's warm-up footprint (``WarmupMeter``), refused with
-    the same ``CaptureError`` before any capture starts."""
-    estimate = _capture_estimate(manager, order, largest, peak=foot.peak,
-                                 out_per_token=foot.output / largest.num_tokens, transient=0,
-                                 extrapolated=False, available=lambda need: _cuda_room(manager.device, need))
+    the same ``CaptureError`` before any capture starts.
+
+    A footprint that is only a bound (``WarmupMeter.exact`` False) and would
+    refuse the sequence is measured again by ``remeasure`` (a forward under
+    the storage counter), which decides: a bound never refuses alone."""
+    foot = meter.footprint
+    if foot is None:
+        foot = remeasure()
+    estimate = _measured_estimate(manager, order, largest, foot)
+    if not estimate.fits and not meter.exact and meter.footprint is not None:
+        estimate = _measured_estimate(manager, order, largest, remeasure())
     _refuse_unless_fits(estimate)
     return estimate
+
+
+def _measured_estimate(manager: CapturePart, order: Sequence[BatchDescriptor], largest: BatchDescriptor,
+                       foot: Footprint) -> CaptureEstimate:
+    return _capture_estimate(manager, order, largest, peak=foot.peak,
+                             out_per_token=foot.output / largest.num_tokens, transient=0,
+                             extrapolated=False, available=lambda need: _cuda_room(manager.device, need))
 
 
 def _tensor_bytes(inputs: Mapping[str, Any]) -> int:

@@ -155,6 +155,7 @@ class GraphManager(CapturePart):
         self.eager_pieces = resolve_eager_submodules(module, eager_submodules)
         # The module tree and its attribute names, read at each capture().
         self._holders: list[tuple[torch.nn.Module, list[str]]] = []
+        self._walked: list[Any] | None = None
         self.capture_seconds = 0.0
 
     def sibling(self) -> GraphManager:
@@ -243,8 +244,20 @@ class GraphManager(CapturePart):
         return self._entries[desc].graph
 
     def capture_sample(self, desc: BatchDescriptor) -> dict[str, Any]:
-        """The inputs ``desc`` was captured on (``make_inputs`` at its own shape)."""
-        return self._entries[desc].sample
+        """The inputs ``desc`` was captured on (``make_inputs`` at its own shape).
+
+        Kept by the checked capture (``checked_capture=True``, what ``verify``
+        uses) only: the fast capture keeps no samples, which would hold device
+        memory for every size until ``release()``. KeyError if ``desc`` has
+        no graph; LookupError if its capture kept no sample."""
+        sample = self._entries[desc].sample
+        if sample is None:
+            raise LookupError(
+                f"{desc} was captured by the fast capture, which keeps no samples (each would hold memory "
+                f"of its size until release()); build the manager with checked_capture=True to keep them, "
+                f"or call make_inputs({desc.num_tokens}, {self.capture_reqs(desc)}) for inputs of that shape"
+            )
+        return sample
 
     @property
     def graph_memory(self) -> dict[BatchDescriptor, int]:

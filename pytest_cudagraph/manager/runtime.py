@@ -46,7 +46,7 @@ class Entry:
     graph: CapturedGraph
     num_reqs: int  # request rows the graph was captured with
     out_dims: list[OutCut]  # per output leaf (tree.flatten's order)
-    sample: dict[str, Any]  # the make_inputs batch the graph was captured on
+    sample: dict[str, Any] | None  # the make_inputs batch the graph was captured on; kept by the checked capture only
 
     def __post_init__(self) -> None:
         # The output tensors never change (replay rewrites them in place), so
