@@ -16,9 +16,11 @@ if TYPE_CHECKING:
     from .checks import CHECKS, VerifyReport, verify
     from .context import current_descriptor
     from .manager import GraphManager
+    from .runner import RUNNER_CHECKS, verify_runner
 
 __all__ = [
     "CHECKS",
+    "RUNNER_CHECKS",
     "Batch",
     "BatchDescriptor",
     "CaptureConfig",
@@ -29,6 +31,7 @@ __all__ = [
     "VerifyReport",
     "current_descriptor",
     "verify",
+    "verify_runner",
 ]
 
 __version__ = "0.1.0"
@@ -39,6 +42,8 @@ _LAZY = {
     "verify": ("pytest_cudagraph.checks", "verify"),
     "VerifyReport": ("pytest_cudagraph.checks", "VerifyReport"),
     "CHECKS": ("pytest_cudagraph.checks", "CHECKS"),
+    "verify_runner": ("pytest_cudagraph.runner", "verify_runner"),
+    "RUNNER_CHECKS": ("pytest_cudagraph.runner", "RUNNER_CHECKS"),
 }
 
 

@@ -28,11 +28,15 @@ from .settings import (
     verify_keywords,
 )
 
-__all__ = ["ManagerFactory", "Verifier", "default_device", "device_for_test", "follow_device", "inputs_on", "move_to"]
+__all__ = ["ManagerFactory", "RunnerVerifier", "Verifier", "default_device", "device_for_test", "follow_device", "inputs_on", "move_to"]
 
 #: ``GraphManager``'s keywords besides the module, inputs and config.
 MANAGER_KEYWORDS: tuple[str, ...] = ("backend", "device", "pad_values", "output_views", "progress",
                                      "eager_submodules", "batch_dims")
+
+#: ``verify_runner``'s keywords besides the runner, the module and make_inputs.
+RUNNER_KEYWORDS: tuple[str, ...] = ("capture_sizes", "max_num_reqs", "max_tokens", "checks", "extra_checks",
+                                    "scratch_state", "rtol", "atol", "batch_invariant", "seed", "device")
 
 _NO_SIZES = (
     "needs capture_sizes: pass capture_sizes=..., set @pytest.mark.cudagraph(capture_sizes=...), "
@@ -232,6 +236,41 @@ class Verifier:
                 "Set the plan in the marker only, or run with --cudagraph-split=test",
                 pytrace=False,
             )
+        self.reports.append(report)
+        self._sink(make_record(report.to_dict(), keywords))
+        if not report.ok:
+            pytest.fail(report.format(), pytrace=False)
+        return report
+
+
+class RunnerVerifier:
+    """``cudagraph_verify_runner(runner, module, make_inputs, **keywords)``: ``verify_runner`` with the
+    test's settings.
+
+    Keywords not given come from the marker (those a runner takes; the
+    marker may also hold a manager's), then the settings (capture sizes). A
+    failed report fails the test with ``report.format()``; every report is
+    recorded through ``sink`` as ``cudagraph_verify``'s are.
+    """
+
+    def __init__(self, settings: Settings, marker: Mapping[str, Any],
+                 sink: Callable[[dict[str, Any]], None]) -> None:
+        self.settings = settings
+        self.marker = {k: v for k, v in marker.items() if k in RUNNER_KEYWORDS}
+        self._sink = sink
+        self.reports: list[VerifyReport] = []
+
+    def __call__(self, runner: Callable[..., Any], module: torch.nn.Module,
+                 make_inputs: Callable[[int, int], Mapping[str, Any]], **call: Any) -> VerifyReport:
+        from .runner import verify_runner
+
+        _check_module(module, "cudagraph_verify_runner")
+        check_keywords(call, RUNNER_KEYWORDS, "cudagraph_verify_runner")
+        chosen = verify_keywords(self.settings, self.marker, call)
+        keywords = {k: v for k, v in chosen.items() if k in RUNNER_KEYWORDS}
+        if "capture_sizes" not in keywords:
+            pytest.fail(f"cudagraph_verify_runner {_NO_SIZES}", pytrace=False)
+        report = verify_runner(runner, module, make_inputs, **keywords)
         self.reports.append(report)
         self._sink(make_record(report.to_dict(), keywords))
         if not report.ok:

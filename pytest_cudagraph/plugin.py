@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from .bench.fixture import BenchmarkRunner
-    from .harness import ManagerFactory, Verifier
+    from .harness import ManagerFactory, RunnerVerifier, Verifier
     from .plan.properties import DispatchProperties
 
 _CUDA_MARKER = "cuda: the test needs a CUDA device; it is skipped cleanly where none is available"
@@ -150,8 +150,8 @@ class _Collector:
 
 #: The plugin's fixtures: a test that requests one (or carries the marker) is listed in the JSON report.
 _PLUGIN_FIXTURES = frozenset(
-    {"cudagraph_verify", "cudagraph_manager", "cudagraph_benchmark", "cudagraph_dispatch_properties",
-     "_cudagraph_slice"}
+    {"cudagraph_verify", "cudagraph_verify_runner", "cudagraph_manager", "cudagraph_benchmark",
+     "cudagraph_dispatch_properties", "_cudagraph_slice"}
 )
 
 
@@ -368,6 +368,23 @@ def cudagraph_verify(request: pytest.FixtureRequest, _cudagraph_slice: str | Non
     record = functools.partial(state.add_pending, request.node.nodeid)
     return Verifier(state.settings, settings.marker_keywords(request.node), record, descriptor=_cudagraph_slice,
                     quiet=request.config.get_verbosity() < 0, hook_checks=_hook_checks(request))
+
+
+@pytest.fixture
+def cudagraph_verify_runner(request: pytest.FixtureRequest) -> RunnerVerifier:
+    """``cudagraph_verify_runner(runner, module, make_inputs, **keywords) -> VerifyReport``.
+
+    Runs ``pytest_cudagraph.verify_runner`` on a runner someone else wrote
+    (an engine's own, torch.compile's, make_graphed_callables'), with
+    keywords from the call, then the ``cudagraph`` marker, then the settings
+    (``--cudagraph-sizes``); fails the test with the readable report when a
+    check fails.
+    """
+    from .harness import RunnerVerifier
+
+    state = _state(request.config)
+    record = functools.partial(state.add_pending, request.node.nodeid)
+    return RunnerVerifier(state.settings, settings.marker_keywords(request.node), record)
 
 
 def _hook_checks(request: pytest.FixtureRequest) -> list[Any]:

@@ -114,6 +114,10 @@ CP = "pytest_cudagraph/plan/capture_plan.py"
 E = "pytest_cudagraph/checks/engine.py"
 RG = "pytest_cudagraph/checks/registry.py"
 RP = "pytest_cudagraph/checks/report.py"
+RC = "pytest_cudagraph/runner/checks.py"
+RX = "pytest_cudagraph/runner/context.py"
+RV = "pytest_cudagraph/runner/verify.py"
+RUNNER_TESTS = ("tests/test_runner.py",)
 REGISTRY = ("tests/test_registry.py",)
 ONE_EACH = ("tests/test_one_outcome_each.py",)
 
@@ -291,6 +295,30 @@ MUTANTS: list[Mutant] = [
            "drawn[name] = tensors[name]", ONE_EACH, "the harness's fresh values are the old ones"),
     Mutant("fresh-harness-ints-unchanged", S, "permuted = value.index_select(dim, perm.to(value.device))",
            "permuted = value", ONE_EACH, "integer rows are not permuted"),
+    # -- verify_runner: the runner checks and their sweep ------------------------------------
+    Mutant("runner-rows-not-compared", RC, "diff = first_difference(call.got, call.expected, rtol=rtol, atol=atol)",
+           "diff = first_difference(call.expected, call.expected, rtol=rtol, atol=atol)", RUNNER_TESTS,
+           "real_batches compares eager with itself"),
+    Mutant("runner-state-not-compared", RC,
+           "diff = ctx.state_difference(call.got_state, call.expected_state, use_scratch=True, rtol=rtol, atol=atol)",
+           "diff = ctx.state_difference(call.expected_state, call.expected_state, use_scratch=True, rtol=rtol, "
+           "atol=atol)",
+           RUNNER_TESTS, "state compares eager's state with itself"),
+    Mutant("runner-state-after-restore", RX, "            call.got_state = self.snapshot()\n            self.restore(state0)",
+           "            self.restore(state0)\n            call.got_state = self.snapshot()", RUNNER_TESTS,
+           "the runner's state read after it was put back"),
+    Mutant("runner-sweep-smallest-first", RX, "for n in range(self.max_tokens, 0, -1):",
+           "for n in range(1, self.max_tokens + 1):", RUNNER_TESTS,
+           "smaller batches run first: a stale table from a larger step never shows"),
+    Mutant("runner-lifetime-kept-is-first", RC, "            kept = clone_tree(first)",
+           "            kept = first", RUNNER_TESTS, "output_lifetime compares an output with itself"),
+    Mutant("runner-fresh-same-inputs", RC, "        out, _ = ctx.call_runner(second)",
+           "        out, _ = ctx.call_runner(first)", RUNNER_TESTS, "fresh_inputs calls the runner on the first inputs again"),
+    Mutant("runner-capture-state-unchecked", RV, '        if "state" in selected:', "        if False:",
+           RUNNER_TESTS, "what the runner's capture() wrote into live state is never compared"),
+    Mutant("runner-capture-not-called", RV, "    if callable(capture):", "    if False:", RUNNER_TESTS,
+           "the runner's capture() never called"),
+
 ]
 
 

@@ -66,6 +66,13 @@ def _checks_table() -> list[str]:
     return BUILTIN.markdown_table().splitlines()
 
 
+def _runner_checks_table() -> list[str]:
+    sys.path.insert(0, str(ROOT))
+    from pytest_cudagraph.runner import RUNNER_CHECKS
+
+    return RUNNER_CHECKS.markdown_table().splitlines()
+
+
 # -- choosing lines ----------------------------------------------------------------------------
 def _session(out: str) -> list[str]:
     """A whole pytest session, less the lines that describe the machine."""
@@ -170,6 +177,7 @@ BLOCKS: dict[str, Block] = {
         "Output (last lines; {cores} CPU cores, emulator, {when}, {versions}; written by `scripts/refresh_docs.py`):"),
     # Markdown the code makes, not a run's output: no command, no caption.
     "checks-table": Block("docs/checks.md", (), lambda out: [], "", generate=_checks_table),
+    "runner-checks-table": Block("docs/runners.md", (), lambda out: [], "", generate=_runner_checks_table),
 }
 
 

@@ -16,7 +16,7 @@ from ..plan import Batch, BatchDescriptor, GraphMode
 from ..plan.properties import exact_batch
 from .compare import Difference, first_difference
 
-__all__ = ["VerifyContext", "clone_tree"]
+__all__ = ["ModuleState", "VerifyContext", "clone_tree"]
 
 # A region of a buffer that padded rows may legitimately write (a KV cache's
 # padding slot): an index, a slice, or a callable returning a boolean mask.
@@ -28,7 +28,75 @@ def clone_tree(value: Any) -> Any:
     return tree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
 
 
-class VerifyContext:
+class ModuleState:
+    """The module's state as the checks see it: its parameters and buffers,
+    snapshot and restored around each comparison, compared outside the
+    declared ``scratch_state`` regions. Shared by ``VerifyContext`` (our
+    manager) and the runner verification's context (someone else's runner)."""
+
+    def __init__(self, module: torch.nn.Module, scratch_state: Mapping[str, ScratchRegion], seed: int) -> None:
+        self.module = module
+        self.seed = seed
+        self.scratch_state = dict(scratch_state)
+        names = {name for name, _ in self._state_items()}
+        unknown = set(self.scratch_state) - names
+        if unknown:
+            raise ValueError(
+                f"scratch_state names {sorted(unknown)}, which are not buffers or parameters of the "
+                f"module; it has {sorted(names)}"
+            )
+
+    # -- module state -------------------------------------------------------
+    def _state_items(self) -> list[tuple[str, torch.Tensor]]:
+        items: list[tuple[str, torch.Tensor]] = []
+        items.extend(self.module.named_parameters())
+        items.extend(self.module.named_buffers())
+        return items
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().clone() for name, t in self._state_items()}
+
+    def restore(self, snap: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, t in self._state_items():
+                if name in snap:
+                    t.copy_(snap[name])
+
+    @contextlib.contextmanager
+    def preserved_state(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Snapshot the module's state and put it back afterwards."""
+        snap = self.snapshot()
+        try:
+            yield snap
+        finally:
+            self.restore(snap)
+
+    def state_difference(self, got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+                         *, use_scratch: bool, rtol: float | None = 0.0,
+                         atol: float | None = 0.0) -> Difference | None:
+        for name in expected:
+            g, e = got[name], expected[name]
+            if use_scratch and name in self.scratch_state:
+                g, e = g.clone(), e.clone()
+                region = self.scratch_state[name]
+                if callable(region):
+                    mask = region(g)
+                    g[mask] = 0
+                    e[mask] = 0
+                else:
+                    g[region] = 0
+                    e[region] = 0
+            found = first_difference(g, e, rtol=rtol, atol=atol)
+            if found is not None:
+                found.path = name
+                return found
+        return None
+
+    def seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+
+class VerifyContext(ModuleState):
     """Helpers shared by the checks; one per ``verify`` call."""
 
     def __init__(
@@ -45,21 +113,12 @@ class VerifyContext:
         plan_dispatch: bool = False,
         dispatch_here: bool = True,
     ) -> None:
+        super().__init__(manager.module, scratch_state, seed)
         self.manager = manager
-        self.module = manager.module
         self.rtol = rtol
         self.atol = atol
         self.batch_invariant = batch_invariant
-        self.seed = seed
         self.exhaustive = exhaustive
-        self.scratch_state = dict(scratch_state)
-        names = {name for name, _ in self._state_items()}
-        unknown = set(self.scratch_state) - names
-        if unknown:
-            raise ValueError(
-                f"scratch_state names {sorted(unknown)}, which are not buffers or parameters of the "
-                f"module; it has {sorted(names)}"
-            )
         #: padding_isolation also fills padded rows with NaN and inf.
         self.nonfinite_padding = nonfinite_padding
         self.real_batches_run = 0
@@ -181,51 +240,3 @@ class VerifyContext:
         """The user's path: ``GraphManager.run_batch``."""
         self.real_batches_run += 1
         return self.manager.run_batch(inputs, batch)
-
-    # -- module state -------------------------------------------------------
-    def _state_items(self) -> list[tuple[str, torch.Tensor]]:
-        items: list[tuple[str, torch.Tensor]] = []
-        items.extend(self.module.named_parameters())
-        items.extend(self.module.named_buffers())
-        return items
-
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        return {name: t.detach().clone() for name, t in self._state_items()}
-
-    def restore(self, snap: Mapping[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, t in self._state_items():
-                if name in snap:
-                    t.copy_(snap[name])
-
-    @contextlib.contextmanager
-    def preserved_state(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Snapshot the module's state and put it back afterwards."""
-        snap = self.snapshot()
-        try:
-            yield snap
-        finally:
-            self.restore(snap)
-
-    def state_difference(self, got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-                         *, use_scratch: bool) -> Difference | None:
-        for name in expected:
-            g, e = got[name], expected[name]
-            if use_scratch and name in self.scratch_state:
-                g, e = g.clone(), e.clone()
-                region = self.scratch_state[name]
-                if callable(region):
-                    mask = region(g)
-                    g[mask] = 0
-                    e[mask] = 0
-                else:
-                    g[region] = 0
-                    e[region] = 0
-            found = first_difference(g, e)
-            if found is not None:
-                found.path = name
-                return found
-        return None
-
-    def seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)

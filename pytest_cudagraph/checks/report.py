@@ -123,6 +123,8 @@ class VerifyReport:
     check_seconds: float = 0.0  # time spent in the checks after capture
     #: The mode the module was verified in: 'eval', 'train' or 'mixed' (None: not known).
     training: str | None = None
+    #: "manager" (our GraphManager's graphs) or "runner" (``verify_runner``: someone else's runner).
+    kind: str = "manager"
 
     @property
     def failures(self) -> list[Outcome]:
@@ -159,12 +161,27 @@ class VerifyReport:
         if self.skips:
             status += f", {len(self.skips)} skipped"
         mode = f" in {self.training} mode" if self.training else ""
+        if self.kind == "runner":
+            sizes = sum(1 for d in self.descriptors if d.mode.name != "NONE")
+            fallback = " and the eager fallback" if sizes < len(self.descriptors) else ""
+            return (f"{self.module} on {self.device}{mode}: {sizes} capture sizes{fallback} verified, "
+                    f"{self.real_batches} runner calls, {status}{self._coverage()}; capture "
+                    f"{format_seconds(self.capture_seconds)}")
         return (
             f"{self.module} on {self.backend} ({self.device}){mode}: {len(self.descriptors)}/{self.planned} descriptors "
             f"captured and verified ({'every descriptor' if self.exhaustive else 'quick: smallest and largest per mode'}), "
             f"{self.real_batches} real batches, {status}; capture {format_seconds(self.capture_seconds)}, "
             f"graph memory {format_bytes(self.graph_memory_bytes)}"
         )
+
+    def _coverage(self) -> str:
+        """", graph coverage k/n calls" from the graph_coverage outcomes, when they counted."""
+        counted = [o.figures for o in self.outcomes if o.check == "graph_coverage" and "calls" in o.figures]
+        if not counted:
+            return ""
+        graphed = sum(f["graphed"] for f in counted)
+        calls = sum(f["calls"] for f in counted)
+        return f", {graphed}/{calls} real batches replayed a CUDA graph"
 
     def format(self, *, verbose: bool = False) -> str:
         """A readable report: the summary, each failure with where it shows, then every skipped check and why."""
@@ -193,6 +210,7 @@ class VerifyReport:
             "device": self.device,
             "mode": self.mode,
             "training": self.training,
+            "kind": self.kind,
             "exhaustive": self.exhaustive,
             "checks": list(self.checks),
             "config": _jsonable(self.config),

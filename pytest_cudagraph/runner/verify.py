@@ -1,0 +1,153 @@
+"""``verify_runner``: an engine's own CUDA-graph runner held to the module's eager forward."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..checks.engine import _could_not_run, _guarded
+from ..checks.registry import Check, check_list
+from ..checks.report import Outcome, VerifyReport
+from ..checks.suite import _finding
+from ..manager.layout import not_a_module
+from .checks import RUNNER_CHECKS
+from .context import RunnerContext
+
+__all__ = ["verify_runner"]
+
+#: The check under which a runner's failing ``capture()`` is reported.
+RUNNER_CAPTURE = "runner_capture"
+
+
+def _positive_sizes(capture_sizes: Any) -> list[int]:
+    if isinstance(capture_sizes, (str, bytes)) or not isinstance(capture_sizes, Iterable):
+        raise ValueError(f"verify_runner: capture_sizes must be a list of positive ints (the token counts the "
+                         f"runner captured graphs for); got {capture_sizes!r}")
+    sizes = list(capture_sizes)
+    if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+        raise ValueError(f"verify_runner: capture_sizes must be a non-empty list of positive ints; got {sizes!r}")
+    return sorted(set(sizes))
+
+
+def _optional_positive(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"verify_runner: {name} must be a positive int or None; got {value!r}")
+
+
+def _device_of(module: torch.nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    found = next((t.device for t in (*module.parameters(), *module.buffers())), None)
+    return found if found is not None else torch.device("cpu")
+
+
+def _name(obj: Any) -> str:
+    return getattr(obj, "__name__", None) or type(obj).__name__
+
+
+def _capture_state(ctx: RunnerContext, before: Mapping[str, torch.Tensor]) -> list[Outcome]:
+    """A failed ``state`` outcome when the runner's ``capture()`` (its warm-ups) wrote the module's
+    state outside ``scratch_state``: what an engine's dummy batches write must go to padding slots."""
+    diff = ctx.state_difference(ctx.snapshot(), before, use_scratch=True)
+    if diff is None:
+        return []
+    return [Outcome("state", None, False,
+                    f"runner.capture() changed module state '{diff.path}' outside scratch_state ({diff.reason}): "
+                    "its warm-up or capture batches wrote where real requests live (a padded token given a live "
+                    "slot, say). Send dummy and padded tokens to a scratch region and declare it with "
+                    "scratch_state", _finding(diff))]
+
+
+def verify_runner(
+    runner: Callable[..., Any],
+    module: torch.nn.Module,
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    *,
+    capture_sizes: Sequence[int],
+    max_num_reqs: int | None = None,
+    max_tokens: int | None = None,
+    checks: Sequence[str] | str | None = None,
+    extra_checks: Check | Sequence[Check] | None = None,
+    scratch_state: Mapping[str, Any] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    batch_invariant: bool = False,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> VerifyReport:
+    """Verify a CUDA-graph runner someone else wrote against ``module``'s eager forward.
+
+    ``runner(**inputs)`` takes the keyword inputs of one real (unpadded)
+    batch, as ``make_inputs(num_tokens, num_reqs)`` gives them, and returns
+    the outputs for its real rows; a runner with a ``capture()`` method has
+    it called once first. ``module(**inputs)`` on the same batch is the
+    reference. The two may share state (a KV cache buffer): the module's
+    parameters and buffers are snapshot and restored around each comparison,
+    and compared outside ``scratch_state``.
+
+    Real batches: every token count from ``max_tokens`` (default: one past
+    the largest capture size, the eager fallback) down to 1; a batch of n
+    tokens has n requests, or ``min(n, max_num_reqs)``. Each capture size is
+    reported as a FULL descriptor standing for the token counts above the
+    next smaller size; the eager fallback as a NONE descriptor. ``checks``
+    selects among ``RUNNER_CHECKS`` by name; ``extra_checks`` adds checks of
+    the same signatures (``run(ctx: RunnerContext, descriptor)``).
+    """
+    if not callable(runner):
+        raise TypeError(f"verify_runner: runner must be callable as runner(**inputs); got {type(runner).__name__}")
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(not_a_module(module, "verify_runner: module"))
+    if not callable(make_inputs):
+        raise TypeError("verify_runner: make_inputs must be a function (num_tokens, num_reqs) -> dict of inputs; "
+                        f"got {type(make_inputs).__name__}")
+    sizes = _positive_sizes(capture_sizes)
+    _optional_positive("max_num_reqs", max_num_reqs)
+    _optional_positive("max_tokens", max_tokens)
+    top = max_tokens if max_tokens is not None else sizes[-1] + 1
+    registry = RUNNER_CHECKS.extended(check_list(extra_checks))
+    selected = registry.select(checks)
+    dev = _device_of(module, device)
+    ctx = RunnerContext(runner, module, make_inputs, capture_sizes=sizes, max_num_reqs=max_num_reqs,
+                        max_tokens=top, rtol=rtol, atol=atol, batch_invariant=batch_invariant, seed=seed,
+                        scratch_state=scratch_state or {}, device=dev)
+    report = VerifyReport(
+        module=f"{_name(runner)} for {type(module).__name__}", backend=dev.type, device=str(dev), mode="runner",
+        exhaustive=True, checks=selected, descriptors=tuple(ctx.descriptors), planned=len(ctx.descriptors),
+        config={"capture_sizes": sizes, "max_num_reqs": max_num_reqs, "max_tokens": top}, kind="runner",
+        training="train" if module.training else "eval",
+    )
+    started = time.perf_counter()
+    capture = getattr(runner, "capture", None)
+    if callable(capture):
+        before = ctx.snapshot()
+        try:
+            capture()
+        except Exception as exc:  # the runner's own capture failed: nothing after it can be trusted
+            report.capture_seconds = time.perf_counter() - started
+            report.add([Outcome(RUNNER_CAPTURE, None, False,
+                                f"runner.capture() raised {type(exc).__name__}: {exc}")])
+            return report
+        ctx.synchronize()
+        if "state" in selected:
+            report.add(_capture_state(ctx, before))
+        # The checks start from the state the caller handed over.
+        ctx.restore(before)
+    report.capture_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    for name in selected:
+        check = registry[name]
+        if check.scope == "module":
+            report.add([_guarded(check, None, functools.partial(check.run, ctx, list(ctx.descriptors)))])
+        elif check.scope == "descriptor":
+            for desc in ctx.descriptors:
+                report.add([_guarded(check, desc, functools.partial(check.run, ctx, desc))])
+        else:
+            report.add([_could_not_run(check, None, ValueError(
+                f"scope {check.scope!r} has no meaning for a runner (its capture is its own)"))])
+    report.check_seconds = time.perf_counter() - started
+    report.real_batches = ctx.runner_calls
+    return report
