@@ -15,6 +15,7 @@ from .plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
 if TYPE_CHECKING:
     from .checks import CHECKS, VerifyReport, verify
     from .context import current_descriptor
+    from .distributed import verify_distributed
     from .manager import GraphManager
     from .runner import RUNNER_CHECKS, verify_runner
 
@@ -31,6 +32,7 @@ __all__ = [
     "VerifyReport",
     "current_descriptor",
     "verify",
+    "verify_distributed",
     "verify_runner",
 ]
 
@@ -43,6 +45,7 @@ _LAZY = {
     "VerifyReport": ("pytest_cudagraph.checks", "VerifyReport"),
     "CHECKS": ("pytest_cudagraph.checks", "CHECKS"),
     "verify_runner": ("pytest_cudagraph.runner", "verify_runner"),
+    "verify_distributed": ("pytest_cudagraph.distributed", "verify_distributed"),
     "RUNNER_CHECKS": ("pytest_cudagraph.runner", "RUNNER_CHECKS"),
 }
 

@@ -28,7 +28,7 @@ from .settings import (
     verify_keywords,
 )
 
-__all__ = ["ManagerFactory", "RunnerVerifier", "Verifier", "default_device", "device_for_test", "follow_device", "inputs_on", "move_to"]
+__all__ = ["DistributedVerifier", "ManagerFactory", "RunnerVerifier", "Verifier", "default_device", "device_for_test", "follow_device", "inputs_on", "move_to"]
 
 #: ``GraphManager``'s keywords besides the module, inputs and config.
 MANAGER_KEYWORDS: tuple[str, ...] = ("backend", "device", "pad_values", "output_views", "progress",
@@ -273,6 +273,58 @@ class RunnerVerifier:
         report = verify_runner(runner, module, make_inputs, **keywords)
         self.reports.append(report)
         self._sink(make_record(report.to_dict(), keywords))
+        if not report.ok:
+            pytest.fail(report.format(), pytrace=False)
+        return report
+
+
+class DistributedVerifier:
+    """``cudagraph_verify_distributed(build, make_inputs, **keywords)``: ``verify_distributed`` with the
+    test's settings.
+
+    Keywords not given come from the marker, then the settings: capture
+    sizes, backend, and ``world_size`` (``--cudagraph-world-size``). On CUDA
+    the ranks take ``world_size`` consecutive devices of
+    ``--cudagraph-devices`` (every visible device by default), a block per
+    xdist worker. A failed report fails the test with ``report.format()``.
+    """
+
+    def __init__(self, settings: Settings, marker: Mapping[str, Any], sink: Callable[[dict[str, Any]], None],
+                 *, worker: str | None = None) -> None:
+        self.settings = settings
+        self.marker = dict(marker)
+        self._sink = sink
+        self.worker = worker
+        self.reports: list[VerifyReport] = []
+
+    def __call__(self, build: Callable[[int, int], torch.nn.Module],
+                 make_inputs: Callable[[int, int], Mapping[str, Any]], **call: Any) -> VerifyReport:
+        from .distributed import verify_distributed
+        from .settings import rank_devices
+
+        extra = ("world_size", "timeout", "replicated")
+        check_keywords(call, (*VERIFY_KEYWORDS, *extra), "cudagraph_verify_distributed")
+        world_size = call.pop("world_size", None) or self.settings.world_size
+        if world_size is None:
+            pytest.fail("cudagraph_verify_distributed needs world_size: pass world_size=..., or run with "
+                        "--cudagraph-world-size=2 (ini cudagraph_world_size)", pytrace=False)
+        own = {k: call.pop(k) for k in extra if k in call}
+        keywords = verify_keywords(self.settings, self.marker, call)
+        if "capture_sizes" not in keywords:
+            pytest.fail(f"cudagraph_verify_distributed {_NO_SIZES}", pytrace=False)
+        backend = keywords.pop("backend", "auto")
+        for name in ("device", "progress"):
+            keywords.pop(name, None)
+        devices = None
+        if concrete_backend(backend) == "cuda":
+            devices = rank_devices(self.worker, self.settings.devices, torch.cuda.device_count(), int(world_size))
+            if len(devices) < int(world_size):
+                pytest.fail(f"cudagraph_verify_distributed: world_size={world_size} needs {world_size} GPUs; "
+                            f"this worker has {devices}", pytrace=False)
+        report = verify_distributed(build, make_inputs, world_size=int(world_size), backend=backend,
+                                    devices=devices, **own, **keywords)
+        self.reports.append(report)
+        self._sink(make_record(report.to_dict(), {**keywords, "world_size": world_size}))
         if not report.ok:
             pytest.fail(report.format(), pytrace=False)
         return report

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from .bench.fixture import BenchmarkRunner
-    from .harness import ManagerFactory, RunnerVerifier, Verifier
+    from .harness import DistributedVerifier, ManagerFactory, RunnerVerifier, Verifier
     from .plan.properties import DispatchProperties
 
 _CUDA_MARKER = "cuda: the test needs a CUDA device; it is skipped cleanly where none is available"
@@ -94,6 +94,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "every visible device. Without xdist the first is used. ini: cudagraph_devices",
     )
     group.addoption(
+        "--cudagraph-world-size",
+        action="store",
+        default=None,
+        dest="cudagraph_world_size",
+        metavar="N",
+        help="ranks of cudagraph_verify_distributed calls that do not set world_size (one process a rank; "
+        "on CUDA one GPU a rank: under pytest-xdist worker gw<K> takes N consecutive devices of "
+        "--cudagraph-devices). ini: cudagraph_world_size",
+    )
+    group.addoption(
         "--cudagraph-split",
         action="store",
         default=None,
@@ -122,6 +132,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("cudagraph_devices", "CUDA devices for xdist workers, such as 0,1 (as --cudagraph-devices)",
                   default="")
     parser.addini("cudagraph_split", "test or descriptor (as --cudagraph-split)", default="")
+    parser.addini("cudagraph_world_size", "ranks of distributed verifications (as --cudagraph-world-size)",
+                  default="")
     parser.addini("cudagraph_nonfinite_padding", "pad with NaN and inf too (as --cudagraph-nonfinite-padding)",
                   type="bool", default=False)
 
@@ -150,7 +162,8 @@ class _Collector:
 
 #: The plugin's fixtures: a test that requests one (or carries the marker) is listed in the JSON report.
 _PLUGIN_FIXTURES = frozenset(
-    {"cudagraph_verify", "cudagraph_verify_runner", "cudagraph_manager", "cudagraph_benchmark",
+    {"cudagraph_verify", "cudagraph_verify_runner", "cudagraph_verify_distributed", "cudagraph_manager",
+     "cudagraph_benchmark",
      "cudagraph_dispatch_properties", "_cudagraph_slice"}
 )
 
@@ -385,6 +398,25 @@ def cudagraph_verify_runner(request: pytest.FixtureRequest) -> RunnerVerifier:
     state = _state(request.config)
     record = functools.partial(state.add_pending, request.node.nodeid)
     return RunnerVerifier(state.settings, settings.marker_keywords(request.node), record)
+
+
+@pytest.fixture
+def cudagraph_verify_distributed(request: pytest.FixtureRequest) -> DistributedVerifier:
+    """``cudagraph_verify_distributed(build, make_inputs, **keywords) -> VerifyReport``.
+
+    Runs ``pytest_cudagraph.verify_distributed``: ``build(rank, world_size)``
+    in a process a rank, verified on every rank and the ranks against each
+    other. Keywords from the call, then the ``cudagraph`` marker, then the
+    settings (``--cudagraph-sizes``, ``--cudagraph-backend``,
+    ``--cudagraph-world-size``); fails the test with the readable report when
+    a check fails.
+    """
+    from .harness import DistributedVerifier
+
+    state = _state(request.config)
+    record = functools.partial(state.add_pending, request.node.nodeid)
+    worker = request.config.workerinput["workerid"] if hasattr(request.config, "workerinput") else None
+    return DistributedVerifier(state.settings, settings.marker_keywords(request.node), record, worker=worker)
 
 
 def _hook_checks(request: pytest.FixtureRequest) -> list[Any]:

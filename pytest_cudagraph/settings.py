@@ -110,6 +110,8 @@ class Settings:
     split: str = "test"
     #: padding_isolation also fills padded rows with NaN and inf (a strictness).
     nonfinite_padding: bool = False
+    #: Ranks of distributed verifications that do not set world_size (None: they must).
+    world_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +122,7 @@ class Settings:
             "devices": list(self.devices) if self.devices is not None else None,
             "split": self.split,
             "nonfinite_padding": self.nonfinite_padding,
+            "world_size": self.world_size,
         }
 
 
@@ -174,6 +177,25 @@ def parse_devices(value: object, source: str) -> tuple[int, ...]:
     if len(set(devices)) != len(devices):
         raise pytest.UsageError(f"{source}: {expected}, each once; got {value!r}")
     return devices
+
+
+def parse_world_size(value: object, source: str) -> int:
+    """A positive number of ranks; UsageError naming ``source`` otherwise."""
+    text = str(value).strip()
+    if not re.fullmatch(r"\d+", text) or int(text) < 1:
+        raise pytest.UsageError(f"{source}: expected a positive number of ranks, such as 2; got {value!r}")
+    return int(text)
+
+
+def rank_devices(worker: str | None, devices: tuple[int, ...] | None, count: int, world_size: int) -> list[int]:
+    """The CUDA devices of one distributed verification's ranks: ``world_size``
+    consecutive devices of ``devices`` (every visible device by default), the
+    block of xdist worker ``gw<N>`` being the N-th, round robin."""
+    pool = devices if devices is not None else tuple(range(count))
+    blocks = max(1, len(pool) // world_size)
+    match = re.fullmatch(r"gw(\d+)", worker or "")
+    block = (int(match.group(1)) if match else 0) % blocks
+    return list(pool[block * world_size:(block + 1) * world_size])
 
 
 def parse_split(value: object, source: str) -> str:
@@ -239,9 +261,10 @@ def session_settings(config: pytest.Config) -> Settings:
     split = _option_or_ini(config, "split", parse_split) or "test"
     strict_opt = config.getoption("cudagraph_nonfinite_padding", default=None)
     nonfinite = bool(strict_opt) if strict_opt is not None else _ini_bool(config, "cudagraph_nonfinite_padding")
+    world_size = _option_or_ini(config, "world_size", parse_world_size)
     return Settings(verify=verify, backend=backend, sizes=sizes, report=_path(config, "cudagraph_report"),
                     bench_report=_path(config, "cudagraph_bench_report"), devices=devices, split=split,
-                    nonfinite_padding=nonfinite)
+                    nonfinite_padding=nonfinite, world_size=world_size)
 
 
 def _path(config: pytest.Config, name: str) -> Path | None:

@@ -118,6 +118,9 @@ RC = "pytest_cudagraph/runner/checks.py"
 RX = "pytest_cudagraph/runner/context.py"
 RV = "pytest_cudagraph/runner/verify.py"
 RUNNER_TESTS = ("tests/test_runner.py",)
+DV = "pytest_cudagraph/distributed/verify.py"
+EM = "pytest_cudagraph/backends/emulate.py"
+DIST_TESTS = ("tests/test_distributed.py",)
 REGISTRY = ("tests/test_registry.py",)
 ONE_EACH = ("tests/test_one_outcome_each.py",)
 
@@ -314,6 +317,15 @@ MUTANTS: list[Mutant] = [
            "            kept = first", RUNNER_TESTS, "output_lifetime compares an output with itself"),
     Mutant("runner-fresh-same-inputs", RC, "        out, _ = ctx.call_runner(second)",
            "        out, _ = ctx.call_runner(first)", RUNNER_TESTS, "fresh_inputs calls the runner on the first inputs again"),
+    # -- verify_distributed and the emulator's collectives ------------------------------------
+    Mutant("dist-outputs-not-compared", DV, "diff = first_difference(b.output, a.output)",
+           "diff = first_difference(a.output, a.output)", DIST_TESTS, "rank_agreement compares rank 0 with itself"),
+    Mutant("dist-descriptor-not-compared", DV, "if a.descriptor != b.descriptor:", "if False:", DIST_TESTS,
+           "ranks that serve a batch with different graphs agree"),
+    Mutant("emulate-collective-not-replayed", EM,
+           "    if _is_collective(func):\n        return True  # c10d's",
+           "    if False:\n        return True  # c10d's", DIST_TESTS,
+           "replay does not issue the captured all-reduce again"),
     Mutant("runner-capture-state-unchecked", RV, '        if "state" in selected:', "        if False:",
            RUNNER_TESTS, "what the runner's capture() wrote into live state is never compared"),
     Mutant("runner-capture-not-called", RV, "    if callable(capture):", "    if False:", RUNNER_TESTS,

@@ -682,3 +682,10 @@ def test_only_the_checked_capture_keeps_its_samples(backend, device, checked):
     assert len(alive) == (len(mgr.captured_descriptors) if checked else 0)
     x = torch.randn(3, 32, device=device)
     assert torch.equal(mgr.run(x=x), eager(mgr.module, x=x))
+
+
+def test_make_inputs_that_returns_another_token_count_is_named(backend, device):
+    base = models.mlp_inputs(device=device)
+    mgr = make(models.MLP(), lambda t, r: base(t + (t == 2), r), backend, device, progress=False)
+    with pytest.raises(ValueError, match=r"make_inputs\(num_tokens=2, num_reqs=2\) returned a batch of 3 tokens"):
+        mgr.capture()

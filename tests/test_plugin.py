@@ -320,6 +320,7 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
     inner.makeini(
         "[pytest]\ncudagraph_verify = true\ncudagraph_backend = emulate\n"
         "cudagraph_sizes = 4 2 1\ncudagraph_report = out/cg.json\ncudagraph_split = test\ncudagraph_devices = 0\n"
+        "cudagraph_world_size = 2\n"
     )
     inner.makepyfile(
         """
@@ -339,7 +340,7 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
     )
     data = json.loads(path.read_text())
     assert data["settings"] == {"verify": True, "backend": "emulate", "sizes": [1, 2, 4], "report": str(path),
-                                "devices": [0], "split": "test", "nonfinite_padding": False}
+                                "devices": [0], "split": "test", "nonfinite_padding": False, "world_size": 2}
     # the options beat their ini twins
     result = inner.runpytest("--cudagraph-sizes=1,2", "--cudagraph-report=other.json")
     result.assert_outcomes(failed=1)  # 2 descriptors planned now, not 3
@@ -469,7 +470,7 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     assert (data["complete"], data["exitstatus"], data["passed"]) == (True, 1, False)
     assert data["outcomes"] == {"passed": 2, "failed": 1}
     assert data["settings"] == {"verify": False, "backend": "auto", "sizes": None, "report": str(path),
-                                "devices": None, "split": "test", "nonfinite_padding": False}
+                                "devices": None, "split": "test", "nonfinite_padding": False, "world_size": None}
     # every test that used the plugin: test_not_verifying made a manager, and verified nothing
     assert set(data["tests"]) == {"test_rep.py::test_twice", "test_rep.py::test_buggy",
                                   "test_rep.py::test_not_verifying"}

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..guard import CaptureGuard
 from .base import Backend, CapturedGraph, OpenCapture
@@ -95,7 +95,40 @@ def _mutates(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None:
         return True  # unknown: re-run it rather than risk skipping a write
+    if _is_collective(func):
+        return True  # c10d's in-place collectives write their inputs without saying so in the schema
     return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+#: The namespaces of torch.distributed's ops: ``dist.all_reduce`` and the rest
+#: reach the dispatcher as ``c10d::allreduce_`` (in place, returning a Work
+#: to wait on), functional collectives as ``_c10d_functional::all_reduce``
+#: (a new tensor, waited on by ``wait_tensor``).
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+
+
+def _is_collective(func: Any) -> bool:
+    return getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES
+
+
+#: Set by the distributed harness in a rank's process: a context manager
+#: around each collective the replay issues, which says where a rank waits.
+collective_watch: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None
+
+
+def _waited(func: Any, result: Any) -> Any:
+    """A collective's result once it has completed: replay issues it again as
+    the capture did, and what the capture's caller waited on (the Work of an
+    in-place collective, the tensor of a functional one) is waited on here."""
+    if getattr(func, "namespace", None) == "c10d":
+        for item in tree_flatten(result)[0]:
+            wait = getattr(item, "wait", None)
+            if wait is not None and not isinstance(item, torch.Tensor):
+                wait()
+        return result
+    if getattr(func, "_opname", None) != "wait_tensor":
+        return tree_map_only(torch.Tensor, torch.ops._c10d_functional.wait_tensor, result)
+    return result
 
 
 def _map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
@@ -121,7 +154,12 @@ class _Step:
         self.targets = targets
 
     def __call__(self) -> None:
-        result = self.func(*self.args, **self.kwargs)
+        if _is_collective(self.func):
+            watch = collective_watch
+            with watch(str(self.func)) if watch is not None else contextlib.nullcontext():
+                result = _waited(self.func, self.func(*self.args, **self.kwargs))
+        else:
+            result = self.func(*self.args, **self.kwargs)
         if not self.targets:
             return
         if isinstance(result, torch.Tensor):

@@ -71,9 +71,13 @@ class Outcome:
     finding: Finding | None = None
     skipped: bool = False
     figures: dict[str, Any] = field(default_factory=dict)
+    #: The rank that saw it (``verify_distributed``; None: one process, or all ranks).
+    rank: int | None = None
 
     def headline(self) -> str:
         where = self.descriptor.label() if self.descriptor is not None else "module"
+        if self.rank is not None:
+            where += f" rank {self.rank}"
         status = "SKIP" if self.skipped else ("ok" if self.passed else "FAIL")
         return f"{status:4} {self.check:<22} {where}"
 
@@ -86,6 +90,7 @@ class Outcome:
             "message": self.message,
             "finding": _jsonable(asdict(self.finding)) if self.finding is not None else None,
             "figures": _jsonable(self.figures),
+            "rank": self.rank,
         }
 
 
@@ -144,6 +149,8 @@ class VerifyReport:
         grouped: dict[tuple[str, str], list[str]] = {}
         for o in self.skips:
             where = o.descriptor.label() if o.descriptor is not None else "module"
+            if o.rank is not None:
+                where += f" rank {o.rank}"
             grouped.setdefault((o.check, o.message), []).append(where)
         return [(check, reason, where) for (check, reason), where in grouped.items()]
 

@@ -324,7 +324,14 @@ class CapturePart(RuntimePart):
                     if self._is_padding is not None:
                         kwargs["is_padding"].fill_(False)
                 return
-        self.load_inputs(desc, sample, self.batch_of(sample, num_reqs=reqs))
+        batch = self.batch_of(sample, num_reqs=reqs)
+        if batch.num_tokens != desc.num_tokens:
+            raise MakeInputsError(
+                f"make_inputs(num_tokens={desc.num_tokens}, num_reqs={reqs}) returned a batch of "
+                f"{batch.num_tokens} tokens; make_inputs must return exactly num_tokens tokens (a rank or a "
+                "call that adds its own makes another batch than its peers')"
+            )
+        self.load_inputs(desc, sample, batch)
 
     # -- warm-up ----------------------------------------------------------
     def _warm_up(self, order: list[BatchDescriptor], *,

@@ -1,0 +1,1 @@
+"""Tensor-parallel modules verified on every rank: `pytest examples/tensor_parallel`."""

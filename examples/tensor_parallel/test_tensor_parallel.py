@@ -1,0 +1,116 @@
+"""Tensor-parallel modules on 2 ranks (gloo on the CPU): each rank's graphs, and the ranks against each other.
+
+``verify_distributed`` starts one process a rank, verifies every rank's
+shard as ``verify`` does, and adds ``rank_agreement``: the ranks run the same
+descriptors with the same padding, their replicated outputs are equal, and a
+rank stuck in a collective is named with the collective it waits in.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import pytest_cudagraph
+from examples.tensor_parallel import buggy, tp
+from pytest_cudagraph.checks import VerifyReport
+
+WORLD_SIZE = 2
+CONFIG: dict[str, Any] = {"world_size": WORLD_SIZE, "capture_sizes": [1, 2, 4], "backend": "emulate"}
+#: A bug whose ranks stop talking is reported at this timeout: keep it short.
+HANG_TIMEOUT = 20.0
+
+# (build, make_inputs, reference) of the correct modules.
+MODELS = {
+    "mlp": (tp.build_tp_mlp, tp.make_inputs, tp.reference_mlp),
+    "attention": (tp.build_tp_attention, tp.make_inputs, tp.reference_attention),
+    "mlp-all-gather": (tp.build_tp_mlp_all_gather, tp.make_inputs, tp.reference_mlp),
+}
+
+# (build, make_inputs, a pattern the rank_agreement message must match). The
+# twin of each is TPMLP with tp.make_inputs (test_tp_mlp_with_the_fixture).
+BUGS = {
+    # Rank 1 runs one more row: on gloo the all-reduce of mismatched sizes
+    # stops a rank; on NCCL it would hang or read garbage.
+    "RankDependentPadding": (buggy.build_rank_dependent_padding, buggy.make_inputs_rank_dependent,
+                             r"all_reduce"),
+    # Rank 1 leaves a collective out: a rank is named with the all_reduce it is stuck in.
+    "SkippedCollective": (buggy.build_skipped_collective, tp.make_inputs, r"rank [01]\b[^;]*\ball_reduce"),
+    # Each rank is right on its own; the replicated outputs differ, on rank 1.
+    "RankBranch": (buggy.build_rank_branch, tp.make_inputs, r"rank 1\b"),
+}
+
+
+@pytest.mark.parametrize("name", ["attention", "mlp-all-gather"])
+def test_tp_module_passes_on_every_rank(name: str) -> None:
+    build, make_inputs, _ = MODELS[name]
+    report = pytest_cudagraph.verify_distributed(build, make_inputs, **CONFIG)
+    assert report.ok, report.format()
+    assert report.descriptors
+    assert "rank_agreement" in report.checks
+
+
+@pytest.mark.cudagraph(capture_sizes=[1, 2, 4])
+def test_tp_mlp_with_the_fixture(cudagraph_verify_distributed: Callable[..., VerifyReport]) -> None:
+    """TPMLP, the twin of every bug below, through the fixture (capture sizes from the marker)."""
+    report = cudagraph_verify_distributed(tp.build_tp_mlp, tp.make_inputs, world_size=WORLD_SIZE, backend="emulate")
+    assert report.ok and "rank_agreement" in report.checks
+
+
+@pytest.mark.parametrize("name", list(BUGS))
+def test_bug_fails_rank_agreement(name: str) -> None:
+    build, make_inputs, pattern = BUGS[name]
+    report = pytest_cudagraph.verify_distributed(build, make_inputs, timeout=HANG_TIMEOUT, **CONFIG)
+    assert not report.ok
+    agreement = [f for f in report.failures if f.check == "rank_agreement"]
+    assert agreement, report.format()
+    assert any(re.search(pattern, f.message, re.S) for f in agreement), report.format()
+    if name == "RankBranch":
+        # Each rank's graphs match its own eager forward: only the ranks
+        # against each other see it, and rank 1 is the one that differs.
+        assert {f.check for f in report.failures} == {"rank_agreement"}, report.format()
+        assert [f.rank for f in report.failures] == [1]
+
+
+# ---------------------------------------------------------------------------
+# The sharded modules compute what the unsharded ones do (no graphs involved).
+
+
+def _run_shards(rank: int, world_size: int, init_file: str, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(1)
+        x = tp.make_inputs(7, 3)["x"]
+        outputs = {}
+        with torch.no_grad():
+            for name, (build, _, _) in MODELS.items():
+                outputs[name] = build(rank, world_size)(x)
+        torch.save({"x": x, "outputs": outputs}, Path(folder) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_equals_unsharded() -> None:
+    """Every rank's sharded output (eager, after its collective) equals the unsharded module's."""
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_run_shards, args=(WORLD_SIZE, str(Path(folder) / "init"), folder), nprocs=WORLD_SIZE)
+        ranks = [torch.load(Path(folder) / f"rank{r}.pt") for r in range(WORLD_SIZE)]
+    for name, (_, _, reference) in MODELS.items():
+        module: nn.Module = reference()
+        with torch.no_grad():
+            expected = module(ranks[0]["x"])
+        for rank, seen in enumerate(ranks):
+            try:
+                torch.testing.assert_close(seen["outputs"][name], expected)
+            except AssertionError as exc:
+                raise AssertionError(f"{name} on rank {rank} differs from the unsharded module: {exc}") from None

@@ -1,0 +1,206 @@
+"""verify_distributed on two gloo ranks (the emulator): sharded modules, their agreement, a hang."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pytest_cudagraph import verify_distributed
+
+D, HIDDEN = 8, 16
+KW = {"capture_sizes": [1, 2, 4], "max_num_reqs": 4, "checks": ["replay_matches_eager", "real_batches", "state"]}
+
+
+class RowParallel(nn.Module):
+    """Column-parallel then row-parallel, summed over the ranks: the full MLP on every rank."""
+
+    def __init__(self, rank: int, world_size: int, *, skip_on: int | None = None, branch_on: int | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        up, down = nn.Linear(D, HIDDEN), nn.Linear(HIDDEN, D, bias=False)
+        shard = HIDDEN // world_size
+        self.up = nn.Linear(D, shard)
+        self.down = nn.Linear(shard, D, bias=False)
+        with torch.no_grad():
+            self.up.weight.copy_(up.weight[rank * shard:(rank + 1) * shard])
+            self.up.bias.copy_(up.bias[rank * shard:(rank + 1) * shard])
+            self.down.weight.copy_(down.weight[:, rank * shard:(rank + 1) * shard])
+        self.rank, self.skip_on, self.branch_on = rank, skip_on, branch_on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(torch.relu(self.up(x)))
+        if not (self.rank == self.skip_on and x.shape[0] > 2):
+            dist.all_reduce(y)
+        if self.rank == self.branch_on:
+            y = y * 1.5
+        return y
+
+
+def build(rank: int, world_size: int) -> nn.Module:
+    return RowParallel(rank, world_size).eval()
+
+
+def build_skips(rank: int, world_size: int) -> nn.Module:
+    return RowParallel(rank, world_size, skip_on=1).eval()
+
+
+class Stalls(RowParallel):
+    """Rank 1 stops in a loop of its own (a host-side wait, a lock) before the collective of larger batches."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 1 and x.shape[0] > 2:
+            while True:
+                time.sleep(0.05)
+        return super().forward(x)
+
+
+def build_stalls(rank: int, world_size: int) -> nn.Module:
+    return Stalls(rank, world_size).eval()
+
+
+def build_branches(rank: int, world_size: int) -> nn.Module:
+    return RowParallel(rank, world_size, branch_on=1).eval()
+
+
+def make_inputs(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.randn(num_tokens, D)}
+
+
+def make_inputs_by_rank(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
+    # A rank that adds a token: it serves the batch with another graph than its peer.
+    extra = 1 if dist.get_rank() == 1 and num_tokens in (1, 3) else 0
+    return {"x": torch.randn(num_tokens + extra, D)}
+
+
+def _failures(report):
+    return {(o.check, o.rank) for o in report.failures}
+
+
+def test_a_row_parallel_mlp_passes_on_every_rank_and_the_ranks_agree():
+    report = verify_distributed(build, make_inputs, world_size=2, backend="emulate", **KW)
+    assert report.ok, report.format()
+    ranks = {o.rank for o in report.outcomes if o.check != "rank_agreement"}
+    assert ranks == {0, 1}
+    agree = [o for o in report.outcomes if o.check == "rank_agreement"]
+    assert len(agree) == 1 and agree[0].passed and agree[0].figures["batches"] > 0
+
+
+def test_a_python_branch_on_the_rank_breaks_replicated_outputs():
+    report = verify_distributed(build_branches, make_inputs, world_size=2, backend="emulate", **KW)
+    assert ("rank_agreement", 1) in _failures(report), report.format()
+    assert "rank 1" in next(o.message for o in report.failures if o.check == "rank_agreement")
+
+
+def test_ranks_that_pad_differently_are_named():
+    # Rank 1's extra token makes its all-reduce larger than rank 0's: gloo stops a rank on the mismatch,
+    # or the ranks wait in it; either way rank_agreement names the collective (and its shapes).
+    report = verify_distributed(build, make_inputs_by_rank, world_size=2, backend="emulate", timeout=10, **KW)
+    failed = [o for o in report.failures if o.check == "rank_agreement"]
+    assert any("all_reduce of (" in o.message for o in failed), report.format()
+
+
+def test_a_collective_skipped_on_one_rank_is_a_hang_naming_the_rank_and_the_collective():
+    report = verify_distributed(build_skips, make_inputs, world_size=2, backend="emulate", timeout=20, **KW)
+    # Rank 1 skips the all-reduce of its larger batches: its peer waits in it until the timeout, or gloo
+    # stops a rank on the next, mismatched one. Either way the report names the rank and the collective.
+    failed = [o for o in report.failures if o.check == "rank_agreement" and o.rank is not None]
+    assert failed, report.format()
+    assert re.search(r"rank [01] (still running|ended).*in all_reduce", failed[0].message), failed[0].message
+
+
+def test_bad_arguments_say_what_was_expected():
+    with pytest.raises(TypeError, match="picklable"):
+        verify_distributed(lambda r, w: nn.Linear(2, 2), make_inputs, world_size=2, backend="emulate", **KW)
+    with pytest.raises(ValueError, match="world_size"):
+        verify_distributed(build, make_inputs, world_size=0, backend="emulate", **KW)
+    with pytest.raises(ValueError, match="capture_sizes"):
+        verify_distributed(build, make_inputs, world_size=2, backend="emulate")
+    with pytest.raises(TypeError, match="device"):
+        verify_distributed(build, make_inputs, world_size=2, backend="emulate", device="cpu", **KW)
+
+
+def test_a_rank_that_never_comes_is_a_hang_naming_who_waits_in_what():
+    started = time.monotonic()
+    report = verify_distributed(build_stalls, make_inputs, world_size=2, backend="emulate", timeout=8, **KW)
+    assert time.monotonic() - started < 60
+    failed = [o for o in report.failures if o.check == "rank_agreement"]
+    assert failed and failed[0].message.startswith("hang:"), report.format()
+    assert "rank 0 still running after 8 s, in all_reduce" in failed[0].message
+    assert "rank 1 still running" in failed[0].message
+
+
+_FIXTURE_TESTS = """
+import pytest
+from tests.test_distributed import build, build_branches, make_inputs
+
+
+@pytest.mark.cudagraph(capture_sizes=[1, 2, 4], max_num_reqs=4, checks=["real_batches"])
+def test_option_world_size(cudagraph_verify_distributed):
+    report = cudagraph_verify_distributed(build, make_inputs)
+    assert report.ok and "2 ranks" in report.device
+
+
+@pytest.mark.cudagraph(capture_sizes=[1, 2, 4], max_num_reqs=4, checks=["real_batches"])
+def test_a_branch_on_the_rank_fails(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build_branches, make_inputs, world_size=2)
+"""
+
+
+def test_the_fixture_takes_world_size_from_the_call_or_the_option(pytester, monkeypatch, verify_imported):
+    from pathlib import Path
+
+    from tests.conftest import isolate_plugins
+
+    isolate_plugins(monkeypatch)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    pytester.makepyfile(test_ranks=_FIXTURE_TESTS)
+    result = pytester.runpytest_inprocess("--cudagraph-world-size=2", "--cudagraph-backend=emulate",
+                                          "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    assert "FAIL rank_agreement" in result.stdout.str()
+
+
+# -- the agreement itself, on records as ranks write them ----------------------------------
+
+
+def _results(*per_rank):
+    from pytest_cudagraph.distributed.rank import RankResult, Seen
+
+    return {r: RankResult(r, seen=[Seen(*s) for s in seen]) for r, seen in enumerate(per_rank)}
+
+
+@pytest.mark.parametrize(("rank1", "words"), [
+    ([(3, 3, "FULL-T4-R4", torch.ones(3))], None),
+    ([(3, 2, "FULL-T4-R4", torch.ones(3))], "batch shapes differ"),
+    ([(3, 3, "FULL-T8-R8", torch.ones(3))], "rank 0 served it with FULL-T4-R4 and rank 1 with FULL-T8-R8"),
+    ([(3, 3, "FULL-T4-R4", torch.tensor([1.0, 1.0, 2.0]))], "outputs that must be replicated differ"),
+    ([], "rank 1 ran 0 real batches and rank 0 1"),
+])
+def test_rank_agreement_names_what_differs(rank1, words):
+    from pytest_cudagraph.distributed.verify import _agreement
+
+    outcome = _agreement(_results([(3, 3, "FULL-T4-R4", torch.ones(3))], rank1), replicated=True)
+    if words is None:
+        assert outcome.passed and outcome.figures == {"ranks": 2, "batches": 1}
+    else:
+        assert not outcome.passed and outcome.rank == 1 and words in outcome.message, outcome.message
+
+
+def test_sharded_outputs_are_not_compared_when_not_replicated():
+    from pytest_cudagraph.distributed.verify import _agreement
+
+    results = _results([(2, 2, "FULL-T2-R2", torch.zeros(2))], [(2, 2, "FULL-T2-R2", torch.ones(2))])
+    assert _agreement(results, replicated=False).passed
+    assert not _agreement(results, replicated=True).passed
+
+
+def test_four_ranks_agree():
+    report = verify_distributed(build, make_inputs, world_size=4, backend="emulate",
+                                **{**KW, "checks": ["replay_matches_eager"]})
+    assert report.ok, report.format()
+    assert {o.rank for o in report.outcomes if o.check == "replay_matches_eager"} == {0, 1, 2, 3}
