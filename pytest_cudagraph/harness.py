@@ -147,6 +147,17 @@ def _resolve_backend_and_device(
     return backend, default_device(backend)
 
 
+def _recorded(reports: list[VerifyReport], sink: Callable[[dict[str, Any]], None], report: VerifyReport,
+              keywords: Mapping[str, Any]) -> VerifyReport:
+    """What every verifying fixture does with its report: keep it, record it (with the keywords it
+    was made with) for the JSON report, and fail the test with the readable report when a check failed."""
+    reports.append(report)
+    sink(make_record(report.to_dict(), keywords))
+    if not report.ok:
+        pytest.fail(report.format(), pytrace=False)
+    return report
+
+
 class Verifier:
     """``cudagraph_verify(module, make_inputs, **keywords)``: ``verify`` with the test's settings.
 
@@ -236,11 +247,7 @@ class Verifier:
                 "Set the plan in the marker only, or run with --cudagraph-split=test",
                 pytrace=False,
             )
-        self.reports.append(report)
-        self._sink(make_record(report.to_dict(), keywords))
-        if not report.ok:
-            pytest.fail(report.format(), pytrace=False)
-        return report
+        return _recorded(self.reports, self._sink, report, keywords)
 
 
 class RunnerVerifier:
@@ -271,11 +278,7 @@ class RunnerVerifier:
         if "capture_sizes" not in keywords:
             pytest.fail(f"cudagraph_verify_runner {_NO_SIZES}", pytrace=False)
         report = verify_runner(runner, module, make_inputs, **keywords)
-        self.reports.append(report)
-        self._sink(make_record(report.to_dict(), keywords))
-        if not report.ok:
-            pytest.fail(report.format(), pytrace=False)
-        return report
+        return _recorded(self.reports, self._sink, report, keywords)
 
 
 class DistributedVerifier:
@@ -323,11 +326,7 @@ class DistributedVerifier:
                             f"this worker has {devices}", pytrace=False)
         report = verify_distributed(build, make_inputs, world_size=int(world_size), backend=backend,
                                     devices=devices, **own, **keywords)
-        self.reports.append(report)
-        self._sink(make_record(report.to_dict(), {**keywords, "world_size": world_size}))
-        if not report.ok:
-            pytest.fail(report.format(), pytrace=False)
-        return report
+        return _recorded(self.reports, self._sink, report, {**keywords, "world_size": world_size})
 
 
 class ManagerFactory:
