@@ -28,6 +28,7 @@ for s in "$@"; do
     examples-n0) step examples-n0 200 python -m pytest --cudagraph-verify examples/ $P -n 0 --cudagraph-report="$OUT/examples_n0.json" ;;
     examples-n2) step examples-n2 200 python -m pytest --cudagraph-verify examples/ $P -n 2 --cudagraph-split=descriptor --cudagraph-report="$OUT/examples_n2.json" ;;
     examples-n2-test) step examples-n2-test 200 python -m pytest --cudagraph-verify examples/ $P -n 2 --cudagraph-report="$OUT/examples_n2_test.json" ;;
+    distributed) NCCL_NVLS_ENABLE=0 step distributed 240 python -m pytest examples/tensor_parallel -m cuda $P -q -rfE ;;
     phases) step phases 120 python benchmarks/capture_phases.py --rounds 7 ;;
     profile) step profile 200 python benchmarks/bench_replay.py --capture-only --profile-capture --out "$OUT/profile.json" ;;
     bench) step bench 200 python benchmarks/bench_replay.py --out "$OUT/bench.json" ;;

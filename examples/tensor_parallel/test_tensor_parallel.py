@@ -114,3 +114,18 @@ def test_sharded_equals_unsharded() -> None:
                 torch.testing.assert_close(seen["outputs"][name], expected)
             except AssertionError as exc:
                 raise AssertionError(f"{name} on rank {rank} differs from the unsharded module: {exc}") from None
+
+
+# ---------------------------------------------------------------------------
+# On GPUs: NCCL, one GPU a rank, the collectives captured into CUDA graphs.
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tp_module_passes_on_two_gpus(name: str) -> None:
+    if torch.cuda.device_count() < WORLD_SIZE:
+        pytest.skip(f"needs {WORLD_SIZE} CUDA devices, one a rank; {torch.cuda.device_count()} visible")
+    build, make_inputs, _ = MODELS[name]
+    report = pytest_cudagraph.verify_distributed(build, make_inputs, **{**CONFIG, "backend": "cuda"})
+    assert report.ok, report.format()
+    assert {o.rank for o in report.outcomes if o.check != "rank_agreement"} == set(range(WORLD_SIZE))
