@@ -166,7 +166,8 @@ def _merged(results: dict[int, RankResult], hung: dict[int, str], world_size: in
         report.capture_seconds = max(report.capture_seconds, result.report.capture_seconds)
         report.check_seconds = max(report.check_seconds, result.report.check_seconds)
         report.real_batches += result.report.real_batches
-        report.graph_memory = {**result.report.graph_memory} if rank == 0 else report.graph_memory
+        if rank == 0:  # one rank's pools stand for all: every rank captures the same descriptors
+            report.graph_memory = dict(result.report.graph_memory)
     # The ranks' agreement first: when ranks disagree or stop, the failures of
     # the others (a peer's connection reset in their collectives) follow from it.
     per_rank, report.outcomes = report.outcomes, []
