@@ -205,3 +205,17 @@ def test_four_ranks_agree():
                                 **{**KW, "checks": ["replay_matches_eager"]})
     assert report.ok, report.format()
     assert {o.rank for o in report.outcomes if o.check == "replay_matches_eager"} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(("where", "backend", "noted"), [
+    ("after all_reduce of (4, 16)", "cuda", True),  # NCCL returned; the GPU waits
+    ("in all_reduce of (4, 16)", "cuda", False),  # the host itself is in the call
+    ("after all_reduce of (4, 16)", "emulate", False),  # gloo blocks the host: "after" means after
+    ("", "cuda", False),
+])
+def test_a_hang_on_nccl_says_the_gpu_waits(where, backend, noted):
+    from pytest_cudagraph.distributed.verify import _async_note
+
+    assert bool(_async_note(where, backend)) is noted
+    if noted:
+        assert "GPU" in _async_note(where, backend)

@@ -120,12 +120,50 @@ def test_sharded_equals_unsharded() -> None:
 # On GPUs: NCCL, one GPU a rank, the collectives captured into CUDA graphs.
 
 
+#: World sizes tried on GPUs: each skips where fewer GPUs are visible.
+GPU_WORLD_SIZES = (2, 4)
+#: On NCCL a rank starts CUDA and NCCL before its first collective: more room than gloo.
+GPU_HANG_TIMEOUT = 30.0
+# On NCCL a mismatched all-reduce may hang (named by the timeout) or complete
+# on wrong bytes, after which the ranks' descriptors differ: either is caught.
+# NCCL returns before its collective completes, so a hang is named by the
+# rank's last collective and the note that the GPU waits in it.
+GPU_PATTERNS = {**{name: pattern for name, (_, _, pattern) in BUGS.items()},
+                "RankDependentPadding": r"all_reduce[^;]*waits on the GPU|pad to different sizes",
+                "SkippedCollective": r"rank [01]\b[^;]*\ball_reduce[^;]*waits on the GPU"}
+
+
+def _needs_gpus(world_size: int) -> None:
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} CUDA devices, one a rank; {torch.cuda.device_count()} visible")
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_tp_module_passes_on_two_gpus(name: str) -> None:
-    if torch.cuda.device_count() < WORLD_SIZE:
-        pytest.skip(f"needs {WORLD_SIZE} CUDA devices, one a rank; {torch.cuda.device_count()} visible")
+def test_tp_module_passes_on_gpus(name: str, world_size: int) -> None:
+    _needs_gpus(world_size)
     build, make_inputs, _ = MODELS[name]
-    report = pytest_cudagraph.verify_distributed(build, make_inputs, **{**CONFIG, "backend": "cuda"})
+    report = pytest_cudagraph.verify_distributed(build, make_inputs,
+                                                 **{**CONFIG, "world_size": world_size, "backend": "cuda"})
     assert report.ok, report.format()
-    assert {o.rank for o in report.outcomes if o.check != "rank_agreement"} == set(range(WORLD_SIZE))
+    assert {o.rank for o in report.outcomes if o.check != "rank_agreement"} == set(range(world_size))
+    agreement = [o for o in report.outcomes if o.check == "rank_agreement"]
+    assert len(agreement) == 1 and agreement[0].passed and not agreement[0].skipped, report.format()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(BUGS))
+def test_bug_fails_rank_agreement_on_gpus(name: str) -> None:
+    """The gallery on NCCL with the collectives inside CUDA graphs: each bug is still named by rank_agreement."""
+    _needs_gpus(WORLD_SIZE)
+    build, make_inputs, _ = BUGS[name]
+    report = pytest_cudagraph.verify_distributed(build, make_inputs, timeout=GPU_HANG_TIMEOUT,
+                                                 **{**CONFIG, "backend": "cuda"})
+    assert not report.ok
+    agreement = [f for f in report.failures if f.check == "rank_agreement"]
+    assert agreement, report.format()
+    assert any(re.search(GPU_PATTERNS[name], f.message, re.S) for f in agreement), report.format()
+    if name == "RankBranch":
+        assert {f.check for f in report.failures} == {"rank_agreement"}, report.format()
+        assert [f.rank for f in report.failures] == [1]

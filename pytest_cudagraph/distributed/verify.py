@@ -125,7 +125,8 @@ def _launch(world_size: int, folder: Path, backend: str, build: Any, make_inputs
         if path.exists():
             results[rank] = pickle.loads(path.read_bytes())
         elif process.is_alive():
-            missing[rank] = f"rank {rank} still running after {timeout:g} s, {where or 'before its first collective'}"
+            missing[rank] = (f"rank {rank} still running after {timeout:g} s, "
+                             f"{where or 'before its first collective'}{_async_note(where, backend)}")
         else:
             code = process.exitcode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
@@ -142,6 +143,18 @@ def _launch(world_size: int, folder: Path, backend: str, build: Any, make_inputs
             process.kill()
             process.join(5)
     return results, missing
+
+def _async_note(where: str, backend: str) -> str:
+    """Why a rank stuck on NCCL is "after" its collective, not "in" it."""
+    if backend != "cuda" or not where.startswith("after "):
+        return ""
+    # NCCL queues a collective on the GPU and returns to Python at once (so
+    # does a graph replay holding one): the host then blocks on the first
+    # thing that waits for the GPU, while the GPU waits in that collective or
+    # an earlier one whose peer never came.
+    return (" (NCCL returns before a collective completes: the rank waits on the GPU, in this collective or an "
+            "earlier one)")
+
 
 def _merged(results: dict[int, RankResult], hung: dict[int, str], world_size: int, backend: str,
             replicated: bool, timeout: float) -> VerifyReport:
