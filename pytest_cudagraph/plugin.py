@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from .bench.fixture import BenchmarkRunner
     from .harness import DistributedVerifier, ManagerFactory, RunnerVerifier, Verifier
+    from .plan.batch import Batch
     from .plan.properties import DispatchProperties
 
 _CUDA_MARKER = "cuda: the test needs a CUDA device; it is skipped cleanly where none is available"
@@ -114,6 +115,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "one model's descriptors over workers. ini: cudagraph_split",
     )
     group.addoption(
+        "--cudagraph-trace",
+        action="store",
+        default=None,
+        dest="cudagraph_trace",
+        metavar="PATH",
+        help="a trace of real batches (JSON Lines or CSV, one batch a line: num_tokens, num_reqs, ...; see "
+        "cudagraph-plan): verifications run its distinct shapes as their real batches, and the dispatch "
+        "check holds each to the dispatch properties. ini: cudagraph_trace",
+    )
+    group.addoption(
         "--cudagraph-nonfinite-padding",
         action="store_true",
         default=None,
@@ -133,6 +144,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   default="")
     parser.addini("cudagraph_split", "test or descriptor (as --cudagraph-split)", default="")
     parser.addini("cudagraph_world_size", "ranks of distributed verifications (as --cudagraph-world-size)",
+                  default="")
+    parser.addini("cudagraph_trace", "trace of real batches, relative to the ini file (as --cudagraph-trace)",
                   default="")
     parser.addini("cudagraph_nonfinite_padding", "pad with NaN and inf too (as --cudagraph-nonfinite-padding)",
                   type="bool", default=False)
@@ -164,7 +177,7 @@ class _Collector:
 _PLUGIN_FIXTURES = frozenset(
     {"cudagraph_verify", "cudagraph_verify_runner", "cudagraph_verify_distributed", "cudagraph_manager",
      "cudagraph_benchmark",
-     "cudagraph_dispatch_properties", "_cudagraph_slice"}
+     "cudagraph_dispatch_properties", "cudagraph_trace_batches", "_cudagraph_slice"}
 )
 
 
@@ -467,6 +480,19 @@ def cudagraph_dispatch_properties() -> DispatchProperties:
     from .plan.properties import DispatchProperties
 
     return DispatchProperties()
+
+
+@pytest.fixture(scope="session")
+def cudagraph_trace_batches(request: pytest.FixtureRequest) -> tuple[Batch, ...]:
+    """The distinct batch shapes of ``--cudagraph-trace`` (ini ``cudagraph_trace``), smallest first.
+
+    For a suite's own dispatch properties on the shapes its engine sees; the
+    test skips when no trace is given.
+    """
+    shapes = _state(request.config).settings.trace_shapes
+    if shapes is None:
+        pytest.skip("no trace: give --cudagraph-trace=PATH (or ini cudagraph_trace)")
+    return shapes
 
 
 @pytest.fixture

@@ -13,12 +13,13 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import MISSING, dataclass, replace
+from dataclasses import MISSING, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+from .plan.batch import Batch
 from .plan.config import CaptureConfig
 from .plan.modes import GraphMode
 
@@ -79,6 +80,7 @@ _MARKER_DEFAULTS: tuple[tuple[str, str], ...] = (
     ("nonfinite_padding", "False"),
     ("batch_dims", "None"),
     ("progress", "None"),
+    ("batches", "None"),
 )
 MARKER_KEYWORDS: tuple[str, ...] = tuple(name for name, _ in _MARKER_DEFAULTS)
 #: Keywords the ``cudagraph_verify`` fixture takes: the marker's and ``exhaustive``.
@@ -112,6 +114,10 @@ class Settings:
     nonfinite_padding: bool = False
     #: Ranks of distributed verifications that do not set world_size (None: they must).
     world_size: int | None = None
+    #: A trace of real batches (--cudagraph-trace): verifications run its shapes.
+    trace: Path | None = None
+    #: The trace's distinct batch shapes, read once for the session.
+    trace_shapes: tuple[Batch, ...] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -123,6 +129,7 @@ class Settings:
             "split": self.split,
             "nonfinite_padding": self.nonfinite_padding,
             "world_size": self.world_size,
+            "trace": str(self.trace) if self.trace is not None else None,
         }
 
 
@@ -262,9 +269,22 @@ def session_settings(config: pytest.Config) -> Settings:
     strict_opt = config.getoption("cudagraph_nonfinite_padding", default=None)
     nonfinite = bool(strict_opt) if strict_opt is not None else _ini_bool(config, "cudagraph_nonfinite_padding")
     world_size = _option_or_ini(config, "world_size", parse_world_size)
+    trace = _path(config, "cudagraph_trace")
     return Settings(verify=verify, backend=backend, sizes=sizes, report=_path(config, "cudagraph_report"),
                     bench_report=_path(config, "cudagraph_bench_report"), devices=devices, split=split,
-                    nonfinite_padding=nonfinite, world_size=world_size)
+                    nonfinite_padding=nonfinite, world_size=world_size, trace=trace,
+                    trace_shapes=read_trace_shapes(trace, config) if trace is not None else None)
+
+
+def read_trace_shapes(path: Path, config: pytest.Config) -> tuple[Batch, ...]:
+    """The distinct batch shapes of the trace at ``path``; a trace that cannot be read is a UsageError."""
+    from .plan.trace import TraceError, read_trace
+
+    source = "--cudagraph-trace" if config.getoption("cudagraph_trace", default=None) else "ini option cudagraph_trace"
+    try:
+        return tuple(read_trace(path).shapes)
+    except TraceError as exc:
+        raise pytest.UsageError(f"{source}: {exc}") from None
 
 
 def _path(config: pytest.Config, name: str) -> Path | None:
@@ -454,6 +474,8 @@ def verify_keywords(
     keywords["backend"] = test.backend
     keywords["exhaustive"] = test.verify
     keywords["nonfinite_padding"] = test.nonfinite_padding
+    if run.trace_shapes is not None and "batches" not in keywords:
+        keywords["batches"] = run.trace_shapes
     if test.sizes is not None:
         keywords["capture_sizes"] = test.sizes
     return keywords

@@ -120,6 +120,9 @@ RV = "pytest_cudagraph/runner/verify.py"
 RUNNER_TESTS = ("tests/test_runner.py",)
 DV = "pytest_cudagraph/distributed/verify.py"
 EM = "pytest_cudagraph/backends/emulate.py"
+TR = "pytest_cudagraph/plan/trace.py"
+CX = "pytest_cudagraph/checks/context.py"
+TRACE_TESTS = ("tests/test_trace.py",)
 DIST_TESTS = ("tests/test_distributed.py",)
 REGISTRY = ("tests/test_registry.py",)
 ONE_EACH = ("tests/test_one_outcome_each.py",)
@@ -330,6 +333,21 @@ MUTANTS: list[Mutant] = [
            RUNNER_TESTS, "what the runner's capture() wrote into live state is never compared"),
     Mutant("runner-capture-not-called", RV, "    if callable(capture):", "    if False:", RUNNER_TESTS,
            "the runner's capture() never called"),
+    # -- capture sizes from a trace (plan/trace.py, --cudagraph-trace) -------------------------------------
+    Mutant("trace-hull-keeps-useless-lines", TR, "if (b - b1) * (a1 - a2) <= (b2 - b1) * (a1 - a):",
+           "if (b - b1) * (a1 - a2) < (b2 - b1) * (a1 - a) and False:", TRACE_TESTS,
+           "the lower envelope keeps lines it should drop (the walk then stops on a worse one)"),
+    Mutant("trace-walk-stops-early", TR, "slopes[head + 1] * x + inter[head + 1] <= slopes[head] * x + inter[head]",
+           "slopes[head + 1] * x + inter[head + 1] < slopes[head] * x + inter[head] - 1", TRACE_TESTS,
+           "the query walk stops before the best line"),
+    Mutant("trace-cost-forgets-tokens", TR, "cur[j] = x * counts[j] - tokens[j] + slopes[head] * x + inter[head]",
+           "cur[j] = x * counts[j] + slopes[head] * x + inter[head]", TRACE_TESTS,
+           "the padding of a layer ignores the real tokens"),
+    Mutant("trace-largest-not-forced", TR, "        if cur[m] is not None and (best_cost is None or cur[m] < best_cost):",
+           "        if cur[m] is not None and (best_cost is None or cur[m] > best_cost):", TRACE_TESTS,
+           "the worst number of sizes is kept instead of the best"),
+    Mutant("trace-shapes-ignored", CX, "        if self.given_batches is not None:",
+           "        if False:", TRACE_TESTS, "--cudagraph-trace shapes are not what the checks run"),
 
 ]
 

@@ -320,8 +320,11 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
     inner.makeini(
         "[pytest]\ncudagraph_verify = true\ncudagraph_backend = emulate\n"
         "cudagraph_sizes = 4 2 1\ncudagraph_report = out/cg.json\ncudagraph_split = test\ncudagraph_devices = 0\n"
-        "cudagraph_world_size = 2\n"
+        "cudagraph_world_size = 2\ncudagraph_trace = traces/t.csv\n"
     )
+    # Batches the plan of 1, 2, 4 tokens serves: each descriptor gets one.
+    (inner.path / "traces").mkdir()
+    (inner.path / "traces" / "t.csv").write_text("num_tokens,num_reqs\n1,1\n2,1\n3,2\n3,2\n")
     inner.makepyfile(
         """
         def test_x(cudagraph_verify, cudagraph_backend):
@@ -336,11 +339,12 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
     path = inner.path / "out" / "cg.json"
     result.stdout.fnmatch_lines(
         [f"cudagraph: backend=emulate, verify=every descriptor and every check, sizes=1,2,4, report={path}, "
-         "devices=0"]
+         f"devices=0, trace={inner.path / 'traces' / 't.csv'} (3 batch shapes)"]
     )
     data = json.loads(path.read_text())
     assert data["settings"] == {"verify": True, "backend": "emulate", "sizes": [1, 2, 4], "report": str(path),
-                                "devices": [0], "split": "test", "nonfinite_padding": False, "world_size": 2}
+                                "devices": [0], "split": "test", "nonfinite_padding": False, "world_size": 2,
+                                "trace": str(inner.path / "traces" / "t.csv")}
     # the options beat their ini twins
     result = inner.runpytest("--cudagraph-sizes=1,2", "--cudagraph-report=other.json")
     result.assert_outcomes(failed=1)  # 2 descriptors planned now, not 3
@@ -470,7 +474,8 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     assert (data["complete"], data["exitstatus"], data["passed"]) == (True, 1, False)
     assert data["outcomes"] == {"passed": 2, "failed": 1}
     assert data["settings"] == {"verify": False, "backend": "auto", "sizes": None, "report": str(path),
-                                "devices": None, "split": "test", "nonfinite_padding": False, "world_size": None}
+                                "devices": None, "split": "test", "nonfinite_padding": False, "world_size": None,
+                                "trace": None}
     # every test that used the plugin: test_not_verifying made a manager, and verified nothing
     assert set(data["tests"]) == {"test_rep.py::test_twice", "test_rep.py::test_buggy",
                                   "test_rep.py::test_not_verifying"}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -112,6 +112,7 @@ class VerifyContext(ModuleState):
         nonfinite_padding: bool = False,
         plan_dispatch: bool = False,
         dispatch_here: bool = True,
+        batches: Sequence[Batch] | None = None,
     ) -> None:
         super().__init__(manager.module, scratch_state, seed)
         self.manager = manager
@@ -134,6 +135,10 @@ class VerifyContext(ModuleState):
         self.dispatch_here = dispatch_here
         #: What checks prepared before capture, by check name (address_stability: the addresses).
         self.prepared: dict[str, Any] = {}
+        #: Real batches given by the caller (a trace's shapes) in place of the sweep, and which
+        #: descriptor serves each (found once).
+        self.given_batches = tuple(batches) if batches is not None else None
+        self._served: dict[BatchDescriptor, list[Batch]] | None = None
 
     def module_is_random(self, desc: BatchDescriptor) -> bool:
         """Whether eager output depends on the seed at this descriptor's shape."""
@@ -151,7 +156,15 @@ class VerifyContext(ModuleState):
 
     # -- real batches ---------------------------------------------------
     def real_batches(self, desc: BatchDescriptor) -> list[Batch]:
-        """Every real batch ``desc`` serves, one per token count, smallest first."""
+        """Every real batch ``desc`` serves, one per token count, smallest first; or, when the
+        caller gave batches (a trace's), those of them ``desc`` serves."""
+        if self.given_batches is not None:
+            if self._served is None:
+                self._served = {}
+                for batch in sorted(self.given_batches, key=lambda b: (b.num_tokens, b.num_reqs)):
+                    # The plan's answer: a verification split by descriptor captures one graph only.
+                    self._served.setdefault(self.manager.plan.dispatch_batch(batch), []).append(batch)
+            return list(self._served.get(desc, ()))
         plan = self.manager.plan
         reqs_cap = self.manager.capture_reqs(desc)
         found: list[Batch] = []

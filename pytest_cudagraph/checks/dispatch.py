@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ..manager import GraphManager
-from ..plan import BatchDescriptor
+from ..plan import Batch, BatchDescriptor
 from ..plan.properties import DispatchPropertyError, check_dispatch, check_reachability
 from ..strategies import batches, invalid_batches
 from .context import VerifyContext
@@ -18,13 +18,15 @@ from .report import Finding, Outcome
 __all__ = ["dispatch_check", "dispatch_properties"]
 
 
-def dispatch_properties(manager: GraphManager, *, max_examples: int, plan_only: bool = False) -> Outcome:
+def dispatch_properties(manager: GraphManager, *, max_examples: int, plan_only: bool = False,
+                        trace_batches: Sequence[Batch] = ()) -> Outcome:
     """Every dispatch property, for generated real batches, against ``manager.dispatch``.
 
     Runs only when every descriptor of the plan is captured: with a subset,
     a batch whose planned graph was not captured runs eagerly on purpose.
     ``plan_only`` (a verification split by descriptor, whose items each
     capture one) tests the plan's dispatch as if every graph were captured.
+    ``trace_batches`` (a trace's shapes) are held to every property first.
     """
     plan = manager.plan
     captured = tuple(plan.descriptors) if plan_only else manager.captured_descriptors
@@ -35,6 +37,8 @@ def dispatch_properties(manager: GraphManager, *, max_examples: int, plan_only: 
                                "dispatch is not property-tested")
     try:
         check_reachability(plan, dispatch=dispatch, captured=captured)
+        for batch in trace_batches:
+            check_dispatch(plan, batch, dispatch=dispatch, captured=captured)
 
         @settings(max_examples=max_examples, derandomize=True, database=None, deadline=None,
                   suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
@@ -46,7 +50,8 @@ def dispatch_properties(manager: GraphManager, *, max_examples: int, plan_only: 
     except DispatchPropertyError as exc:
         return Outcome("dispatch", None, False, str(exc),
                        Finding(real_batch=exc.batch.shape() if exc.batch is not None else None))
-    return Outcome("dispatch", None, True, figures={"examples": max_examples})
+    figures = {"examples": max_examples, **({"trace_batches": len(trace_batches)} if trace_batches else {})}
+    return Outcome("dispatch", None, True, figures=figures)
 
 
 def dispatch_check(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> Outcome:
@@ -58,4 +63,5 @@ def dispatch_check(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> Outc
         return Outcome("dispatch", None, True, skipped=True,
                        message="a verification split by descriptor property-tests the plan's dispatch once, in "
                                "the item of the plan's first descriptor")
-    return dispatch_properties(ctx.manager, max_examples=200, plan_only=ctx.plan_dispatch)
+    return dispatch_properties(ctx.manager, max_examples=200, plan_only=ctx.plan_dispatch,
+                               trace_batches=ctx.given_batches or ())

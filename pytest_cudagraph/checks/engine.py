@@ -13,7 +13,8 @@ import torch
 from ..manager import GraphManager
 from ..manager.layout import MakeInputsError, not_a_module
 from ..manager.pieces import EagerSpec
-from ..plan import BatchDescriptor, CaptureConfig
+from ..plan import Batch, BatchDescriptor, CaptureConfig
+from ..plan.properties import invalid_reason
 from ..plan.selection import select_descriptors
 from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
 from .context import ScratchRegion, VerifyContext
@@ -96,6 +97,7 @@ def verify(
     nonfinite_padding: bool = False,
     batch_dims: Mapping[str, int] | None = None,
     progress: bool | None = None,
+    batches: Iterable[Batch] | None = None,
     **config_keywords: Any,
 ) -> VerifyReport:
     """Capture every descriptor of ``module`` and check each against eager.
@@ -123,13 +125,18 @@ def verify(
     probes should not learn it (see ``GraphManager``). ``progress`` shows a
     bar per descriptor checked on stderr: True always, False never, None (the
     default) when stderr is a terminal and the checks run longer than
-    ``PROGRESS_DELAY`` seconds. Bad arguments raise ``ValueError``.
+    ``PROGRESS_DELAY`` seconds. ``batches`` (``Batch``es, such as a trace's
+    shapes: ``pytest_cudagraph.plan.trace.read_trace(path).shapes``) are the
+    real batches the checks run, each with the descriptor that serves it, in
+    place of the sweep of every token count; the dispatch check also holds
+    each of them to the dispatch properties. Bad arguments raise ``ValueError``.
     """
     if not isinstance(module, torch.nn.Module):
         raise ValueError(not_a_module(module))
     registry = registry_with(extra_checks)
     names = registry.select(checks)
     capture_config = _config(config, config_keywords)
+    given = _batches(batches)
     for name, value in (("rtol", rtol), ("atol", atol)):
         if value is not None and (not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"{name} must be a number >= 0 or None (dtype default); got {value!r}")
@@ -143,7 +150,25 @@ def verify(
                        batch_invariant=batch_invariant, exhaustive=exhaustive, pad_values=pad_values,
                        scratch_state=scratch_state, eager_submodules=eager_submodules,
                        descriptors=_labels(descriptors), seed=seed, nonfinite_padding=bool(nonfinite_padding),
-                       batch_dims=batch_dims, progress=progress)
+                       batch_dims=batch_dims, progress=progress, batches=given)
+
+
+def _batches(batches: Iterable[Batch] | None) -> tuple[Batch, ...] | None:
+    """``batches`` checked: real batches dispatch answers (``invalid_reason``), without repeats."""
+    if batches is None:
+        return None
+    if isinstance(batches, (str, bytes, Batch)) or not isinstance(batches, Iterable):
+        raise ValueError(f"batches must be an iterable of pytest_cudagraph.plan.Batch (a trace's shapes: "
+                         f"read_trace(path).shapes); got {type(batches).__name__}")
+    found: dict[Batch, None] = {}
+    for batch in batches:
+        if not isinstance(batch, Batch):
+            raise ValueError(f"batches must hold pytest_cudagraph.plan.Batch objects; got {batch!r}")
+        reason = invalid_reason(batch)
+        if reason is not None or batch.num_tokens == 0:
+            raise ValueError(f"batches: {batch} is not a real batch: {reason or 'it holds no token'}")
+        found[batch] = None
+    return tuple(found)
 
 
 def _verify(
@@ -166,6 +191,7 @@ def _verify(
     nonfinite_padding: bool,
     batch_dims: Mapping[str, int] | None,
     progress: bool | None = None,
+    batches: tuple[Batch, ...] | None = None,
 ) -> VerifyReport:
     torch.manual_seed(seed)
     # The module is verified as it will run: a module left in train mode
@@ -205,7 +231,7 @@ def _verify(
     ctx = VerifyContext(manager, rtol=rtol, atol=atol, batch_invariant=batch_invariant, seed=seed,
                         exhaustive=exhaustive, scratch_state=scratch_state or {},
                         nonfinite_padding=nonfinite_padding, plan_dispatch=descriptors is not None,
-                        dispatch_here=dispatch_here)
+                        dispatch_here=dispatch_here, batches=batches)
     try:
         # Probes, warm-ups and captures run forward many times: the tensors it
         # stores on the module (side outputs) are put back, as its buffers are.

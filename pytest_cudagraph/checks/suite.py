@@ -316,7 +316,8 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         batches = [batches[0], batches[-1]]
     if not batches:
         return Outcome("real_batches", desc, True, skipped=True,
-                       message="no real batch dispatches to this descriptor")
+                       message="no real batch dispatches to this descriptor" if ctx.given_batches is None else
+                       "no batch of the trace (the given batches) dispatches to this descriptor")
     if ctx.module_is_random(desc):
         return Outcome("real_batches", desc, True, skipped=True,
                        message="the module draws random numbers, which cannot match unpadded eager draw for "
