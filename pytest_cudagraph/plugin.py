@@ -9,6 +9,8 @@ and hooks that run tests, so that ``pytest --help`` stays fast.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +127,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "check holds each to the dispatch properties. ini: cudagraph_trace",
     )
     group.addoption(
+        "--cudagraph-isolate",
+        action="store_true",
+        default=None,
+        dest="cudagraph_isolate",
+        help="run each test that uses the plugin in a child process of its own, so that a fault that takes "
+        "the CUDA context down (a device-side assert, an illegal address) costs that test only. "
+        "ini: cudagraph_isolate",
+    )
+    group.addoption(
         "--cudagraph-nonfinite-padding",
         action="store_true",
         default=None,
@@ -147,6 +158,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   default="")
     parser.addini("cudagraph_trace", "trace of real batches, relative to the ini file (as --cudagraph-trace)",
                   default="")
+    parser.addini("cudagraph_isolate", "each plugin test in a child process (as --cudagraph-isolate)",
+                  type="bool", default=False)
     parser.addini("cudagraph_nonfinite_padding", "pad with NaN and inf too (as --cudagraph-nonfinite-padding)",
                   type="bool", default=False)
 
@@ -181,6 +194,37 @@ _PLUGIN_FIXTURES = frozenset(
 )
 
 
+class _LostContext:
+    """What happens after a test takes its process's CUDA context down, under pytest-xdist."""
+
+    #: The exit status of a worker ended because its CUDA context was lost.
+    EXIT = 75
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_logfinish(self, nodeid: str) -> Generator[None, None, None]:
+        yield
+        # A worker whose CUDA context a test took down ends once that test's
+        # reports are sent: the controller starts a fresh worker for the tests
+        # after it, and pytest_handlecrashitem keeps the test from counting twice.
+        if hasattr(self.config, "workerinput") and _state(self.config).lost_here == nodeid:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(self.EXIT)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_handlecrashitem(self, crashitem: str, report: pytest.TestReport) -> None:
+        # The controller: the worker ended after its test lost the CUDA
+        # context. That is no crash of the test (its failure is reported
+        # already) nor of any other: xdist's report of it is logged as a passed teardown.
+        if crashitem in _state(self.config).lost:
+            report.outcome = "passed"
+            report.when = "teardown"
+            report.longrepr = None
+
+
 def _uses_plugin(item: pytest.Item) -> bool:
     fixtures = getattr(item, "fixturenames", ())
     return item.get_closest_marker("cudagraph") is not None or any(f in _PLUGIN_FIXTURES for f in fixtures)
@@ -199,6 +243,11 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.check_session(run, config)  # report paths writable; --cudagraph-backend=cuda has CUDA
     config.stash[pytest_report.STATE_KEY] = pytest_report.RunState(run)
     config.pluginmanager.register(_Collector(config), "cudagraph-collector")
+    config.pluginmanager.register(_LostContext(config), "cudagraph-lost-context")
+    from . import isolate
+
+    if isolate.in_child():  # a test run by --cudagraph-isolate: its reports go back to the parent
+        config.pluginmanager.register(isolate.ChildReporter(config), "cudagraph-isolate-child")
 
 
 def _state(config: pytest.Config) -> pytest_report.RunState:
@@ -285,12 +334,38 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    # --cudagraph-isolate: a test that uses the plugin runs in a child process,
+    # whose reports this process logs as its own.
+    from . import isolate
+
+    if _state(item.config).settings.isolate and _uses_plugin(item) and not isolate.in_child():
+        isolate.run_in_child(item)
+        return True
+    return None
+
+
+def _needs_cuda(item: pytest.Item) -> bool:
+    """A test that runs on the GPU: marked ``cuda``, or using the plugin where the run's backend is CUDA."""
+    if item.get_closest_marker("cuda") is not None:
+        return True
+    return _uses_plugin(item) and settings.concrete_backend(_state(item.config).settings.backend) == "cuda"
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     marker_error = item.stash.get(settings.MARKER_ERROR_KEY, None)
     if marker_error is not None:
         pytest.fail(marker_error, pytrace=False)
     if item.get_closest_marker("cuda") is not None and not _cuda_available():
         pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+    state = _state(item.config)
+    if state.lost_here is not None and _needs_cuda(item):
+        # This process's CUDA context is gone: the test would fail for a fault not its own.
+        state.not_run.append(item.nodeid)
+        pytest.skip(f"not run: this process lost its CUDA context in {state.lost_here} (a sticky CUDA error), so no "
+                    "CUDA call can succeed in it. Run with pytest-xdist (-n N: the worker is replaced) or "
+                    "--cudagraph-isolate (a process per test) so that one fault costs one test")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -299,6 +374,20 @@ def pytest_runtest_makereport(
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     state = _state(item.config)
+    if call.excinfo is not None:
+        from .faults import context_lost_error, note_loss
+
+        lost = context_lost_error(call.excinfo.value)
+        if lost is not None:
+            # Told in words, without the harness's frames: the context is
+            # gone, and no traceback of ours says more than this does.
+            first = note_loss(lost)  # the process's first: where the context was lost
+            message = str(first if lost.where is None else lost)
+            report.longrepr = message
+            report.user_properties.append((pytest_report.LOST_PROPERTY, message))
+            state.lost.setdefault(item.nodeid, message)
+            if state.lost_here is None:
+                state.lost_here = item.nodeid
     records = state.take_pending(item.nodeid)
     if records:
         setattr(report, pytest_report.REPORT_ATTR, records)
@@ -351,6 +440,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
             terminalreporter.line(f"{nodeid}: no verification finished [{state.outcomes[nodeid]}]")
     for line in pytest_report.skipped_lines(state.results):
         terminalreporter.line(line)
+    for nodeid in state.lost:
+        if nodeid == state.lost_here:  # here, without xdist or isolation
+            after = f"; {len(state.not_run)} GPU test(s) after it were not run in this process"
+        elif config.pluginmanager.hasplugin("dsession"):  # xdist's controller
+            after = "; its worker ended after its report, and a fresh one ran the tests after it"
+        else:  # --cudagraph-isolate: the test's own child process
+            after = " (its own child process: --cudagraph-isolate); the tests after it ran"
+        terminalreporter.line(f"cudagraph: {nodeid} lost the CUDA context of its process{after}")
     if state.written is not None:
         terminalreporter.line(f"cudagraph: JSON report written to {state.written}")
     for path in state.bench_written:

@@ -88,6 +88,12 @@ class RunState:
     bench_results: list[dict[str, Any]] = field(default_factory=list)
     #: where the benchmark report went
     bench_written: list[Path] = field(default_factory=list)
+    #: tests whose process lost its CUDA context (a sticky CUDA error), with what was said, by nodeid
+    lost: dict[str, str] = field(default_factory=dict)
+    #: the test that lost this process's CUDA context (None while the context is fine)
+    lost_here: str | None = None
+    #: tests not run in this process because its CUDA context was lost before them
+    not_run: list[str] = field(default_factory=list)
 
     def add_pending(self, nodeid: str, record: dict[str, Any]) -> None:
         self.pending.setdefault(nodeid, []).append(record)
@@ -109,6 +115,9 @@ class RunState:
         rows = getattr(report, BENCH_ATTR, None)
         if rows:
             self.bench_results.extend(rows)
+        for key, value in getattr(report, "user_properties", ()):
+            if key == LOST_PROPERTY:
+                self.lost[nodeid] = str(value)
         crashed = report.failed and report.when not in _PHASES  # xdist: when="???", the worker died
         if records or crashed or getattr(report, USED_ATTR, False):
             self.listed.setdefault(nodeid, None)
@@ -127,6 +136,8 @@ class RunState:
 
 
 STATE_KEY = pytest.StashKey[RunState]()
+#: The user property a report carries when its test's process lost its CUDA context.
+LOST_PROPERTY = "cudagraph_context_lost"
 
 
 # -- records ---------------------------------------------------------------

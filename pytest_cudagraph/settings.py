@@ -118,6 +118,8 @@ class Settings:
     trace: Path | None = None
     #: The trace's distinct batch shapes, read once for the session.
     trace_shapes: tuple[Batch, ...] | None = field(default=None, repr=False, compare=False)
+    #: Each test that uses the plugin runs in a child process of its own.
+    isolate: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -130,6 +132,7 @@ class Settings:
             "nonfinite_padding": self.nonfinite_padding,
             "world_size": self.world_size,
             "trace": str(self.trace) if self.trace is not None else None,
+            "isolate": self.isolate,
         }
 
 
@@ -270,9 +273,11 @@ def session_settings(config: pytest.Config) -> Settings:
     nonfinite = bool(strict_opt) if strict_opt is not None else _ini_bool(config, "cudagraph_nonfinite_padding")
     world_size = _option_or_ini(config, "world_size", parse_world_size)
     trace = _path(config, "cudagraph_trace")
+    isolate_opt = config.getoption("cudagraph_isolate", default=None)
+    isolate = bool(isolate_opt) if isolate_opt is not None else _ini_bool(config, "cudagraph_isolate")
     return Settings(verify=verify, backend=backend, sizes=sizes, report=_path(config, "cudagraph_report"),
                     bench_report=_path(config, "cudagraph_bench_report"), devices=devices, split=split,
-                    nonfinite_padding=nonfinite, world_size=world_size, trace=trace,
+                    nonfinite_padding=nonfinite, world_size=world_size, trace=trace, isolate=isolate,
                     trace_shapes=read_trace_shapes(trace, config) if trace is not None else None)
 
 

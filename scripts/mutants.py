@@ -120,6 +120,9 @@ RV = "pytest_cudagraph/runner/verify.py"
 RUNNER_TESTS = ("tests/test_runner.py",)
 DV = "pytest_cudagraph/distributed/verify.py"
 EM = "pytest_cudagraph/backends/emulate.py"
+FA = "pytest_cudagraph/faults.py"
+PL = "pytest_cudagraph/plugin.py"
+FAULT_TESTS = ("tests/test_faults.py",)
 TR = "pytest_cudagraph/plan/trace.py"
 CX = "pytest_cudagraph/checks/context.py"
 TRACE_TESTS = ("tests/test_trace.py",)
@@ -346,6 +349,18 @@ MUTANTS: list[Mutant] = [
     Mutant("trace-largest-not-forced", TR, "        if cur[m] is not None and (best_cost is None or cur[m] < best_cost):",
            "        if cur[m] is not None and (best_cost is None or cur[m] > best_cost):", TRACE_TESTS,
            "the worst number of sizes is kept instead of the best"),
+    # -- a lost CUDA context (faults.py, the plugin's handling of it) -----------------------------------
+    Mutant("faults-any-code-sticky", FA, "    if code not in STICKY_CODES:\n        return None",
+           "    if code is None:\n        return None", FAULT_TESTS,
+           "out of memory and an invalidated capture are told as a lost context"),
+    Mutant("faults-worker-not-ended", PL, "            os._exit(self.EXIT)", "            pass", FAULT_TESTS,
+           "an xdist worker whose context is lost runs the tests after it"),
+    Mutant("faults-crash-counted-twice", PL, '            report.outcome = "passed"', "            pass",
+           FAULT_TESTS, "the replaced worker is also reported as a crash of the test"),
+    Mutant("faults-gpu-tests-run-after-loss", PL, "    if state.lost_here is not None and _needs_cuda(item):",
+           "    if False:", FAULT_TESTS, "serially, the GPU tests after a lost context fail as their own"),
+    Mutant("faults-phase-untagged", FA, "                exc.cudagraph_where = where  # type: ignore[attr-defined]",
+           "                pass", FAULT_TESTS, "a lost context does not say where it showed"),
     Mutant("trace-shapes-ignored", CX, "        if self.given_batches is not None:",
            "        if False:", TRACE_TESTS, "--cudagraph-trace shapes are not what the checks run"),
 

@@ -344,7 +344,7 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
     data = json.loads(path.read_text())
     assert data["settings"] == {"verify": True, "backend": "emulate", "sizes": [1, 2, 4], "report": str(path),
                                 "devices": [0], "split": "test", "nonfinite_padding": False, "world_size": 2,
-                                "trace": str(inner.path / "traces" / "t.csv")}
+                                "trace": str(inner.path / "traces" / "t.csv"), "isolate": False}
     # the options beat their ini twins
     result = inner.runpytest("--cudagraph-sizes=1,2", "--cudagraph-report=other.json")
     result.assert_outcomes(failed=1)  # 2 descriptors planned now, not 3
@@ -475,7 +475,7 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     assert data["outcomes"] == {"passed": 2, "failed": 1}
     assert data["settings"] == {"verify": False, "backend": "auto", "sizes": None, "report": str(path),
                                 "devices": None, "split": "test", "nonfinite_padding": False, "world_size": None,
-                                "trace": None}
+                                "trace": None, "isolate": False}
     # every test that used the plugin: test_not_verifying made a manager, and verified nothing
     assert set(data["tests"]) == {"test_rep.py::test_twice", "test_rep.py::test_buggy",
                                   "test_rep.py::test_not_verifying"}

@@ -144,6 +144,10 @@ class _CudaCapture(OpenCapture):
         except BaseException:
             self.graph = None
             _leave(self.outer)
+            # capture_begin readies the generator for capture before it
+            # fails: without the recovery every later random op fails.
+            backend._pool = None
+            backend._recover()
             raise
         try:
             # Read once the capture has begun: capture_begin itself allocates,
@@ -193,16 +197,48 @@ class _CudaCapture(OpenCapture):
         return captured
 
     def abort(self) -> None:
-        self.backend._reserved_after = None
+        backend = self.backend
+        backend._reserved_after = None
         # Ending an invalidated capture raises its own, vaguer error; the
         # caller re-raises the error that says why.
         _leave(self.inner)
-        if self.graph is not None:
+        graph, self.graph = self.graph, None
+        if graph is not None:
+            ended = False
             with contextlib.suppress(BaseException):
-                self.graph.capture_end()
-            self.graph = None
+                graph.capture_end()
+                ended = True
+            if not ended:
+                # capture_begin routed the capture stream's allocations into
+                # the pool and counted one more user of it; a capture_end that
+                # fails (an invalidated capture) undoes neither, and the graph
+                # gives the count back only once its capture ended. Without
+                # this the pool, and every block allocated in it, is never
+                # freed: memory lost at every failed capture.
+                _give_back_pool(backend.index, backend._pool)
+            del graph
+        # Later captures take a fresh pool. The failed graph was this pool's
+        # only user when it was the first capture (its death then frees the
+        # pool, and capturing into a handle whose last user died trips the
+        # allocator's "use_count > 0" assertion, after the generator was
+        # readied for capture); and what the failed capture allocated there
+        # (its tensors, the cuBLAS workspace it started) may still be held.
+        backend._pool = None
         _leave(self.outer)
-        self.backend._recover()
+        backend._recover()
+
+
+def _give_back_pool(index: int, pool: Any) -> None:
+    """Stop routing the capture stream's allocations to ``pool`` and drop the
+    failed capture's count on it (PyTorch's private allocator calls; absent
+    in builds without them, where nothing is done)."""
+    if pool is None:
+        return
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        call = getattr(torch._C, name, None)
+        if call is not None:
+            with contextlib.suppress(Exception):
+                call(index, pool)
 
 
 class _GradOff:
@@ -398,6 +434,13 @@ class CudaBackend(Backend):
         # trips the allocator's "use_count > 0" assertion).
         self._pool = None
         self._reserved_after = None
+        # The capture stream's cuBLAS workspace was allocated in that pool
+        # (see begin): while cuBLAS holds it, the pool is never freed. Every
+        # graph of this manager is gone, so nothing replays with it.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            torch.cuda.synchronize(self.index)
+            clear()
         self.trim()
 
     def synchronize(self) -> None:

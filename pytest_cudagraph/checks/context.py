@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .. import faults
 from ..context import running
 from ..guard import as_captured
 from ..manager import GraphManager, tree
@@ -216,9 +217,14 @@ class VerifyContext(ModuleState):
 
     def replay(self, desc: BatchDescriptor) -> Any:
         """Replay on whatever the static buffers hold; a copy of the full output."""
-        out = self.manager.replay(desc)
-        self.manager.synchronize()
-        return clone_tree(out)
+        with self.phase("replay", desc):
+            out = self.manager.replay(desc)
+            self.manager.synchronize()
+            return clone_tree(out)
+
+    def phase(self, name: str, desc: Any) -> Any:
+        """``faults.phase`` for this module: where a lost CUDA context showed."""
+        return faults.phase(name, type(self.module).__name__, desc, self.manager.device)
 
     def eager(self, kwargs: Mapping[str, Any], desc: BatchDescriptor | None = None, *,
               captured_path: bool = True, served_by: BatchDescriptor | None = None) -> Any:
@@ -230,12 +236,14 @@ class VerifyContext(ModuleState):
         ``desc``) answer as they do on replay.
         """
         marker = desc or BatchDescriptor(mode=GraphMode.NONE, num_tokens=0)
+        where = served_by or desc
         if not captured_path:
-            with torch.no_grad(), running(marker):
+            with self.phase("eager", where), torch.no_grad(), running(marker):
                 return clone_tree(self.module(**dict(kwargs)))
         graph = served_by or desc
         exempt = self.manager.eager_modules(graph) if graph is not None else []
-        with torch.no_grad(), running(marker), as_captured(exempt, emulated=self.manager.backend == "emulate"):
+        with self.phase("eager", where), torch.no_grad(), running(marker), \
+                as_captured(exempt, emulated=self.manager.backend == "emulate"):
             return clone_tree(self.module(**dict(kwargs)))
 
     def eager_real(self, inputs: Mapping[str, Any], batch: Batch, *, captured_path: bool = True) -> Any:
@@ -252,4 +260,6 @@ class VerifyContext(ModuleState):
     def run(self, inputs: Mapping[str, Any], batch: Batch) -> Any:
         """The user's path: ``GraphManager.run_batch``."""
         self.real_batches_run += 1
-        return self.manager.run_batch(inputs, batch)
+        desc = self.manager.dispatch_batch(batch)
+        with self.phase("replay" if desc.is_graphed else "eager fallback", desc):
+            return self.manager.run_batch(inputs, batch)

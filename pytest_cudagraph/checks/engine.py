@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
 import torch
 
+from .. import faults
 from ..manager import GraphManager
 from ..manager.layout import MakeInputsError, not_a_module
 from ..manager.pieces import EagerSpec
@@ -144,13 +146,35 @@ def verify(
     # warm-ups, captures, eager references): the random generators are put
     # back afterwards, and so are the module's buffers.
     rng_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=rng_devices):
-        return _verify(module, make_inputs, capture_config, [registry[n] for n in names], backend=backend,
-                       device=device, rtol=rtol, atol=atol,
-                       batch_invariant=batch_invariant, exhaustive=exhaustive, pad_values=pad_values,
-                       scratch_state=scratch_state, eager_submodules=eager_submodules,
-                       descriptors=_labels(descriptors), seed=seed, nonfinite_padding=bool(nonfinite_padding),
-                       batch_dims=batch_dims, progress=progress, batches=given)
+    try:
+        with _lost_context_told(), torch.random.fork_rng(devices=rng_devices):
+            return _verify(module, make_inputs, capture_config, [registry[n] for n in names], backend=backend,
+                           device=device, rtol=rtol, atol=atol,
+                           batch_invariant=batch_invariant, exhaustive=exhaustive, pad_values=pad_values,
+                           scratch_state=scratch_state, eager_submodules=eager_submodules,
+                           descriptors=_labels(descriptors), seed=seed, nonfinite_padding=bool(nonfinite_padding),
+                           batch_dims=batch_dims, progress=progress, batches=given)
+    except faults.ContextLost as lost:
+        # Told from here, without the frames of the harness it went through.
+        raise faults.ContextLost(lost.code, lost.error, lost.where) from None
+
+
+@contextlib.contextmanager
+def _lost_context_told() -> Iterator[None]:
+    """A sticky CUDA error, from wherever it came, leaves as ``ContextLost``
+    (the first the process saw, with the phase it showed in); on CUDA every
+    phase of the verification ends with a synchronize, so it shows where its
+    kernel ran."""
+    if torch.cuda.is_available():
+        faults.watch_out_of_memory()
+    try:
+        with faults.synchronizing(torch.cuda.is_available()):
+            yield
+    except Exception as exc:
+        lost = faults.context_lost_error(exc)
+        if lost is None:
+            raise
+        raise faults.note_loss(lost) from None
 
 
 def _batches(batches: Iterable[Batch] | None) -> tuple[Batch, ...] | None:
@@ -239,7 +263,11 @@ def _verify(
             _run(ctx, report, selected, checks, progress=progress)
         report.real_batches = ctx.real_batches_run
     finally:
-        manager.release()
+        try:
+            manager.release()
+        except Exception as exc:
+            if faults.cuda_error_code(exc) not in faults.STICKY_CODES:
+                raise  # else: the context is gone, and the error that took it is on its way up
     return report
 
 
@@ -305,6 +333,7 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
         try:
             check.prepare(ctx)
         except Exception as exc:  # a check that cannot prepare cannot run: said, not skipped in silence
+            _raise_if_lost(exc)
             report.add([_could_not_run(check, None, exc, "its prepare step raised ")])
         else:
             runnable.append(check)
@@ -351,8 +380,17 @@ def _replace(report: VerifyReport, outcome: Outcome) -> None:
     report.add([outcome])
 
 
+def _raise_if_lost(exc: Exception) -> None:
+    """A sticky CUDA error is no check's failure: every later check would fail the same way."""
+    if faults.cuda_error_code(exc) in faults.STICKY_CODES:
+        raise exc
+
+
 def _could_not_run(check: Check, desc: BatchDescriptor | None, exc: Exception, step: str = "") -> Outcome:
     """A check that raised: a failure that says so, never a pass (nor a crash of verify())."""
+    oom = faults.oom_detail(exc)
+    if oom is not None:  # the process goes on: what the check held is freed with its frames
+        return Outcome(check.name, desc, False, f"the check could not run: {step}{oom} ({type(exc).__name__})")
     return Outcome(check.name, desc, False, f"the check could not run: {step}{type(exc).__name__}: {exc}")
 
 
@@ -362,6 +400,7 @@ def _guarded(check: Check, desc: BatchDescriptor | None, fn: Callable[[], Any]) 
     except MakeInputsError:
         raise  # the caller's make_inputs is wrong: told plainly, as verify's other bad arguments are
     except Exception as exc:
+        _raise_if_lost(exc)
         return _could_not_run(check, desc, exc)
 
 
@@ -373,6 +412,7 @@ def _guarded_each(check: Check, ctx: VerifyContext, descs: list[BatchDescriptor]
     except MakeInputsError:
         raise
     except Exception as exc:
+        _raise_if_lost(exc)
         return [_could_not_run(check, d, exc) for d in descs]
     seen = {o.descriptor for o in outcomes}
     missing = [d for d in descs if d not in seen]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .. import faults
 from ..context import running
 from ..guard import ModuleTracker, find_violations
 from ..manager.capture import MODULE_INTERNALS
@@ -74,16 +75,19 @@ def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list
             kwargs = ctx.load(desc, ctx.make(batch), batch)
 
             def forward(kwargs: dict[str, Any] = kwargs, desc: BatchDescriptor = desc) -> None:
-                with torch.no_grad(), running(desc):
+                with ctx.phase("eager", desc), torch.no_grad(), running(desc):
                     ctx.module(**kwargs)
 
             try:
                 violations = find_violations(forward, tracker, manager.device, exempt=manager.eager_modules(desc))
             except Exception as exc:
+                if faults.cuda_error_code(exc) in faults.STICKY_CODES:
+                    raise  # the process's CUDA context is gone: verify tells it, no check can go on
+                oom = faults.oom_detail(exc, manager.device)
                 outcomes.append(Outcome(
                     "capture_safety", desc, False,
                     f"the module fails eagerly at this shape (tokens={desc.num_tokens}, reqs={reqs}): "
-                    f"{type(exc).__name__}: {exc}",
+                    f"{f'{oom} ({type(exc).__name__})' if oom else f'{type(exc).__name__}: {exc}'}",
                     Finding(submodule=tracker.failed_path),
                 ))
                 continue

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import torch
 
+from .. import faults
 from ..backends.base import CapturedGraph
 from ..context import running
 from ..errors import CaptureError
@@ -118,15 +119,20 @@ def _raise_violation(violation: Violation) -> None:
 
 
 def _forget_frames(exc: BaseException) -> None:
-    """Drop the local variables of the frames ``exc`` and its causes went
-    through: a failure kept in ``capture_failures`` must not keep the failed
-    capture's tensors (graph-pool memory on a GPU) alive. The tracebacks still print."""
+    """Drop the local variables of the frames ``exc`` and its causes and
+    contexts went through: a failure that is kept (in ``capture_failures``,
+    by pytest for its report) must not keep the failed capture's tensors
+    (graph-pool memory on a GPU) alive. Frames still running are left as
+    they are. The tracebacks still print."""
     seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
+    todo: list[BaseException] = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
         seen.add(id(current))
         traceback.clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
+        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
 
 
 @dataclass
@@ -193,6 +199,8 @@ class CapturePart(RuntimePart):
         # From here on run() may run eagerly (a failed or refused capture);
         # before any capture() it is a mistake (see run_batch).
         self._capture_called = True
+        if self.backend == "cuda":
+            faults.watch_out_of_memory()  # an out-of-memory capture then says what it asked for
         from .estimate import check_capture_memory, memory_check_enabled  # refuses what will not fit
 
         # The fast CUDA capture measures the largest graph's footprint during
@@ -213,6 +221,7 @@ class CapturePart(RuntimePart):
         # in the middle of it (pytorch#193402).
         collecting = gc.isenabled()
         gc.disable()
+        staged: dict[BatchDescriptor, _Staged | Exception] = {}
         try:
             self._backend.begin()
             if self._probed_rows is None:
@@ -231,13 +240,23 @@ class CapturePart(RuntimePart):
                     try:
                         self._capture_one(desc, staged.get(desc))
                     except CaptureError as exc:
-                        if not keep_going:
-                            raise
                         _forget_frames(exc)
+                        # A lost CUDA context is no one descriptor's failure: nothing after it can run.
+                        if not keep_going or faults.cuda_error_code(exc) in faults.STICKY_CODES:
+                            raise
                         self.capture_failures[desc] = exc
             self._backend.finish()
-        except BaseException:
-            self.release()
+        except BaseException as exc:
+            # The warm-ups' failures and their frames hold device memory too.
+            for kept in staged.values():
+                if isinstance(kept, BaseException):
+                    _forget_frames(kept)
+            _forget_frames(exc)
+            if faults.cuda_error_code(exc) in faults.STICKY_CODES:
+                with contextlib.suppress(Exception):  # every CUDA call fails now: the original error says why
+                    self.release()
+            else:
+                self.release()
             raise
         finally:
             if collecting:
@@ -363,7 +382,7 @@ class CapturePart(RuntimePart):
             for desc in order:
                 sample, kwargs = self.stage_sample(desc)
                 try:
-                    with running(desc):
+                    with self._phase("warm-up", desc), running(desc):
                         if desc is largest and meter is not None:
                             meter.run(self.module, kwargs)
                         else:
@@ -419,7 +438,8 @@ class CapturePart(RuntimePart):
                 # submodules. Only a failure pays for naming where it came
                 # from, by an eager rerun under the tracker.
                 if staged is None:
-                    self._backend.warmup(forward)
+                    with self._phase("warm-up", desc):
+                        self._backend.warmup(forward)
                 elif isinstance(staged, Exception):
                     raise staged
                 elif sample is not None and self._reloads(desc):
@@ -436,8 +456,11 @@ class CapturePart(RuntimePart):
                     if self._walked is None:
                         self._walked = _tensors_of(holders)
                     held = self._walked
-                graph = self._record(desc, forward, guard)
+                with self._phase("capture", desc):
+                    graph = self._record(desc, forward, guard)
             except Exception as exc:
+                if faults.cuda_error_code(exc) in faults.STICKY_CODES:
+                    raise  # the context is gone: no diagnosis can run, and none is needed
                 self._walked = None  # the diagnosis below runs the module eagerly
                 found = self._diagnose(desc, forward)
                 if found is not None:
@@ -463,9 +486,11 @@ class CapturePart(RuntimePart):
             raise
         except Exception as exc:
             where = self._tracker.failed_path or (exc.path if isinstance(exc, EagerPieceError) else "")
+            oom = faults.oom_detail(exc, self.device)
             raise CaptureError(
                 f"capture of {desc} failed on the {self.backend} backend"
-                f"{f' in submodule {where!r}' if where else ''}: {type(exc).__name__}: {exc}"
+                f"{f' in submodule {where!r}' if where else ''}: "
+                f"{f'{oom} ({type(exc).__name__})' if oom else f'{type(exc).__name__}: {exc}'}"
                 f"{self._piece_hint(desc, where)}",
                 module_path=where, descriptor=desc, backend=self.backend,
             ) from exc
@@ -473,6 +498,9 @@ class CapturePart(RuntimePart):
         # checks replay on); the fast capture drops it (see _warm_up).
         self._entries[desc] = Entry(graph, reqs, self._out_dims(graph.output, desc.num_tokens, reqs),
                                     sample if self._backend.checked else None)
+
+    def _phase(self, name: str, desc: BatchDescriptor) -> Any:
+        return faults.phase(name, type(self.module).__name__, desc, self.device)
 
     def _diagnose(self, desc: BatchDescriptor, forward: Callable[[], Any]) -> Violation | None:
         """After a failed capture, run the forward eagerly under the full guard:
