@@ -443,10 +443,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     for nodeid in state.lost:
         if nodeid == state.lost_here:  # here, without xdist or isolation
             after = f"; {len(state.not_run)} GPU test(s) after it were not run in this process"
-        elif config.pluginmanager.hasplugin("dsession"):  # xdist's controller
-            after = "; its worker ended after its report, and a fresh one ran the tests after it"
-        else:  # --cudagraph-isolate: the test's own child process
+        elif state.settings.isolate:  # the test's own child process (xdist or not)
             after = " (its own child process: --cudagraph-isolate); the tests after it ran"
+        else:  # xdist's controller
+            after = "; its worker ended after its report, and a fresh one ran the tests after it"
         terminalreporter.line(f"cudagraph: {nodeid} lost the CUDA context of its process{after}")
     if state.written is not None:
         terminalreporter.line(f"cudagraph: JSON report written to {state.written}")

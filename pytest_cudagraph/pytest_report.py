@@ -184,6 +184,8 @@ def header_line(settings: Settings, resolved_backend: str | None = None) -> str:
         line += f", devices={','.join(map(str, settings.devices))}"
     if settings.nonfinite_padding:
         line += ", padding=finite and non-finite"
+    if settings.isolate:
+        line += ", isolate=a child process a test"
     if settings.trace is not None:
         shapes = len(settings.trace_shapes) if settings.trace_shapes is not None else 0
         line += f", trace={settings.trace} ({shapes} batch shapes)"
