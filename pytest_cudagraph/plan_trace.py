@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -333,14 +334,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.estimate_memory and args.max_graphs is None:
         parser.error("--estimate-memory compares the current ladder with a suggested one: give --max-graphs N")
+    lines: list[str] = []
     try:
-        run(args)
+        # Printed once everything is done: the JSON and the plot are written
+        # even when the reader of the output stops early (``| head``).
+        run(args, out=lines.append)
     except TraceError as exc:
         print(f"cudagraph-plan: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:  # a configuration CaptureConfig refuses: its message says what
         print(f"cudagraph-plan: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # the reader closed the pipe: what it read is all it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
     return 0
 
 

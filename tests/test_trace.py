@@ -383,3 +383,14 @@ def test_the_dispatch_check_holds_every_trace_batch_to_the_properties() -> None:
     assert dispatch_properties(manager, max_examples=1).passed  # type: ignore[arg-type]
     outcome = dispatch_properties(manager, max_examples=1, trace_batches=[odd])  # type: ignore[arg-type]
     assert not outcome.passed and "tokens=5" in outcome.message
+
+
+def test_the_command_survives_a_reader_that_stops_early(tmp_path: Path) -> None:
+    """``cudagraph-plan TRACE | head -3``: no traceback, and the JSON is written all the same."""
+    trace = _jsonl(tmp_path / "t.jsonl", LINES)
+    out = tmp_path / "out.json"
+    done = subprocess.run(f"{sys.executable} -m pytest_cudagraph.plan_trace {trace} --max-graphs 2 --json {out} "
+                          "| head -1", shell=True, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.stdout.startswith("trace ") and done.stdout.count("\n") == 1
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert json.loads(out.read_text())["suggested_capture_sizes"] == [7, 20]
