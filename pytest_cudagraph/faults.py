@@ -63,7 +63,6 @@ class Where:
         return f"{self.phase} of {self.descriptor}" if self.descriptor else self.phase
 
 
-_stack: list[Where] = []
 _sync = False
 _first: ContextLost | None = None
 
@@ -81,10 +80,15 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 
 def cuda_error_code(exc: BaseException) -> int | None:
-    """The CUDA error code ``exc`` (or an exception it came from) carries, or None."""
+    """The CUDA error code a ``torch.AcceleratorError`` in ``exc``'s chain carries, or None."""
+    import torch
+
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is None:
+        return None
     for e in _chain(exc):
         code = getattr(e, "error_code", None)
-        if isinstance(code, int) and not isinstance(code, bool):
+        if isinstance(e, accelerator_error) and isinstance(code, int) and not isinstance(code, bool):
             return code
     return None
 
@@ -147,8 +151,9 @@ def synchronizing(on: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def phase(name: str, module: str, descriptor: Any, device: Any) -> Iterator[None]:
     """Mark a phase of the harness; a sticky CUDA error raised in it is tagged with where it showed."""
+    global _last_oom
     where = Where(module, descriptor.label() if hasattr(descriptor, "label") else descriptor, name)
-    _stack.append(where)
+    _last_oom = None  # an out-of-memory reading is this phase's or none
     try:
         yield
         if _sync and getattr(device, "type", None) == "cuda":
@@ -166,8 +171,6 @@ def phase(name: str, module: str, descriptor: Any, device: Any) -> Iterator[None
             if lost is not None:
                 note_loss(lost)
         raise
-    finally:
-        _stack.pop()
 
 
 # -- out of memory ---------------------------------------------------------------

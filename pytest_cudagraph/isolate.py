@@ -78,13 +78,15 @@ DROPPED_OPTIONS = frozenset({
     "--last-failed-no-failures", "--cache-clear", "--cache-show", "-x", "--exitfirst", "--maxfail",
     # set by the parent for the child
     "--rootdir", "-c", "--config-file", "--inifile", "--basetemp",
+    # a debugger in a child whose stdin is closed quits at once
+    "--pdb", "--trace", "--pdbcls",
 })
 #: Flags (no value) among the dropped options, for when the parser cannot say.
 DROPPED_FLAGS = frozenset({
     "--cudagraph-isolate", "--lf", "--last-failed", "--ff", "--failed-first", "--nf", "--new-first",
     "--sw", "--stepwise", "--sw-skip", "--stepwise-skip", "--sw-reset", "--stepwise-reset",
     "--cache-clear", "-x", "--exitfirst", "-d", "--looponfail", "-f", "--benchmark-autosave",
-    "--cov-append", "--json-report", "--no-cov",
+    "--cov-append", "--json-report", "--no-cov", "--pdb", "--trace",
 })
 #: Options whose value is optional (argparse ``nargs="?"``), for when the parser cannot say.
 _OPTIONAL_VALUE = frozenset({"--cov", "--lfnf", "--last-failed-no-failures", "--cache-show",

@@ -282,8 +282,14 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
         "current": before.to_dict(),
     }
     after: Analysis | None = None
-    if args.max_graphs is not None:
-        joint, by_mode = suggest(config, trace, args.max_graphs)
+    found = suggest(config, trace, args.max_graphs) if args.max_graphs is not None else None
+    if found is not None and not found[0].capture_sizes:
+        out("")
+        out(f"no ladder to suggest: under {config.mode.name} no batch of the trace can be served by a graph "
+            "of any size (the eager fallbacks above say why)")
+        found = None
+    if found is not None:
+        joint, by_mode = found
         suggested = config.replace(capture_sizes=joint.capture_sizes, max_capture_size=None)
         after = analyse(CapturePlan(suggested), trace)
         memory = None
@@ -339,10 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Printed once everything is done: the JSON and the plot are written
         # even when the reader of the output stops early (``| head``).
         run(args, out=lines.append)
-    except TraceError as exc:
-        print(f"cudagraph-plan: error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # a configuration CaptureConfig refuses: its message says what
+    except (TraceError, ValueError) as exc:  # ValueError: a configuration CaptureConfig refuses, in its words
+        if lines:  # what was found before the error still helps
+            print("\n".join(lines), flush=True)
         print(f"cudagraph-plan: error: {exc}", file=sys.stderr)
         return 2
     try:

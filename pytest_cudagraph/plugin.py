@@ -378,7 +378,7 @@ def pytest_runtest_makereport(
         from .faults import context_lost_error, note_loss
 
         lost = context_lost_error(call.excinfo.value)
-        if lost is not None:
+        if lost is not None and state.lost_here is None:
             # Told in words, without the harness's frames: the context is
             # gone, and no traceback of ours says more than this does.
             first = note_loss(lost)  # the process's first: where the context was lost
@@ -386,8 +386,13 @@ def pytest_runtest_makereport(
             report.longrepr = message
             report.user_properties.append((pytest_report.LOST_PROPERTY, message))
             state.lost.setdefault(item.nodeid, message)
-            if state.lost_here is None:
-                state.lost_here = item.nodeid
+            state.lost_here = item.nodeid
+        elif lost is not None and state.lost_here != item.nodeid:
+            # A test that still ran (it uses CUDA without the marker or the
+            # plugin) meets the context an earlier test lost: its own failure
+            # stays as it is, with where the loss began.
+            report.sections.append(("cudagraph", f"this process's CUDA context was lost earlier, in "
+                                                 f"{state.lost_here}: every CUDA call fails since"))
     records = state.take_pending(item.nodeid)
     if records:
         setattr(report, pytest_report.REPORT_ATTR, records)

@@ -22,8 +22,8 @@ def _fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(faults, "_first", None)
 
 
-class FakeAcceleratorError(RuntimeError):
-    """Stands in for torch.AcceleratorError: a RuntimeError with the CUDA error code."""
+class FakeAcceleratorError(torch.AcceleratorError):
+    """A ``torch.AcceleratorError`` raised without a GPU, with the CUDA error code PyTorch gives it."""
 
     def __init__(self, code: int) -> None:
         super().__init__(f"CUDA error: stand-in for code {code}")
@@ -42,6 +42,11 @@ def test_error_codes_are_read_through_causes_and_contexts() -> None:
     assert lost is not None and lost.code == 710 and "device-side assert" in str(lost)
     assert "CUDA said: CUDA error: stand-in for code 710" in str(lost)
     assert faults.cuda_error_code(ValueError("plain")) is None
+
+    class OtherLibraryError(RuntimeError):  # an error_code of its own is no CUDA error
+        error_code = 710
+
+    assert faults.cuda_error_code(OtherLibraryError()) is None
 
 
 @pytest.mark.parametrize(("code", "sticky"), [(700, True), (710, True), (719, True), (2, False), (901, False),
@@ -91,7 +96,7 @@ SUITE = """
 import pytest, torch
 
 
-class FakeAcceleratorError(RuntimeError):
+class FakeAcceleratorError(torch.AcceleratorError):
     def __init__(self, code):
         super().__init__(f"CUDA error: stand-in for code {code}")
         self.error_code = code
@@ -185,6 +190,9 @@ class AsksTooMuch(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= 4:
+            # What the CUDA allocator does: tell its observer (device 0, 256 GiB asked, 140 GiB in
+            # all, 139 free), then raise.
+            faults._observe(0, 256 << 30, 140 << 30, 139 << 30)
             raise torch.OutOfMemoryError("stand-in: CUDA out of memory")
         return x * 2
 
@@ -192,8 +200,7 @@ class AsksTooMuch(torch.nn.Module):
 def test_out_of_memory_in_capture_is_a_finding_naming_what_was_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     from pytest_cudagraph import verify
 
-    # What the CUDA allocator's observer would have recorded: device 0, 256 GiB asked, 140 GiB total, 139 free.
-    monkeypatch.setattr(faults, "_last_oom", (0, 256 << 30, 140 << 30, 139 << 30))
+    monkeypatch.setattr(faults, "_last_oom", (0, 1, 1, 1))  # an earlier phase's reading: not this one's
     report = verify(AsksTooMuch(), lambda t, r: {"x": torch.randn(t, 4)}, capture_sizes=[1, 2, 4],
                     backend="emulate")
     failed = [f for f in report.failures if f.check == "capture_safety"]

@@ -116,7 +116,9 @@ def test_analyse_counts_modes_padding_and_fallbacks(tmp_path: Path) -> None:
     ({"mode": "FULL_AND_PIECEWISE", "varlen_decode": True, "decode_query_len": 2, "capture_sizes": [4]},
      Batch(num_tokens=2, num_reqs=1, max_query_len=2), None),  # served: a control
     ({"mode": "FULL_DECODE_ONLY", "varlen_decode": True, "decode_query_len": 2},
-     Batch(num_tokens=4, num_reqs=1, max_query_len=4), "varlen decode graphs do not take"),
+     Batch(num_tokens=4, num_reqs=1, max_query_len=4), "FULL_DECODE_ONLY runs mixed batches eagerly"),
+    ({"mode": "FULL_DECODE_ONLY", "max_num_reqs": 2}, Batch(num_tokens=5, num_reqs=2),
+     "FULL_DECODE_ONLY runs mixed batches eagerly"),  # not "larger than the largest (decode) graph"
     ({"mode": "FULL", "lora_cases": (0,)}, Batch(num_tokens=2, num_reqs=1, num_active_loras=2),
      "no graph for 2 active LoRA adapters"),
     ({"mode": "NONE"}, Batch(num_tokens=2, num_reqs=1), "mode NONE"),
@@ -394,3 +396,18 @@ def test_the_command_survives_a_reader_that_stops_early(tmp_path: Path) -> None:
     assert done.stdout.startswith("trace ") and done.stdout.count("\n") == 1
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert json.loads(out.read_text())["suggested_capture_sizes"] == [7, 20]
+
+
+def test_no_ladder_when_no_batch_can_be_graphed_and_a_bom_is_no_field(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_bytes("\ufeffnum_tokens,num_reqs\n5,2\n9,3\n".encode())  # Excel's "CSV UTF-8"
+    assert read_trace(trace).batches == 2
+    # FULL_DECODE_ONLY graphs no mixed batch: the analysis is printed, and no ladder is made up.
+    assert main([str(trace), "--mode", "FULL_DECODE_ONLY", "--max-graphs", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "FULL_DECODE_ONLY runs mixed batches eagerly" in text and "no ladder to suggest" in text
+    broken = tmp_path / "t.jsonl.gz"
+    broken.write_bytes(gzip.compress(b'{"num_tokens": 1, "num_reqs": 1}\n' * 50)[:-12] + b"garbage!")
+    with pytest.raises(TraceError, match="cannot be read"):
+        read_trace(broken)

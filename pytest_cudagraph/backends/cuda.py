@@ -209,6 +209,13 @@ class _CudaCapture(OpenCapture):
                 graph.capture_end()
                 ended = True
             if not ended:
+                # A capture_end that failed after the capture ended (in the
+                # graph's instantiation) left the graph counted out of the pool
+                # by its own reset: pool() answers only for an ended capture.
+                with contextlib.suppress(BaseException):
+                    graph.pool()
+                    ended = True
+            if not ended:
                 # capture_begin routed the capture stream's allocations into
                 # the pool and counted one more user of it; a capture_end that
                 # fails (an invalidated capture) undoes neither, and the graph

@@ -165,10 +165,17 @@ def _lost_context_told() -> Iterator[None]:
     (the first the process saw, with the phase it showed in); on CUDA every
     phase of the verification ends with a synchronize, so it shows where its
     kernel ran."""
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         faults.watch_out_of_memory()
     try:
-        with faults.synchronizing(torch.cuda.is_available()):
+        with faults.synchronizing(cuda):
+            if cuda:
+                # A kernel an earlier test (or the test's own code) launched and
+                # nothing waited for shows here, not in this verification's first phase.
+                with faults.phase("a kernel launched before this verification", "the test", None,
+                                  torch.device("cuda", torch.cuda.current_device())):
+                    pass
             yield
     except Exception as exc:
         lost = faults.context_lost_error(exc)

@@ -20,6 +20,7 @@ import csv
 import gzip
 import io
 import json
+import zlib
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -136,9 +137,10 @@ def _batch_reason(values: tuple[Any, ...]) -> str | None:
 
 
 def _open(path: Path) -> IO[str]:
+    # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first field's name.
     if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig", newline="")
+    return open(path, encoding="utf-8-sig", newline="")
 
 
 def _format_of(path: Path) -> str:
@@ -247,7 +249,7 @@ def read_trace(path: str | Path, *, skip_bad: bool = False) -> Trace:
                     bad.append(BadLine(number, reason))
                     continue
                 counts[values] += 1
-    except (OSError, UnicodeDecodeError, EOFError, csv.Error) as exc:
+    except (OSError, UnicodeDecodeError, EOFError, csv.Error, zlib.error) as exc:
         raise TraceError(name, f"cannot be read: {type(exc).__name__}: {exc}") from None
     if bad and not skip_bad:
         raise TraceError(name, f"{len(bad)} line(s) are not batches (fix them, or skip them and have them "
@@ -267,6 +269,11 @@ def fallback_reason(plan: CapturePlan, batch: Batch) -> str:
     cfg = plan.config
     if not cfg.mode:
         return "the plan captures no graphs (mode NONE)"
+    q = cfg.decode_query_len
+    decode = (batch.max_query_len is not None and batch.max_query_len <= q) if cfg.varlen_decode \
+        else batch.uniform_token_count == q
+    if cfg.mode is GraphMode.FULL_DECODE_ONLY and not decode:
+        return "a mixed batch: FULL_DECODE_ONLY runs mixed batches eagerly"
     loras = plan.effective_loras(batch.num_active_loras)
     same_case = [d for d in plan.descriptors if d.num_active_loras == loras]
     if not same_case:
@@ -289,8 +296,6 @@ def fallback_reason(plan: CapturePlan, batch: Batch) -> str:
                            f"{cfg.max_num_reqs})")
         else:
             reasons.append("no compatible graph")
-    if cfg.mode is GraphMode.FULL_DECODE_ONLY and not any(d.mode is GraphMode.PIECEWISE for d in candidates):
-        return "a mixed batch: FULL_DECODE_ONLY runs mixed batches eagerly (" + reasons[0] + ")"
     return reasons[0]
 
 
