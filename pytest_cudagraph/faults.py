@@ -28,7 +28,9 @@ __all__ = [
     "Where",
     "context_lost_error",
     "cuda_error_code",
+    "described",
     "first_loss",
+    "is_sticky",
     "oom_detail",
     "phase",
     "synchronizing",
@@ -91,6 +93,11 @@ def cuda_error_code(exc: BaseException) -> int | None:
         if isinstance(e, accelerator_error) and isinstance(code, int) and not isinstance(code, bool):
             return code
     return None
+
+
+def is_sticky(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it came from) is a CUDA error that loses the process's context."""
+    return cuda_error_code(exc) in STICKY_CODES
 
 
 class ContextLost(RuntimeError):
@@ -164,7 +171,7 @@ def phase(name: str, module: str, descriptor: Any, device: Any) -> Iterator[None
             if not torch._C._cuda_isCurrentStreamCapturing():
                 torch.cuda.synchronize(device)
     except BaseException as exc:
-        if cuda_error_code(exc) in STICKY_CODES and not any(hasattr(e, "cudagraph_where") for e in _chain(exc)):
+        if is_sticky(exc) and not any(hasattr(e, "cudagraph_where") for e in _chain(exc)):
             with contextlib.suppress(AttributeError, TypeError):
                 exc.cudagraph_where = where  # type: ignore[attr-defined]
             lost = context_lost_error(exc)
@@ -218,3 +225,9 @@ def oom_detail(exc: BaseException, device: Any = None) -> str | None:
             return (f"out of device memory: an allocation larger than what was free was asked for; "
                     f"{format_bytes(free)} free of {format_bytes(total)} on {device} now")
     return "out of memory: an allocation larger than what was free was asked for"
+
+
+def described(exc: BaseException, device: Any = None) -> str:
+    """``exc`` in a failure message: what an out-of-memory error asked for and found free, else its type and words."""
+    oom = oom_detail(exc, device)
+    return f"{oom} ({type(exc).__name__})" if oom else f"{type(exc).__name__}: {exc}"

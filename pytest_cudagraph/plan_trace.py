@@ -35,15 +35,21 @@ __all__ = ["DEFAULT_CAPTURE_SIZES", "main"]
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected token counts separated by commas, e.g. 1,2,4,8; got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"expected token counts >= 1, e.g. 1,2,4,8; got {text!r}")
-    return sizes
+def _counts(minimum: int, what: str, example: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: integers >= ``minimum`` separated by commas."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+        except ValueError:
+            values = ()
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected {what} >= {minimum} separated by commas, e.g. {example}; got {text!r}")
+        return values
+    return parse
+
+
+_sizes = _counts(1, "token counts", "1,2,4,8")
 
 
 def _positive(text: str) -> int:
@@ -74,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-query-len", type=_positive, default=1, metavar="Q",
                    help="tokens a request of a uniform decode batch (1 + speculative tokens; default 1)")
     p.add_argument("--varlen-decode", action="store_true", help="decode graphs take 1..Q tokens a request")
-    p.add_argument("--lora-cases", type=_sizes_or_zero, default=(0,), metavar="0,1,...",
+    p.add_argument("--lora-cases", type=_counts(0, "counts", "0,1,4"), default=(0,), metavar="0,1,...",
                    help="active-adapter counts graphs are captured for (default 0: no LoRA)")
     p.add_argument("--max-graphs", type=_positive, default=None, metavar="N",
                    help="suggest the ladder of at most N capture sizes that pads least")
@@ -92,16 +98,6 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--backend", default="auto", choices=("auto", "cuda", "emulate"),
                        help="where to estimate (default auto: CUDA when there is a GPU)")
     return p
-
-
-def _sizes_or_zero(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
-    except ValueError:
-        values = ()
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected counts >= 0 separated by commas, e.g. 0,1,4; got {text!r}")
-    return values
 
 
 # -- printing ------------------------------------------------------------------

@@ -96,6 +96,16 @@ class ModuleState:
     def seed_all(self, seed: int) -> None:
         torch.manual_seed(seed)
 
+    def twice_from_one_state(self, run: Callable[[], Any]) -> list[Any]:
+        """``run()`` twice, each from the same module state and seed (the determinism checks)."""
+        outs = []
+        with self.preserved_state() as state0:
+            for _ in range(2):
+                self.restore(state0)
+                self.seed_all(self.seed)
+                outs.append(run())
+        return outs
+
 
 class VerifyContext(ModuleState):
     """Helpers shared by the checks; one per ``verify`` call."""

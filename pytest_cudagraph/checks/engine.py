@@ -273,7 +273,7 @@ def _verify(
         try:
             manager.release()
         except Exception as exc:
-            if faults.cuda_error_code(exc) not in faults.STICKY_CODES:
+            if not faults.is_sticky(exc):
                 raise  # else: the context is gone, and the error that took it is on its way up
     return report
 
@@ -389,16 +389,13 @@ def _replace(report: VerifyReport, outcome: Outcome) -> None:
 
 def _raise_if_lost(exc: Exception) -> None:
     """A sticky CUDA error is no check's failure: every later check would fail the same way."""
-    if faults.cuda_error_code(exc) in faults.STICKY_CODES:
+    if faults.is_sticky(exc):
         raise exc
 
 
 def _could_not_run(check: Check, desc: BatchDescriptor | None, exc: Exception, step: str = "") -> Outcome:
     """A check that raised: a failure that says so, never a pass (nor a crash of verify())."""
-    oom = faults.oom_detail(exc)
-    if oom is not None:  # the process goes on: what the check held is freed with its frames
-        return Outcome(check.name, desc, False, f"the check could not run: {step}{oom} ({type(exc).__name__})")
-    return Outcome(check.name, desc, False, f"the check could not run: {step}{type(exc).__name__}: {exc}")
+    return Outcome(check.name, desc, False, f"the check could not run: {step}{faults.described(exc)}")
 
 
 def _guarded(check: Check, desc: BatchDescriptor | None, fn: Callable[[], Any]) -> Outcome:

@@ -81,13 +81,12 @@ def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list
             try:
                 violations = find_violations(forward, tracker, manager.device, exempt=manager.eager_modules(desc))
             except Exception as exc:
-                if faults.cuda_error_code(exc) in faults.STICKY_CODES:
+                if faults.is_sticky(exc):
                     raise  # the process's CUDA context is gone: verify tells it, no check can go on
-                oom = faults.oom_detail(exc, manager.device)
                 outcomes.append(Outcome(
                     "capture_safety", desc, False,
                     f"the module fails eagerly at this shape (tokens={desc.num_tokens}, reqs={reqs}): "
-                    f"{f'{oom} ({type(exc).__name__})' if oom else f'{type(exc).__name__}: {exc}'}",
+                    f"{faults.described(exc, manager.device)}",
                     Finding(submodule=tracker.failed_path),
                 ))
                 continue
@@ -571,13 +570,12 @@ def state(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
 def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
     inputs = ctx.make(batch)
-    outs = []
-    with ctx.preserved_state() as state0:
-        for _ in range(2):
-            ctx.restore(state0)
-            ctx.seed_all(ctx.seed)
-            ctx.load(desc, inputs, batch)
-            outs.append(ctx.replay(desc))
+
+    def replayed() -> Any:
+        ctx.load(desc, inputs, batch)
+        return ctx.replay(desc)
+
+    outs = ctx.twice_from_one_state(replayed)
     diff = first_difference(outs[1], outs[0])
     if diff is None:
         return Outcome("determinism", desc, True)

@@ -242,7 +242,7 @@ class CapturePart(RuntimePart):
                     except CaptureError as exc:
                         _forget_frames(exc)
                         # A lost CUDA context is no one descriptor's failure: nothing after it can run.
-                        if not keep_going or faults.cuda_error_code(exc) in faults.STICKY_CODES:
+                        if not keep_going or faults.is_sticky(exc):
                             raise
                         self.capture_failures[desc] = exc
             self._backend.finish()
@@ -252,7 +252,7 @@ class CapturePart(RuntimePart):
                 if isinstance(kept, BaseException):
                     _forget_frames(kept)
             _forget_frames(exc)
-            if faults.cuda_error_code(exc) in faults.STICKY_CODES:
+            if faults.is_sticky(exc):
                 with contextlib.suppress(Exception):  # every CUDA call fails now: the original error says why
                     self.release()
             else:
@@ -459,7 +459,7 @@ class CapturePart(RuntimePart):
                 with self._phase("capture", desc):
                     graph = self._record(desc, forward, guard)
             except Exception as exc:
-                if faults.cuda_error_code(exc) in faults.STICKY_CODES:
+                if faults.is_sticky(exc):
                     raise  # the context is gone: no diagnosis can run, and none is needed
                 self._walked = None  # the diagnosis below runs the module eagerly
                 found = self._diagnose(desc, forward)
@@ -486,11 +486,9 @@ class CapturePart(RuntimePart):
             raise
         except Exception as exc:
             where = self._tracker.failed_path or (exc.path if isinstance(exc, EagerPieceError) else "")
-            oom = faults.oom_detail(exc, self.device)
             raise CaptureError(
                 f"capture of {desc} failed on the {self.backend} backend"
-                f"{f' in submodule {where!r}' if where else ''}: "
-                f"{f'{oom} ({type(exc).__name__})' if oom else f'{type(exc).__name__}: {exc}'}"
+                f"{f' in submodule {where!r}' if where else ''}: {faults.described(exc, self.device)}"
                 f"{self._piece_hint(desc, where)}",
                 module_path=where, descriptor=desc, backend=self.backend,
             ) from exc

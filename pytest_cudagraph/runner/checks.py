@@ -105,14 +105,13 @@ def determinism(ctx: RunnerContext, desc: BatchDescriptor) -> Outcome | None:
     """Two calls on the same inputs, from the same state and seed, return bit-identical outputs."""
     batch = ctx.batch(ctx.token_counts(desc)[-1])
     inputs = ctx.make(batch)
-    outs = []
-    with ctx.preserved_state() as state0:
-        for _ in range(2):
-            ctx.restore(state0)
-            ctx.seed_all(ctx.seed)
-            out, _ = ctx.call_runner(inputs)
-            ctx.synchronize()
-            outs.append(clone_tree(out))
+
+    def called() -> Any:
+        out, _ = ctx.call_runner(inputs)
+        ctx.synchronize()
+        return clone_tree(out)
+
+    outs = ctx.twice_from_one_state(called)
     diff = first_difference(outs[1], outs[0])
     if diff is None:
         return None
