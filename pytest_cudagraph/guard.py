@@ -33,6 +33,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .observe import ForwardObserver
+
 __all__ = ["CaptureGuard", "GuardDispatchMode", "ModuleTracker", "Violation", "find_violations"]
 
 aten = torch.ops.aten
@@ -323,10 +325,13 @@ class CaptureGuard:
         device: torch.device,
         *,
         on_violation: Callable[[Violation], None] | None = None,
+        observer: ForwardObserver | None = None,
     ) -> None:
         self.tracker = tracker
         self.device = device
         self.on_violation = on_violation
+        #: Sees every op the guard sees (the module's writes, its precision).
+        self.observer = observer
         self.violations: list[Violation] = []
         self._in_host_method = 0
         #: Above zero while a submodule that runs eagerly anyway (a PIECEWISE
@@ -365,6 +370,8 @@ class CaptureGuard:
             self.on_violation(violation)
 
     def check_dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.observer is not None and not self.suspended:
+            self.observer.observe(func, args, kwargs)
         if self._in_host_method:
             return  # already reported under its Python name
         if self.by_provenance and self.host_made and _is_masked_fill(getattr(func, "overloadpacket", None), args,
@@ -652,6 +659,7 @@ def find_violations(
     *,
     exempt: Sequence[torch.nn.Module] = (),
     first_only: bool = False,
+    observer: ForwardObserver | None = None,
 ) -> list[Violation]:
     """Run ``forward`` eagerly under the full guard and return the ops a graph cannot hold, in the order met.
 
@@ -668,7 +676,7 @@ def find_violations(
     a failure of the forward propagates; either way ``tracker.failed_path``
     then names the submodule that was running.
     """
-    guard = CaptureGuard(tracker, device, on_violation=_stop if first_only else None)
+    guard = CaptureGuard(tracker, device, on_violation=_stop if first_only else None, observer=observer)
     try:
         with tracker.track(), guard.exempt(list(exempt)), guard.function_mode(), GuardDispatchMode(guard):
             forward()

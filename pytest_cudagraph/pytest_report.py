@@ -193,10 +193,12 @@ def header_line(settings: Settings, resolved_backend: str | None = None) -> str:
 
 
 def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str | None = None) -> str:
-    """One test's line: descriptors captured/planned, checks passed/failed, failures, capture time, graph memory."""
+    """One test's line: descriptors captured/planned, checks passed/failed, failures, capture time, graph
+    memory, peak memory."""
     captured = planned = passed = failed = skipped = 0
     seconds = 0.0
     memory = 0
+    peak = 0
     failures: list[str] = []
     devices: list[str] = []
     modes: list[str] = []
@@ -214,6 +216,7 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
         planned += int(rep.get("planned_descriptors", 0))
         seconds += float(rep.get("capture_seconds", 0.0))
         memory += sum(int(v) for v in rep.get("graph_memory_bytes", {}).values())
+        peak = max(peak, int(rep.get("peak_memory_bytes", 0) or 0))
         for outcome_dict in rep.get("outcomes", []):
             if outcome_dict.get("skipped"):
                 skipped += 1
@@ -230,6 +233,8 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
         f"capture {format_seconds(seconds)}",
         f"graph memory {format_bytes(memory)}",
     ]
+    if peak:  # the largest verification's peak (the allocator's reserved bytes on CUDA, RSS on the CPU)
+        parts.append(f"peak memory {format_bytes(peak)}")
     if modes:  # the module is verified in the mode it is in: say which
         parts.append("/".join(modes) + " mode")
     if devices:  # which GPU did the work: under pytest-xdist each worker has its own

@@ -35,6 +35,7 @@ for s in "$@"; do
     phases) step phases 120 python benchmarks/capture_phases.py --rounds 7 ;;
     profile) step profile 200 python benchmarks/bench_replay.py --capture-only --profile-capture --out "$OUT/profile.json" ;;
     bench) step bench 200 python benchmarks/bench_replay.py --out "$OUT/bench.json" ;;
+    scale) TAIL=200 step scale 400 python benchmarks/scale.py --shapes 1B,8B --resnet --out "$OUT/scale.json" ;;
     pytest-bench) step pytest-bench 90 python -m pytest benchmarks/ $P -q --benchmark-json="$OUT/pytest_bench.json" --cudagraph-bench-report="$OUT/bench.md" ;;
     *) echo "unknown step $s" >>"$OUT/steps.txt" ;;
   esac

@@ -87,7 +87,8 @@ def test_verify_tells_a_lost_context_without_its_frames() -> None:
         verify(Asserts(), lambda t, r: {"x": torch.randn(t, 4)}, capture_sizes=[1, 2, 4], backend="emulate")
     lost = info.value
     assert lost.code == 710 and lost.where is not None and lost.where.module == "Asserts"
-    # capture_safety runs each shape eagerly first: the fault shows there, before any capture.
+    # The first pass (what forward writes) and capture_safety run each shape eagerly first: the fault
+    # shows there, before any capture.
     assert (lost.where.descriptor, lost.where.phase) == ("FULL-T4-R4", "eager")
     assert lost.__cause__ is None and lost.__suppress_context__
 

@@ -48,7 +48,10 @@ def test_a_descriptor_that_capture_safety_fails_is_its_own_failure(backend, devi
     skipped_t8 = [o for o in report.skips if o.descriptor is not None and o.descriptor.label() == "FULL-T8-R4"]
     assert {o.check for o in skipped_t8} == {"replay_matches_eager", "fresh_inputs", "real_batches",
                                             "padding_isolation", "state", "side_outputs", "determinism", "rng"}
-    assert all("not captured: capture_safety failed" in o.message for o in skipped_t8)
+    # capture_safety's guard runs in the capture: the capture stopped at the op, before the device ran it.
+    assert all("not captured: its capture failed (capture_safety says why)" in o.message for o in skipped_t8)
+    (t8,) = [o for o in report.failures if o.check == "capture_safety"]
+    assert t8.message.startswith("1 op(s) cannot be captured in a graph; the first is float(tensor)"), t8.message
 
 
 def test_a_failed_capture_is_that_descriptors_failure_and_replaces_its_pass(backend, device, monkeypatch):

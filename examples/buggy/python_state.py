@@ -2,10 +2,10 @@
 
 Caught by ``replay_matches_eager``. The plugin prints:
 
-    PythonCounter on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 19 real batches, 8 failure(s) in fresh_inputs, replay_matches_eager, 10 skipped; capture 3 ms, graph memory 2.5 KiB
+    PythonCounter on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 14 real batches, 8 failure(s) in fresh_inputs, replay_matches_eager, 10 skipped; capture 2 ms, graph memory 2.5 KiB, peak memory 316.8 MiB (306.5 MiB before)
     FAIL replay_matches_eager   FULL-T8-R4
-         Python state changes on every forward (calls: 15 -> 16), but a graph runs Python only at capture, so replay keeps the capture-time value (the output: values differ); keep such state in a registered buffer updated in place
-         real batch (num_reqs=4, num_tokens=8, num_active_loras=0, num_ubatches=1); output <the output> at index [0, 0]; graph gave 5.59951639175415, eager gave 9.954695701599121; max abs diff 13.3, max ULP 7331338
+         Python state changes on every forward (calls: 13 -> 14), but a graph runs Python only at capture, so replay keeps the capture-time value (the output: values differ); keep such state in a registered buffer updated in place
+         real batch (num_reqs=4, num_tokens=8, num_active_loras=0, num_ubatches=1); output <the output> at index [0, 0]; graph gave -0.9420883655548096, eager gave -1.8841767311096191; max abs diff 9.95, max ULP 8388608
 
     (CPU emulator, `pytest --cudagraph-verify`, capture sizes 1, 2, 4, 8; the replay_matches_eager failure shown; also failed: fresh_inputs)
 """

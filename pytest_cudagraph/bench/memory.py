@@ -30,7 +30,7 @@ import torch
 
 from ..context import running
 from ..manager import GraphManager
-from ..manager.capture import buffers_restored
+from ..observe import buffers_restored
 from ..plan import BatchDescriptor, GraphMode
 
 __all__ = ["MemoryEstimate", "estimate_full_graph_memory", "estimate_pool_replica", "extrapolate"]

@@ -30,10 +30,11 @@ def _dispatch(ctx: Any, descs: Any) -> Any:
 BUILTIN = CheckRegistry([
     Check(
         CAPTURE_CHECK, suite.capture_safety, scope="before_capture",
-        compares="before capture, every descriptor's shape runs eagerly under a guard that lists every op a graph "
-                 "cannot hold, with its submodule and its call site (`file:line in function`, the first frame "
-                 "outside torch and this plugin); then the capture itself, descriptor by descriptor: a "
-                 "descriptor whose capture fails fails here and the others are still captured and verified",
+        compares="every op of each descriptor's capture goes through a guard that stops at the first op a graph "
+                 "cannot hold, before the device runs it; a descriptor it stops is then run eagerly under the "
+                 "guard, which lists every such op with its submodule and its call site (`file:line in "
+                 "function`, the first frame outside torch and this plugin). A descriptor whose capture fails "
+                 "fails here and the others are still captured and verified",
         catches="host syncs (`.item()`, `bool(t)`, `int(t)`), data-dependent shapes (`nonzero`, boolean-mask "
                 "indexing, `repeat_interleave` without `output_size`), device-to-host copies, CPU tensors on the "
                 "CUDA path; values made on the host inside `forward` and written into or moved to the graph's "
@@ -63,10 +64,16 @@ BUILTIN = CheckRegistry([
     ),
     Check(
         "real_batches", suite.real_batches,
-        compares="every real batch size a descriptor serves (its candidate range) returns real rows equal to "
-                 "eager on the *unpadded* batch, within a dtype-aware tolerance (bit for bit with "
-                 "`batch_invariant=True`); max abs and ULP difference are reported",
-        catches="statistics over the whole batch, padded rows included; outputs cut wrongly",
+        compares="the smallest and the largest real batch a descriptor serves (every batch of a trace with "
+                 "`--cudagraph-trace`) return real rows equal to eager on the *unpadded* batch within the dtype's "
+                 "tolerance; where they are not, held to the measured floor: eager at the graph's padded shape "
+                 "against eager on the unpadded batch says how far rounding moves it (a few multiples of it are "
+                 "allowed), a systematic difference (a scale, an offset per feature, a scale per row) fails, and "
+                 "so does one beyond what rounding at the products' precision can do (bit for bit with "
+                 "`batch_invariant=True`); both figures are reported",
+        catches="computations that depend on the padded batch size: statistics over the whole batch, padded "
+                "rows included; a Python branch on the token count, or a scale computed from it, down to a few "
+                "percent on bf16 logits; outputs cut wrongly",
         applies="no real batch dispatches to the descriptor; the module draws random numbers (the `rng` check "
                 "covers them)",
     ),
@@ -87,9 +94,10 @@ BUILTIN = CheckRegistry([
     ),
     Check(
         "state", suite.state,
-        compares="module buffers, and inputs that eager mutates in place, end in the same state after `run()` as "
-                 "after eager (state snapshot and restored around each comparison, so a graph-safe counter "
-                 "buffer passes)",
+        compares="what forwards write (module buffers, parameters written in place), and inputs that eager "
+                 "mutates in place, end in the same state after `run()` as after eager at the captured shape (what "
+                 "forwards write is snapshot and restored around each comparison, so a graph-safe counter buffer "
+                 "passes; nothing else is copied)",
         catches="in-place writes to inputs (the graph writes its static copy, never the caller's tensor)",
         applies="never",
     ),
@@ -117,7 +125,7 @@ BUILTIN = CheckRegistry([
     ),
     Check(
         "output_lifetime", suite.output_lifetime, scope="module",
-        compares="outputs returned by `run()` keep their values after later runs, on the graph path and on the "
+        compares="outputs returned by `run()` keep their values after a later run, on the graph path and on the "
                  "eager path (a batch larger than every graph)",
         catches="outputs that alias a buffer the module rewrites",
         applies="never",

@@ -10,7 +10,7 @@ import torch
 
 from ..manager import tree
 
-__all__ = ["Difference", "default_tolerance", "first_difference", "leaves"]
+__all__ = ["CHUNK", "Difference", "default_tolerance", "first_difference", "largest_difference", "leaves"]
 
 # (rtol, atol) per dtype for real batches against unpadded eager: kernels may
 # sum a different number of rows in another order, so the last bits move.
@@ -29,8 +29,15 @@ _INT_VIEW = {
 }
 
 
-def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    return _TOLERANCES.get(dtype, (0.0, 0.0))
+def default_tolerance(dtype: torch.dtype, compute: torch.dtype | None = None) -> tuple[float, float]:
+    """(rtol, atol) for a result of ``dtype`` computed at ``compute``'s precision
+    (an fp32 output of bf16 products, or of TF32 on a GPU, rounds as its
+    products do): the looser of the two dtypes' tolerances."""
+    rtol, atol = _TOLERANCES.get(dtype, (0.0, 0.0))
+    if compute is not None and dtype in _TOLERANCES and compute in _TOLERANCES:
+        crtol, catol = _TOLERANCES[compute]
+        rtol, atol = max(rtol, crtol), max(atol, catol)
+    return rtol, atol
 
 
 @dataclass
@@ -79,8 +86,55 @@ def _scalar(t: torch.Tensor) -> Any:
     return value
 
 
+#: Elements compared per step: large outputs (logits of 512 tokens over a
+#: 128k vocabulary) are compared in pieces, so that the comparison's
+#: temporaries (masks, float64 differences) stay a few tens of MiB.
+CHUNK = 1 << 22
+
+
+def _same(g: torch.Tensor, e: torch.Tensor, floating: bool, rtol: float, atol: float) -> torch.Tensor:
+    """Where ``g`` equals ``e``: bit for bit when both tolerances are 0, else within them."""
+    if not floating:
+        return g == e
+    both_nan = torch.isnan(g) & torch.isnan(e)
+    if rtol == 0 and atol == 0:
+        # Bit for bit: 0.0 == -0.0 in IEEE arithmetic, but the sign bit is
+        # part of the value (1 / x, atan2 and copysign read it).
+        return ((g == e) & _same_sign(g, e)) | both_nan
+    return torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def _pieces(g: torch.Tensor, e: torch.Tensor, widen: bool) -> Any:
+    """(offset, piece of g, piece of e) over the flattened tensors, CHUNK elements at a time."""
+    gf, ef = g.reshape(-1), e.reshape(-1)
+    for start in range(0, gf.numel(), CHUNK):
+        gp, ep = gf[start:start + CHUNK], ef[start:start + CHUNK]
+        if widen:
+            gp, ep = gp.float(), ep.float()
+        yield start, gp, ep
+
+
+_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _identical(g: torch.Tensor, e: torch.Tensor) -> bool:
+    """Bit for bit the same, in one reduction: the common case of every comparison (the same
+    program gives the same bits), NaN payloads and signed zeros included. False where it cannot
+    tell cheaply (a non-contiguous float view): the elementwise comparison then decides."""
+    if not (g.is_floating_point() or g.is_complex()):
+        return bool(torch.equal(g, e))
+    if not (g.is_contiguous() and e.is_contiguous()):
+        return False
+    if g.is_complex():
+        g, e = torch.view_as_real(g), torch.view_as_real(e)
+    width = _WIDTH.get(g.element_size())
+    if width is None:
+        return False
+    return bool(torch.equal(g.view(width), e.view(width)))
+
+
 def _compare_tensors(path: str, got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float,
-                     check_strides: bool) -> Difference | None:
+                     check_strides: bool, figures: bool = True) -> Difference | None:
     if got.shape != expected.shape:
         return Difference(path, f"shape {tuple(got.shape)} but eager gives {tuple(expected.shape)}")
     if got.dtype != expected.dtype:
@@ -91,38 +145,59 @@ def _compare_tensors(path: str, got: torch.Tensor, expected: torch.Tensor, rtol:
         return None
     g = got.detach()
     e = expected.detach().to(g.device)
+    if _identical(g, e):
+        return None
     floating = g.is_floating_point() or g.is_complex()
     dtype = g.dtype
-    if floating and not g.is_complex() and dtype not in _INT_VIEW:
-        # float8 and the like lack most CPU kernels (signbit, isfinite, isclose); float32
-        # holds each of their values exactly, signed zeros and NaN included.
-        g, e = g.float(), e.float()
-    if floating:
-        both_nan = torch.isnan(g) & torch.isnan(e)
-        if rtol == 0 and atol == 0:
-            # Bit for bit: 0.0 == -0.0 in IEEE arithmetic, but the sign bit is
-            # part of the value (1 / x, atan2 and copysign read it).
-            same = ((g == e) & _same_sign(g, e)) | both_nan
-        else:
-            same = torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
-    else:
-        same = g == e
-    if bool(same.all()):
+    # float8 and the like lack most CPU kernels (signbit, isfinite, isclose); float32
+    # holds each of their values exactly, signed zeros and NaN included.
+    widen = floating and not g.is_complex() and dtype not in _INT_VIEW
+    flat_index = -1
+    for start, gp, ep in _pieces(g, e, widen):
+        same = _same(gp, ep, floating, rtol, atol)
+        if not bool(same.all()):
+            flat_index = start + int((~same).nonzero()[0, 0])
+            break
+    if flat_index < 0:
         return None
-    flat_index = int((~same).reshape(-1).nonzero()[0, 0])
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), g.shape))
     diff = Difference(path, "values differ", index=index, got=_scalar(g[index]), expected=_scalar(e[index]))
-    if floating and not g.is_complex():
-        finite = torch.isfinite(g) & torch.isfinite(e)
-        if bool(finite.any()):
-            delta = (g.double() - e.double()).abs()[finite]
-            diff.max_abs = float(delta.max())
-            if dtype in _INT_VIEW:
-                ulps = (_ordered_bits(g) - _ordered_bits(e)).abs()[finite]
-                diff.max_ulp = int(ulps.max())
-    elif not floating:
-        diff.max_abs = float((g.long() - e.long()).abs().max()) if dtype != torch.bool else None
+    if figures:
+        diff.max_abs, diff.max_ulp = _largest(g, e, widen)
     return diff
+
+
+def _largest(g: torch.Tensor, e: torch.Tensor, widen: bool, ulp: bool = True) -> tuple[float | None, int | None]:
+    """The largest absolute and (``ulp``) ULP difference over the finite elements, piece by piece."""
+    floating = g.is_floating_point() or g.is_complex()
+    max_abs: float | None = None
+    max_ulp: int | None = None
+    for _, gp, ep in _pieces(g, e, widen):
+        if floating and not g.is_complex():
+            finite = torch.isfinite(gp) & torch.isfinite(ep)
+            if bool(finite.any()):
+                # float32 holds the difference of two values of 32 bits or fewer closely enough for a figure.
+                wide = torch.float64 if gp.dtype == torch.float64 else torch.float32
+                delta = torch.where(finite, (gp.to(wide) - ep.to(wide)).abs(), 0)
+                max_abs = max(max_abs or 0.0, float(delta.max()))
+                if ulp and g.dtype in _INT_VIEW:
+                    ulps = torch.where(finite, (_ordered_bits(gp) - _ordered_bits(ep)).abs(), 0)
+                    max_ulp = max(max_ulp or 0, int(ulps.max()))
+        elif not floating and g.dtype != torch.bool:
+            max_abs = max(max_abs or 0.0, float((gp.long() - ep.long()).abs().max()))
+    return max_abs, max_ulp
+
+
+def largest_difference(got: torch.Tensor, expected: torch.Tensor, *, ulp: bool = True) -> tuple[float, int]:
+    """(largest absolute difference, largest ULP difference) over the finite elements of two
+    tensors of one shape and dtype; (0.0, 0) when they are bit for bit the same. ``ulp=False``
+    leaves the ULP figure (0) out, which costs as much again."""
+    g, e = got.detach(), expected.detach().to(got.device)
+    if g.numel() == 0 or _identical(g, e):
+        return 0.0, 0
+    widen = g.is_floating_point() and g.dtype not in _INT_VIEW
+    max_abs, max_ulp = _largest(g, e, widen, ulp)
+    return max_abs or 0.0, max_ulp or 0
 
 
 def first_difference(
@@ -132,11 +207,16 @@ def first_difference(
     rtol: float | None = 0.0,
     atol: float | None = 0.0,
     check_strides: bool = False,
+    compute: torch.dtype | None = None,
+    figures: bool = True,
 ) -> Difference | None:
     """None when ``got`` equals ``expected``; else where they first differ.
 
     With ``rtol`` and ``atol`` 0 the comparison is bit for bit, NaN equal to
-    NaN. ``None`` for either picks the dtype's default tolerance.
+    NaN. ``None`` for either picks the dtype's default tolerance, at least
+    ``compute``'s when given (the precision the products ran at).
+    ``figures=False`` leaves the largest differences (``max_abs``, ``max_ulp``)
+    out, which costs another pass over a large output.
     """
     got_leaves, exp_leaves = leaves(got), leaves(expected)
     if [p for p, _ in got_leaves] != [p for p, _ in exp_leaves]:
@@ -146,9 +226,9 @@ def first_difference(
         if isinstance(g, torch.Tensor) or isinstance(e, torch.Tensor):
             if not (isinstance(g, torch.Tensor) and isinstance(e, torch.Tensor)):
                 return Difference(path, f"{type(g).__name__} but eager gives {type(e).__name__}")
-            r, a = default_tolerance(g.dtype)
+            r, a = default_tolerance(g.dtype, compute)
             found = _compare_tensors(
-                path, g, e, r if rtol is None else rtol, a if atol is None else atol, check_strides
+                path, g, e, r if rtol is None else rtol, a if atol is None else atol, check_strides, figures
             )
             if found is not None:
                 return found

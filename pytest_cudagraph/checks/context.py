@@ -13,6 +13,7 @@ from ..context import running
 from ..guard import as_captured
 from ..manager import GraphManager, tree
 from ..manager.layout import call_make_inputs
+from ..observe import ForwardObserver, fingerprint, restoring
 from ..plan import Batch, BatchDescriptor, GraphMode
 from ..plan.properties import exact_batch
 from .compare import Difference, first_difference
@@ -30,14 +31,24 @@ def clone_tree(value: Any) -> Any:
 
 
 class ModuleState:
-    """The module's state as the checks see it: its parameters and buffers,
-    snapshot and restored around each comparison, compared outside the
-    declared ``scratch_state`` regions. Shared by ``VerifyContext`` (our
-    manager) and the runner verification's context (someone else's runner)."""
+    """The module's state as the checks see it: the parameters and buffers its
+    forwards write (``observer.written``), snapshot and restored around each
+    comparison, compared outside the declared ``scratch_state`` regions.
+    Shared by ``VerifyContext`` (our manager) and the runner verification's
+    context (someone else's runner).
 
-    def __init__(self, module: torch.nn.Module, scratch_state: Mapping[str, ScratchRegion], seed: int) -> None:
+    Only what a forward writes is copied: the weights of an 8B model are
+    never duplicated. What is written is learned op by op (see
+    ``pytest_cudagraph.observe``): by ``learn_writes``, a first pass that puts
+    back what it wrote, and by every guarded forward and capture after it.
+    A tensor written where no op shows it (a Triton kernel called directly)
+    is found by its fingerprint (``unseen_writes``)."""
+
+    def __init__(self, module: torch.nn.Module, scratch_state: Mapping[str, ScratchRegion], seed: int,
+                 observer: ForwardObserver | None = None) -> None:
         self.module = module
         self.seed = seed
+        self.observer = observer if observer is not None else ForwardObserver(module)
         self.scratch_state = dict(scratch_state)
         names = {name for name, _ in self._state_items()}
         unknown = set(self.scratch_state) - names
@@ -46,20 +57,27 @@ class ModuleState:
                 f"scratch_state names {sorted(unknown)}, which are not buffers or parameters of the "
                 f"module; it has {sorted(names)}"
             )
+        #: Fingerprints of the tensors no forward was seen writing, taken by learn_writes.
+        self._unwritten: dict[str, tuple[int, int]] = {}
+        #: Tensors found written only by their fingerprint (no op showed the write).
+        self.unseen: list[str] = []
+        #: What the verification could not do as usual, for the report.
+        self.notes: list[str] = []
 
     # -- module state -------------------------------------------------------
     def _state_items(self) -> list[tuple[str, torch.Tensor]]:
-        items: list[tuple[str, torch.Tensor]] = []
-        items.extend(self.module.named_parameters())
-        items.extend(self.module.named_buffers())
-        return items
+        """Every parameter and buffer, by name."""
+        return self.observer.tensors()
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        return {name: t.detach().clone() for name, t in self._state_items()}
+        """Copies of the tensors forwards write (nothing else can change)."""
+        return {name: t.detach().clone() for name, t in self.observer.written_items()}
 
     def restore(self, snap: Mapping[str, torch.Tensor]) -> None:
+        if not snap:
+            return
         with torch.no_grad():
-            for name, t in self._state_items():
+            for name, t in self.observer.written_items():
                 if name in snap:
                     t.copy_(snap[name])
 
@@ -72,21 +90,63 @@ class ModuleState:
         finally:
             self.restore(snap)
 
+    def learn_writes(self, forwards: Sequence[Callable[[], Any]]) -> None:
+        """Run ``forwards`` to learn what they write, and put it back.
+
+        Each write an op shows is copied first and restored after. Any other
+        tensor whose fingerprint changed was written where no op showed it:
+        it is watched from then on (``unseen``), though what the pass wrote
+        there cannot be undone."""
+        before = {name: fingerprint(t) for name, t in self._state_items()}
+        with restoring(self.observer):
+            for forward in forwards:
+                self.seed_all(self.seed)
+                forward()
+        self._unwritten = {}
+        for name, t in self._state_items():
+            if name in self.observer.written:
+                continue
+            now = fingerprint(t)
+            if before.get(name, now) != now:
+                self.observer.written.setdefault(name, None)
+                self.unseen.append(name)
+            else:
+                self._unwritten[name] = now
+
+    def unseen_writes(self) -> list[str]:
+        """Tensors that no forward was seen writing when ``learn_writes`` ran and that hold other values now."""
+        items = dict(self._state_items())
+        return [name for name, fp in self._unwritten.items() if name in items and fingerprint(items[name]) != fp]
+
+    @property
+    def roundoff(self) -> float:
+        """The coarsest unit roundoff of the forward's products seen so far (0.0: none seen)."""
+        return self.observer.roundoff
+
+    def outside_scratch(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a copy of state ``name``) with its declared scratch region zeroed."""
+        region = self.scratch_state.get(name)
+        if region is None:
+            return t
+        t = t.clone()
+        if callable(region):
+            t[region(t)] = 0
+        else:
+            t[region] = 0
+        return t
+
     def state_difference(self, got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
                          *, use_scratch: bool, rtol: float | None = 0.0,
                          atol: float | None = 0.0) -> Difference | None:
         for name in expected:
             g, e = got[name], expected[name]
             if use_scratch and name in self.scratch_state:
-                g, e = g.clone(), e.clone()
+                # The region where g shows it: a callable region reads the tensor it masks.
                 region = self.scratch_state[name]
-                if callable(region):
-                    mask = region(g)
-                    g[mask] = 0
-                    e[mask] = 0
-                else:
-                    g[region] = 0
-                    e[region] = 0
+                where = region(g) if callable(region) else region
+                g, e = g.clone(), e.clone()
+                g[where] = 0
+                e[where] = 0
             found = first_difference(g, e, rtol=rtol, atol=atol)
             if found is not None:
                 found.path = name
@@ -125,7 +185,7 @@ class VerifyContext(ModuleState):
         dispatch_here: bool = True,
         batches: Sequence[Batch] | None = None,
     ) -> None:
-        super().__init__(manager.module, scratch_state, seed)
+        super().__init__(manager.module, scratch_state, seed, manager.observer)
         self.manager = manager
         self.rtol = rtol
         self.atol = atol
@@ -150,9 +210,16 @@ class VerifyContext(ModuleState):
         #: descriptor serves each (found once).
         self.given_batches = tuple(batches) if batches is not None else None
         self._served: dict[BatchDescriptor, list[Batch]] | None = None
+        #: Per descriptor, replay_matches_eager's eager run at the captured shape (the inputs as it
+        #: left them, the state it wrote), for the state check; dropped when the descriptor is done.
+        self.exact_eager: dict[BatchDescriptor, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
 
     def module_is_random(self, desc: BatchDescriptor) -> bool:
-        """Whether eager output depends on the seed at this descriptor's shape."""
+        """Whether eager output depends on the seed: asked at the first descriptor it is asked
+        for, and taken as the module's answer at every shape (two eager forwards once, not
+        two per descriptor: a model draws random numbers at every shape or at none)."""
+        if self._random:
+            return next(iter(self._random.values()))
         if desc not in self._random:
             batch = self.exact_batch(desc)
             inputs = self.make(batch)
@@ -184,6 +251,17 @@ class VerifyContext(ModuleState):
             if candidate is not None and self.manager.dispatch_batch(candidate) == desc:
                 found.append(candidate)
         return found
+
+    def checked_batches(self, desc: BatchDescriptor) -> list[Batch]:
+        """The real batches ``real_batches`` runs for ``desc``: its smallest (the most padding:
+        where a computation that depends on the padded size shows, and a branch on the token
+        count is crossed) and its largest. Each costs an eager forward at a shape nothing else
+        ran, so a 67-size plan checks 134 batches, not every token count up to 512; a trace's
+        batches (``batches=``) are all run when verification is exhaustive."""
+        batches = self.real_batches(desc)
+        if self.given_batches is not None and self.exhaustive:
+            return batches
+        return batches if len(batches) <= 2 else [batches[0], batches[-1]]
 
     def _batch_for(self, desc: BatchDescriptor, n: int, reqs_cap: int) -> Batch | None:
         loras = desc.num_active_loras
@@ -266,6 +344,17 @@ class VerifyContext(ModuleState):
                                num_active_loras=self.manager.plan.effective_loras(batch.num_active_loras))
         return self.eager(kwargs, desc, captured_path=captured_path,
                           served_by=self.manager.dispatch_batch(batch))
+
+    def eager_padded(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> Any:
+        """Eager at ``desc``'s padded shape on the batch as the graph sees it (padding
+        included, on the path a capture takes), cut to the real rows as the
+        graph's output is: the same program as the graph, run eagerly."""
+        padded = self.load(desc, inputs, batch)
+        return self.manager.cut_output(desc, self.eager(padded, desc), batch)
+
+    def rows_ndim(self, desc: BatchDescriptor) -> list[int]:
+        """Per output leaf of ``desc``'s graph, how many leading dimensions make its rows."""
+        return [max(d for d, _ in dims) + 1 if dims else 0 for dims in self.manager.output_dims(desc)]
 
     def run(self, inputs: Mapping[str, Any], batch: Batch) -> Any:
         """The user's path: ``GraphManager.run_batch``."""

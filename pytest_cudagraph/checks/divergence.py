@@ -9,6 +9,7 @@ inside the graph and holds that submodule's value after a replay.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from ..manager import tree
 from ..manager.pieces import SegmentedGraph, piece_of
 from ..plan import BatchDescriptor
 from .compare import first_difference
+from .floor import across_shapes
 
 __all__ = ["locate_divergence"]
 
@@ -68,17 +70,37 @@ def _cut(graph: torch.Tensor, eager: torch.Tensor) -> torch.Tensor | None:
     return graph
 
 
+def _same(value: torch.Tensor) -> torch.Tensor:
+    return value
+
+
+def _rows_ndim(graph: torch.Tensor, eager: torch.Tensor) -> int:
+    """The leading dimensions that make rows: up to the last one padding changed."""
+    cut = [d for d, (g, e) in enumerate(zip(graph.shape, eager.shape, strict=False)) if g != e]
+    return cut[-1] + 1 if cut else 1
+
+
 def _first_divergent(graph: list[Record], eager: list[Record], *, rtol: float | None,
-                     atol: float | None) -> int | None:
-    """Index in ``graph`` of the first record that differs from eager's."""
+                     atol: float | None, padded: list[Record] | None = None, roundoff: float = 0.0) -> int | None:
+    """Index in ``graph`` of the first record that differs from eager's: bit for bit
+    or within tolerance, or, given ``padded`` (eager at the graph's shape), held to
+    the floor across shapes as ``real_batches`` holds the outputs."""
     for i, ((g_name, g_out), (e_name, e_out)) in enumerate(zip(graph, eager, strict=False)):
         if g_name != e_name:
             return i  # control flow itself differs from here on
-        for g, e in zip(g_out, e_out, strict=False):
+        p_out = padded[i][1] if padded is not None and i < len(padded) and padded[i][0] == g_name else None
+        for k, (g, e) in enumerate(zip(g_out, e_out, strict=False)):
             cut = _cut(g, e)
             if cut is None:
                 continue
-            if first_difference(cut, e, rtol=rtol, atol=atol) is not None:
+            if padded is None:
+                if first_difference(cut, e, rtol=rtol, atol=atol) is not None:
+                    return i
+                continue
+            p = _cut(p_out[k], e) if p_out is not None and k < len(p_out) else None
+            verdict = across_shapes(cut, e, functools.partial(_same, p) if p is not None else None, rtol=rtol,
+                                    atol=atol, roundoff=roundoff, rows_ndim=[_rows_ndim(g, e)])
+            if not verdict.passed:
                 return i
     return None
 
@@ -143,14 +165,25 @@ def locate_divergence(
             else:
                 ctx.eager(padded, desc)
         eager = eager_rec.records
+        padded_records: list[Record] | None = None
+        if against_real:
+            # The floor of each submodule: eager on the graph's padded inputs, its program.
+            ctx.restore(state0)
+            padded_rec = _Recorder(module, clone=True)
+            with padded_rec.attached():
+                ctx.eager(padded, desc)
+            padded_records = padded_rec.records
         if pieces:
             # Inside an eager piece only its result is bridged into the graph
             # on replay; its submodules' capture-time outputs are stale. Keep
             # records outside every piece, and each piece's own.
             graph = [r for r in graph if piece_of(r[0], pieces) in (None, r[0])]
             eager = [r for r in eager if piece_of(r[0], pieces) in (None, r[0])]
+            if padded_records is not None:
+                padded_records = [r for r in padded_records if piece_of(r[0], pieces) in (None, r[0])]
         if against_real:
-            index = _first_divergent(graph, eager, rtol=ctx.rtol, atol=ctx.atol)
+            index = _first_divergent(graph, eager, rtol=ctx.rtol, atol=ctx.atol, padded=padded_records,
+                                     roundoff=ctx.roundoff)
         else:
             index = _first_divergent(graph, eager, rtol=0.0, atol=0.0)
         if index is None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .. import faults
+from ..guard import host_methods_watched
 from ..manager import GraphManager
 from ..manager.layout import MakeInputsError, not_a_module
 from ..manager.pieces import EagerSpec
@@ -20,6 +21,7 @@ from ..plan.properties import invalid_reason
 from ..plan.selection import select_descriptors
 from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
 from .context import ScratchRegion, VerifyContext
+from .cost import Meter, peak_memory, start_peak
 from .registry import Check, CheckRegistry, check_list
 from .report import Finding, Outcome, VerifyReport
 from .suite import attributes_restored, tensor_attributes
@@ -263,12 +265,24 @@ def _verify(
                         exhaustive=exhaustive, scratch_state=scratch_state or {},
                         nonfinite_padding=nonfinite_padding, plan_dispatch=descriptors is not None,
                         dispatch_here=dispatch_here, batches=batches)
+    meter = Meter(module, lambda: manager.replays)
+    report.memory_at_start = start_peak(manager.device)
     try:
         # Probes, warm-ups and captures run forward many times: the tensors it
-        # stores on the module (side outputs) are put back, as its buffers are.
-        with ctx.preserved_state(), attributes_restored(module):
-            _run(ctx, report, selected, checks, progress=progress)
+        # stores on the module (side outputs) are put back, as the tensors
+        # its forwards write are (learned first: nothing else is copied).
+        # The host methods stay wrapped for the whole verification (the wrappers pass calls straight
+        # through when no guard is active): replacing them for each eager run on the captured path
+        # would flush the interpreter's attribute caches every time.
+        with meter.watching(), attributes_restored(module), host_methods_watched():
+            with meter.step("learn"):
+                _learn_writes(ctx, selected)
+            with ctx.preserved_state():
+                _run(ctx, report, selected, checks, progress=progress, meter=meter)
+            _tell_unseen_writes(ctx, report, checks)
         report.real_batches = ctx.real_batches_run
+        report.costs = meter.costs
+        report.peak_memory, report.memory_kind = peak_memory(manager.device)
     finally:
         try:
             manager.release()
@@ -276,6 +290,51 @@ def _verify(
             if not faults.is_sticky(exc):
                 raise  # else: the context is gone, and the error that took it is on its way up
     return report
+
+
+def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
+    """What forwards write, learned from eager runs at the smallest and largest
+    selected shapes (put back after), so that snapshots copy that and nothing
+    more. A forward that fails here is left to capture_safety to tell."""
+    if not selected:
+        return
+    shapes = sorted({min(selected, key=lambda d: d.num_tokens), max(selected, key=lambda d: d.num_tokens)},
+                    key=lambda d: d.num_tokens)
+
+    def forward(desc: BatchDescriptor) -> None:
+        batch = ctx.exact_batch(desc)
+        try:
+            # As users run it, tagged with the descriptor it stands for (a lost context names it).
+            ctx.eager(ctx.manager.eager_kwargs(ctx.make(batch), batch.num_tokens), desc, captured_path=False)
+        except MakeInputsError:
+            raise
+        except Exception as exc:
+            _raise_if_lost(exc)
+
+    ctx.learn_writes([partial(forward, desc) for desc in shapes])
+    if ctx.unseen:
+        names = ", ".join(repr(n) for n in ctx.unseen)
+        ctx.notes.append(
+            f"forward writes {names} where no op shows it to torch's dispatcher (a Triton kernel or an "
+            "extension called directly); found by its fingerprint after a first eager pass, it is copied and put "
+            "back from then on, but what that first pass wrote there stays")
+
+
+def _tell_unseen_writes(ctx: VerifyContext, report: VerifyReport, checks: list[Check]) -> None:
+    """A tensor no forward was seen writing before verification began, but changed since: it
+    could not be put back, so the module leaves verification changed. Said, never passed over."""
+    changed = ctx.unseen_writes()
+    report.notes.extend(ctx.notes)
+    if not changed:
+        return
+    names = ", ".join(repr(n) for n in changed)
+    message = (f"module tensor(s) {names} hold other values after verification than before it: a forward writes "
+               "them where the first pass saw no write (at another shape, or outside torch's dispatcher), so "
+               "they were not copied before and could not be put back")
+    if any(c.name == "state" for c in checks):
+        report.add([Outcome("state", None, False, message, Finding(output=changed[0]))])
+    else:
+        report.notes.append(message)
 
 
 def _training_mode(module: torch.nn.Module) -> str:
@@ -315,7 +374,7 @@ def progress_over(items: list[BatchDescriptor], progress: bool | None, *, desc: 
 
 
 def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescriptor], checks: list[Check],
-         *, progress: bool | None = None) -> None:
+         *, progress: bool | None = None, meter: Meter | None = None) -> None:
     """Every check of ``checks`` on ``selected``: one outcome per check and descriptor.
 
     A descriptor that a before-capture check fails, or whose capture fails,
@@ -325,10 +384,17 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
     manager = ctx.manager
     if not selected:
         return
+    meter = meter or Meter(ctx.module, lambda: manager.replays)
     # desc -> why it was not captured, for the outcomes of its other checks
     blocked: dict[BatchDescriptor, str] = {}
-    for check in (c for c in checks if c.scope == "before_capture"):
-        for outcome in _guarded_each(check, ctx, selected):
+    # capture_safety runs in the capture: its guard sees every op of each descriptor's forward as
+    # it is captured and stops at the first a graph cannot hold, before the device runs it. Only a
+    # descriptor it stops pays for the eager run under the guard that lists every such op.
+    capture_check = next((c for c in checks if c.name == CAPTURE_CHECK), None)
+    for check in (c for c in checks if c.scope == "before_capture" and c is not capture_check):
+        with meter.step(check.name):
+            outcomes = _guarded_each(check, ctx, selected)
+        for outcome in outcomes:
             report.add([outcome])
             if not outcome.passed and not outcome.skipped and outcome.descriptor is not None:
                 blocked.setdefault(outcome.descriptor, f"not captured: {check.name} failed for this descriptor")
@@ -346,13 +412,22 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
             runnable.append(check)
     to_capture = [d for d in selected if d not in blocked]
     if to_capture:
-        manager.capture(to_capture, keep_going=True)
+        with meter.step("capture"):
+            manager.capture(to_capture, keep_going=True)
         for desc, error in manager.capture_failures.items():
-            _replace(report, Outcome(
+            listed = None
+            if capture_check is not None and error.op:
+                with meter.step(CAPTURE_CHECK):
+                    listed = next((o for o in _guarded_each(capture_check, ctx, [desc])
+                                   if not o.passed and not o.skipped), None)
+            _replace(report, listed or Outcome(
                 CAPTURE_CHECK, desc, False, str(error),
                 Finding(submodule=error.module_path, ops=[f"{error.op} ({error.reason})"] if error.op else []),
             ))
             blocked[desc] = f"not captured: its capture failed ({CAPTURE_CHECK} says why)"
+        if capture_check is not None:
+            report.add([Outcome(CAPTURE_CHECK, d, True, figures={"guarded": "every op of its capture"})
+                        for d in to_capture if d not in manager.capture_failures])
     captured = [d for d in selected if d not in blocked]
     # What forward stored on the module during capture: after a replay these
     # attributes still hold it (Python does not run on replay).
@@ -368,13 +443,20 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
             if desc in blocked:
                 report.add([Outcome(check.name, desc, True, blocked[desc], skipped=True)])
             else:
-                report.add([_guarded(check, desc, partial(check.run, ctx, desc))])
+                with meter.step(check.name):
+                    outcome = _guarded(check, desc, partial(check.run, ctx, desc))
+                report.add([outcome])
+        # Nothing a descriptor kept outlives its checks: the eager run state reuses, the capture sample.
+        ctx.exact_eager.pop(desc, None)
+        manager.drop_sample(desc)
     for check in (c for c in runnable if c.scope == "module"):
         if not captured:
             report.add([Outcome(check.name, None, True, "nothing was captured (capture_safety says why)",
                                 skipped=True)])
         else:
-            report.add([_guarded(check, None, partial(check.run, ctx, captured))])
+            with meter.step(check.name):
+                outcome = _guarded(check, None, partial(check.run, ctx, captured))
+            report.add([outcome])
     report.check_seconds = time.perf_counter() - started
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from ..plan import BatchDescriptor
 from ..units import format_bytes, format_seconds
 
-__all__ = ["Finding", "Outcome", "VerifyReport", "descriptor_dict"]
+__all__ = ["Finding", "Outcome", "StepCost", "VerifyReport", "descriptor_dict"]
 
 
 def descriptor_dict(desc: BatchDescriptor | None) -> dict[str, Any] | None:
@@ -20,6 +20,18 @@ def descriptor_dict(desc: BatchDescriptor | None) -> dict[str, Any] | None:
     data["mode"] = desc.mode.name
     data["label"] = desc.label()
     return data
+
+
+@dataclass
+class StepCost:
+    """What one step of a verification cost, summed over its runs."""
+
+    seconds: float = 0.0
+    forwards: int = 0  # calls of the module's forward (eager runs, warm-ups, captures)
+    replays: int = 0  # graph replays
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"seconds": self.seconds, "forwards": self.forwards, "replays": self.replays}
 
 
 @dataclass
@@ -130,6 +142,14 @@ class VerifyReport:
     training: str | None = None
     #: "manager" (our GraphManager's graphs) or "runner" (``verify_runner``: someone else's runner).
     kind: str = "manager"
+    #: Per step (each check, "capture", "learn"): seconds, forwards and replays.
+    costs: dict[str, StepCost] = field(default_factory=dict)
+    #: The memory held at the peak of the verification and when it began (bytes), and what they count.
+    peak_memory: int = 0
+    memory_at_start: int = 0
+    memory_kind: str = ""
+    #: What the verification could not do as usual, said once (not a failure of the module's graphs).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def failures(self) -> list[Outcome]:
@@ -178,8 +198,22 @@ class VerifyReport:
             f"{self.module} on {self.backend} ({self.device}){mode}: {len(self.descriptors)}/{self.planned} descriptors "
             f"captured and verified ({'every descriptor' if self.exhaustive else 'quick: smallest and largest per mode'}), "
             f"{self.real_batches} real batches, {status}; capture {format_seconds(self.capture_seconds)}, "
-            f"graph memory {format_bytes(self.graph_memory_bytes)}"
+            f"graph memory {format_bytes(self.graph_memory_bytes)}{self._peak()}"
         )
+
+    def _peak(self) -> str:
+        if not self.peak_memory:
+            return ""
+        return f", peak memory {format_bytes(self.peak_memory)} ({format_bytes(self.memory_at_start)} before)"
+
+    def cost_lines(self) -> list[str]:
+        """Where the time went: one line per step, the costliest first."""
+        total = sum(c.seconds for c in self.costs.values()) or 1.0
+        lines = []
+        for name, cost in sorted(self.costs.items(), key=lambda kv: -kv[1].seconds):
+            lines.append(f"  {name:<22} {format_seconds(cost.seconds):>9} {cost.seconds / total:5.0%}  "
+                         f"{cost.forwards:6d} forwards {cost.replays:6d} replays")
+        return lines
 
     def _coverage(self) -> str:
         """", graph coverage k/n calls" from the graph_coverage outcomes, when they counted."""
@@ -193,6 +227,7 @@ class VerifyReport:
     def format(self, *, verbose: bool = False) -> str:
         """A readable report: the summary, each failure with where it shows, then every skipped check and why."""
         lines = [self.summary()]
+        lines.extend(f"NOTE {note}" for note in self.notes)
         for outcome in self.outcomes if verbose else self.failures:
             lines.append(outcome.headline())
             if outcome.message:
@@ -203,6 +238,9 @@ class VerifyReport:
                     lines.append(f"     {described}")
                 for op in outcome.finding.ops:
                     lines.append(f"       - {op}")
+        if verbose and self.costs:
+            lines.append("Where the time went (seconds, share, forwards of the module, graph replays):")
+            lines.extend(self.cost_lines())
         if not verbose:
             for check, reason, where in self.skipped_reasons():
                 shown = ", ".join(where[:3]) + (f", ... {len(where) - 3} more" if len(where) > 3 else "")
@@ -229,6 +267,11 @@ class VerifyReport:
             "check_seconds": self.check_seconds,
             "graph_memory_bytes": {d.label(): n for d, n in self.graph_memory.items()},
             "real_batches": self.real_batches,
+            "costs": {name: cost.to_dict() for name, cost in self.costs.items()},
+            "peak_memory_bytes": self.peak_memory,
+            "memory_at_start_bytes": self.memory_at_start,
+            "memory_kind": self.memory_kind,
+            "notes": list(self.notes),
             "outcomes": [o.to_dict() for o in self.outcomes],
         }
 

@@ -20,6 +20,7 @@ from ..plan import Batch, BatchDescriptor, GraphMode
 from .compare import Difference, first_difference, leaves
 from .context import VerifyContext, clone_tree
 from .divergence import locate_divergence
+from .floor import Verdict, across_shapes
 from .report import Finding, Outcome
 
 __all__ = [
@@ -126,6 +127,10 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
         ctx.seed_all(ctx.seed)
         eager = ctx.eager(padded, desc)
         after = _python_state(ctx.module)
+        if not fresh:
+            # The state check compares run() with this very eager run at the captured shape: kept
+            # for it (the inputs as eager left them, the state it wrote) until the descriptor is done.
+            ctx.exact_eager[desc] = (padded, ctx.snapshot())
         diff = first_difference(graph, eager, check_strides=True)
         if diff is None and not fresh and not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves(eager)):
             return _nothing_to_compare(check, desc, eager, batch)  # told once, by replay_matches_eager
@@ -314,9 +319,9 @@ def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
 
 # -- real batches ------------------------------------------------------------
 def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
-    batches = ctx.real_batches(desc)
-    if not ctx.exhaustive and len(batches) > 2:
-        batches = [batches[0], batches[-1]]
+    """Every real batch the descriptor serves: real rows against eager on the unpadded batch,
+    held to the measured floor (``checks/floor.py``), or bit for bit with ``batch_invariant``."""
+    batches = ctx.checked_batches(desc)
     if not batches:
         return Outcome("real_batches", desc, True, skipped=True,
                        message="no real batch dispatches to this descriptor" if ctx.given_batches is None else
@@ -325,8 +330,8 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         return Outcome("real_batches", desc, True, skipped=True,
                        message="the module draws random numbers, which cannot match unpadded eager draw for "
                                "draw (the rng check covers them)")
-    rtol, atol = (0.0, 0.0) if ctx.batch_invariant else (ctx.rtol, ctx.atol)
-    worst_abs, worst_ulp = 0.0, 0
+    rows = ctx.rows_ndim(desc)
+    totals: dict[str, Any] = {"batches": len(batches), "max_abs": 0.0, "floor_measured": 0, "floor_max": 0.0}
     for batch in batches:
         with ctx.preserved_state() as state0:
             inputs = ctx.make(batch)
@@ -337,25 +342,44 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             # As users run the module without graphs: a capture-only path
             # (code that asks whether it is captured) is held to eager too.
             expected = ctx.eager_real(clone_tree(inputs), batch, captured_path=False)
-            diff = first_difference(got, expected, rtol=rtol, atol=atol)
-            exact = first_difference(got, expected)
-            if exact is not None and exact.max_abs is not None:
-                worst_abs = max(worst_abs, exact.max_abs)
-                worst_ulp = max(worst_ulp, exact.max_ulp or 0)
+            if ctx.batch_invariant:
+                diff = first_difference(got, expected)
+                verdict = Verdict(diff is None, diff, "" if diff is None else
+                                  f"real rows differ from eager on the unpadded batch bit for bit "
+                                  f"(batch_invariant) ({_where(diff)})")
+            else:
+                def padded(state0: dict[str, torch.Tensor] = state0, inputs: dict[str, Any] = inputs,
+                           batch: Batch = batch) -> Any:
+                    ctx.restore(state0)
+                    ctx.seed_all(ctx.seed)
+                    return ctx.eager_padded(desc, clone_tree(inputs), batch)
+
+                verdict = across_shapes(got, expected, padded, rtol=ctx.rtol, atol=ctx.atol, roundoff=ctx.roundoff,
+                                        rows_ndim=rows)
+        _tally(totals, verdict)
+        if verdict.passed:
+            continue
+        diff = verdict.diff
         if diff is not None and diff.opaque:
             return _opaque_output("real_batches", desc, diff, batch)
-        if diff is not None:
-            submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=True) \
-                if diff.index is not None else (None, None)
-            tol = "bit for bit (batch_invariant)" if ctx.batch_invariant else "within tolerance"
-            return Outcome(
-                "real_batches", desc, False,
-                f"real rows differ from eager on the unpadded batch {tol} ({_where(diff)}){_batch_norm_hint(ctx)}",
-                _finding(diff, batch, submodule, segment),
-                figures={"batches": len(batches)},
-            )
-    return Outcome("real_batches", desc, True,
-                   figures={"batches": len(batches), "max_abs": worst_abs, "max_ulp": worst_ulp})
+        submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=True) \
+            if diff is not None and diff.index is not None else (None, None)
+        finding = _finding(diff, batch, submodule, segment) if diff is not None else Finding(real_batch=batch.shape())
+        return Outcome("real_batches", desc, False, f"{verdict.why}{_batch_norm_hint(ctx)}", finding,
+                       figures={**totals, **verdict.figures})
+    return Outcome("real_batches", desc, True, figures=totals)
+
+
+def _tally(totals: dict[str, Any], verdict: Verdict) -> None:
+    """The worst figures over a descriptor's real batches, for the report."""
+    figures = verdict.figures
+    totals["max_abs"] = max(totals["max_abs"], figures.get("max_abs", 0.0))
+    if verdict.floor_used:
+        totals["floor_measured"] += 1
+        for leaf in figures.values():
+            if isinstance(leaf, dict):
+                totals["max_abs"] = max(totals["max_abs"], leaf.get("graph_max", 0.0))
+                totals["floor_max"] = max(totals["floor_max"], leaf.get("floor_max", 0.0))
 
 
 # Finite fills are what padded rows hold in an engine: zeros, stale rows of an
@@ -465,9 +489,12 @@ def attributes_restored(module: torch.nn.Module) -> Iterator[None]:
                 _set_attribute(module, name, saved.get(name))
 
 
-def _rebound_attributes(ctx: VerifyContext, inputs: dict[str, Any], batch: Batch) -> list[str]:
-    """Tensor attributes that forward binds to a new tensor on every call (two eager calls)."""
+def _rebound_attributes(ctx: VerifyContext, desc: BatchDescriptor) -> list[str]:
+    """Tensor attributes that forward binds to a new tensor on every call (two eager calls, once a
+    verification, at the first descriptor's captured shape: one the device has run already)."""
     if ctx.rebound_attributes is None:
+        batch = ctx.exact_batch(desc)
+        inputs = ctx.make(batch)
         module = ctx.module
         with ctx.preserved_state() as state0, attributes_restored(module):
             seen = [tensor_attributes(module)]
@@ -496,11 +523,11 @@ def side_outputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     memory that later replays overwrite. Compared with what eager leaves there
     for the same real batch, with the attributes as capture left them.
     """
-    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
-    inputs = ctx.make(batch)
-    rebound = _rebound_attributes(ctx, inputs, batch)
+    rebound = _rebound_attributes(ctx, desc)
     if not rebound:
         return Outcome("side_outputs", desc, True, figures={"rebound_attributes": 0})
+    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
+    inputs = ctx.make(batch)
     module = ctx.module
     with ctx.preserved_state() as state0, attributes_restored(module):
         ctx.seed_all(ctx.seed)
@@ -539,18 +566,25 @@ def side_outputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
 # -- state, determinism, lifetime, rng ------------------------------------------
 def state(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     batch = ctx.exact_batch(desc)
-    inputs = ctx.make(batch)
+    kept = ctx.exact_eager.pop(desc, None)
+    # The eager side: replay_matches_eager's run on the capture sample when it ran (one eager
+    # forward saved per descriptor), else a run of its own on fresh inputs.
+    inputs = ctx.manager.capture_sample(desc) if kept is not None else ctx.make(batch)
     with ctx.preserved_state() as state0:
         graph_inputs = clone_tree(inputs)
         ctx.seed_all(ctx.seed)
         ctx.run(graph_inputs, batch)
         ctx.manager.synchronize()
         graph_state = ctx.snapshot()
-        ctx.restore(state0)
-        eager_inputs = clone_tree(inputs)
-        ctx.seed_all(ctx.seed)
-        ctx.eager_real(eager_inputs, batch)
-        eager_state = ctx.snapshot()
+        if kept is not None:
+            padded, eager_state = kept
+            eager_inputs = {name: padded[name] for name in graph_inputs}
+        else:
+            ctx.restore(state0)
+            eager_inputs = clone_tree(inputs)
+            ctx.seed_all(ctx.seed)
+            ctx.eager_real(eager_inputs, batch)
+            eager_state = ctx.snapshot()
     diff = ctx.state_difference(graph_state, eager_state, use_scratch=False)
     if diff is not None:
         return Outcome("state", desc, False,
@@ -592,8 +626,7 @@ def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> Outcom
     with ctx.preserved_state():
         first = ctx.run(ctx.make(batch), batch)
         kept = clone_tree(first)
-        for _ in range(2):
-            ctx.run(ctx.make(batch), batch)
+        ctx.run(ctx.make(batch), batch)  # a later batch of the same shape rewrites whatever it aliases
         ctx.manager.synchronize()
     diff = first_difference(first, kept)
     if diff is None:
@@ -633,6 +666,22 @@ def output_lifetime(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> Out
 def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
     inputs = ctx.make(batch)
+    if not ctx.module_is_random(desc):
+        # Eager draws nothing: the graph must not either. Replays alone say so;
+        # where they disagree the full comparison below tells why.
+        def replayed() -> Any:
+            ctx.load(desc, inputs, batch)
+            return ctx.replay(desc)
+
+        with ctx.preserved_state() as state0:
+            replays = []
+            for seed in (ctx.seed, ctx.seed + 1):
+                ctx.restore(state0)
+                ctx.seed_all(seed)
+                replays.append(replayed())
+        if first_difference(replays[0], replays[1]) is None:
+            return Outcome("rng", desc, True, message="the module draws no random numbers",
+                           figures={"random": False})
     draws: dict[tuple[str, int], Any] = {}
     with ctx.preserved_state() as state0:
         padded = ctx.load(desc, inputs, batch)

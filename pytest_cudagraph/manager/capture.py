@@ -22,7 +22,7 @@ import gc
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,13 +33,14 @@ from ..backends.base import CapturedGraph
 from ..context import running
 from ..errors import CaptureError
 from ..guard import CaptureGuard, ModuleTracker, Violation, find_violations, host_methods_watched
+from ..observe import ForwardObserver, restoring
 from ..plan import BatchDescriptor, GraphMode
 from . import tree
 from .layout import PROBES, CountKind, MakeInputsError, call_make_inputs
 from .pieces import EagerPieceError, EagerSpec, capture_in_pieces, piece_of, resolve_eager_submodules
 from .runtime import Entry, OutCut, RuntimePart
 
-__all__ = ["MODULE_INTERNALS", "CapturePart", "buffers_restored"]
+__all__ = ["MODULE_INTERNALS", "CapturePart"]
 
 # What every nn.Module keeps in its __dict__ (hook tables, the parameter and
 # buffer dicts, ...): never user state, so never walked.
@@ -92,20 +93,6 @@ def _tensors_of(holders: list[tuple[torch.nn.Module, list[str]]]) -> list[Any]:
                     if isinstance(v, tensor):
                         append(v)
     return found
-
-
-@contextlib.contextmanager
-def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
-    """Put the module's buffers back as they were when the block ends: for
-    forwards run only to learn something (shapes, memory), not for their effect."""
-    snapshot = {name: t.detach().clone() for name, t in module.named_buffers()}
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, t in module.named_buffers():
-                if name in snapshot:
-                    t.copy_(snapshot[name])
 
 
 class _Uncapturable(Exception):
@@ -166,6 +153,8 @@ class CapturePart(RuntimePart):
     #: Descriptors whose capture failed under ``capture(keep_going=True)``,
     #: with why; reset by each capture().
     capture_failures: dict[BatchDescriptor, CaptureError]
+    #: What forwards under the guard write in the module, and their precision (see ``observe``).
+    observer: ForwardObserver
 
     # -- the sequence ---------------------------------------------------
     def capture(self, descriptors: Iterable[BatchDescriptor] | None = None, *, keep_going: bool = False) -> None:
@@ -211,6 +200,7 @@ class CapturePart(RuntimePart):
             check_capture_memory(self, order)
         started = time.perf_counter()
         self._tracker.refresh()
+        self.observer.refresh()  # parameters or buffers replaced since the last capture are found again
         self._holders = _tensor_holders(list(self.module.modules()))
         self._walked = None
         # Submodules replaced since the last capture are found again.
@@ -431,7 +421,7 @@ class CapturePart(RuntimePart):
 
         self._tracker.failed_path = ""
         holders = self._holders
-        guard = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation)
+        guard = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation, observer=self.observer)
         try:
             try:
                 # Capture runs as fast as the module allows: no hooks on
@@ -597,7 +587,7 @@ class CapturePart(RuntimePart):
         """
         outputs = []
         try:
-            with buffers_restored(self.module):
+            with restoring(self.observer):
                 for num_tokens, num_reqs in PROBES:
                     kwargs = self.eager_kwargs(call_make_inputs(self._make_inputs, num_tokens, num_reqs), num_tokens)
                     marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)

@@ -150,7 +150,7 @@ def measure_forward(
     """The footprint of one eager forward, without autograd (as captures run).
 
     The module's buffers are put back afterwards."""
-    from .capture import buffers_restored
+    from ..observe import buffers_restored
 
     with buffers_restored(module), torch.no_grad():
         if marker is not None:

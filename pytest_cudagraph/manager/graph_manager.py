@@ -16,6 +16,7 @@ import torch
 
 from ..backends.base import CapturedGraph, make_backend, resolve_checked
 from ..guard import ModuleTracker
+from ..observe import ForwardObserver
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan
 from .capture import CapturePart
 from .layout import InputSpec, PadValue, infer_layout, not_a_module
@@ -108,6 +109,8 @@ class GraphManager(CapturePart):
         if not isinstance(config, CaptureConfig):
             raise ValueError(f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}")
         self.module = module
+        self.observer = ForwardObserver(module)
+        self.replays = 0
         self.config = config
         self.plan = CapturePlan(config)
         self.output_views = bool(output_views)
@@ -160,7 +163,7 @@ class GraphManager(CapturePart):
 
     def sibling(self) -> GraphManager:
         """A new, uncaptured manager over the same module, inputs and settings."""
-        return GraphManager(
+        sibling = GraphManager(
             self.module,
             self._make_inputs,
             self.config,
@@ -174,6 +177,8 @@ class GraphManager(CapturePart):
             eager_submodules=self._eager_spec,
             batch_dims=self._batch_dims,
         )
+        sibling.observer = self.observer  # what its captures see written is the module's, as here
+        return sibling
 
     # -- set-up helpers -------------------------------------------------
     def _module_device(self) -> torch.device | None:
@@ -250,14 +255,25 @@ class GraphManager(CapturePart):
         uses) only: the fast capture keeps no samples, which would hold device
         memory for every size until ``release()``. KeyError if ``desc`` has
         no graph; LookupError if its capture kept no sample."""
-        sample = self._entries[desc].sample
-        if sample is None:
+        entry = self._entries[desc]
+        if entry.sample is None:
+            why = ("its sample was dropped (drop_sample: verification drops each once its checks are done)"
+                   if entry.dropped else
+                   "it was captured by the fast capture, which keeps no samples (each would hold memory of its "
+                   "size until release()); build the manager with checked_capture=True to keep them")
             raise LookupError(
-                f"{desc} was captured by the fast capture, which keeps no samples (each would hold memory "
-                f"of its size until release()); build the manager with checked_capture=True to keep them, "
-                f"or call make_inputs({desc.num_tokens}, {self.capture_reqs(desc)}) for inputs of that shape"
+                f"{desc} has no capture sample: {why}; call make_inputs({desc.num_tokens}, "
+                f"{self.capture_reqs(desc)}) for inputs of that shape"
             )
-        return sample
+        return entry.sample
+
+    def drop_sample(self, desc: BatchDescriptor) -> None:
+        """Let go of ``desc``'s capture sample (verification, once the descriptor's checks are done):
+        a checked capture keeps one per graph, memory of each graph's input size."""
+        entry = self._entries.get(desc)
+        if entry is not None and entry.sample is not None:
+            entry.sample = None
+            entry.dropped = True
 
     @property
     def graph_memory(self) -> dict[BatchDescriptor, int]:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 __all__ = ["PROBES", "BatchDim", "InputSpec", "MakeInputsError", "call_make_inputs", "infer_layout",
-           "not_a_module"]
+           "not_a_module", "padded_inputs"]
 
 # "multi": several dimensions follow the batch (see InputSpec.dims); code
 # that slices rows of "tokens" and "reqs" inputs leaves it alone.
@@ -355,3 +355,32 @@ def infer_layout(
             dim=dim, dims=tuple(following),
         )
     return specs
+
+
+def padded_inputs(specs: Mapping[str, InputSpec], inputs: Mapping[str, Any], num_tokens: int, num_reqs: int) -> dict[str, Any]:
+    """``inputs`` of a real batch padded to ``num_tokens`` tokens and ``num_reqs`` requests as the
+    static buffers pad them (each input's pad value, or its last row for "edge"), as new tensors:
+    what a graph of that size would read, for an eager run of the same program."""
+    out: dict[str, Any] = {}
+    for name, value in inputs.items():
+        spec = specs.get(name)
+        if spec is None or spec.kind in ("const", "fixed") or not isinstance(value, torch.Tensor):
+            out[name] = value
+            continue
+        shape = list(value.shape)
+        for d, kind, offset in spec.dims:
+            shape[d] = _count(kind, offset, num_tokens, num_reqs)
+        if spec.kind == "multi" or spec.pad != "edge":
+            pad = spec.pad if spec.pad != "edge" else 0
+            t = torch.full(shape, pad, dtype=value.dtype, device=value.device)
+            block = t
+            for d in range(value.dim()):
+                block = block.narrow(d, 0, value.shape[d])
+            block.copy_(value)
+        else:
+            d = spec.dim
+            tail = value.narrow(d, value.shape[d] - 1, 1).expand(
+                *[shape[i] - value.shape[i] if i == d else shape[i] for i in range(value.dim())])
+            t = torch.cat([value, tail], d)
+        out[name] = t
+    return out

@@ -47,6 +47,7 @@ class Entry:
     num_reqs: int  # request rows the graph was captured with
     out_dims: list[OutCut]  # per output leaf (tree.flatten's order)
     sample: dict[str, Any] | None  # the make_inputs batch the graph was captured on; kept by the checked capture only
+    dropped: bool = False  # the sample was let go (drop_sample)
 
     def __post_init__(self) -> None:
         # The output tensors never change (replay rewrites them in place), so
@@ -55,6 +56,16 @@ class Entry:
         self.single = isinstance(self.graph.output, torch.Tensor)
         # (real tokens, real requests) -> the output leaves cut to them (views)
         self.cuts: dict[tuple[int, int], list[Any]] = {}
+
+
+def _cut_leaf(leaf: Any, dims: OutCut, batch: Batch) -> Any:
+    """One output leaf cut to ``batch``'s real rows along each dimension that follows a count."""
+    for d, kind in dims:
+        if isinstance(leaf, torch.Tensor) and d < leaf.dim():
+            count = batch.num_tokens if kind == "tokens" else batch.num_reqs
+            # Never past the captured size (a slice's clamp, as before).
+            leaf = leaf.narrow(d, 0, min(count, leaf.shape[d]))
+    return leaf
 
 
 @dataclass
@@ -139,6 +150,8 @@ class RuntimePart:
     _entries: dict[BatchDescriptor, Entry]
     #: Set by the first capture(): run() before any capture is a mistake, told.
     _capture_called: bool
+    #: Graph replays so far (what a verification's cost report counts).
+    replays: int
 
     @property
     def backend(self) -> str:
@@ -304,6 +317,7 @@ class RuntimePart:
                 return self._replay_hot(hot, inputs)
         hot.load.apply(inputs)
         hot.entry.graph.replay()
+        self.replays += 1
         return self._owned(hot.entry, hot.cut)
 
     # -- validation -----------------------------------------------------
@@ -514,6 +528,7 @@ class RuntimePart:
         """
         graph = self._entries[desc].graph
         graph.replay()
+        self.replays += 1
         return graph.output
 
     def real_rows(self, desc: BatchDescriptor, batch: Batch) -> Any:
@@ -522,19 +537,27 @@ class RuntimePart:
             entry = self._entries[desc]
             return self._owned(entry, self._cut_views(entry, batch))
 
+    def output_dims(self, desc: BatchDescriptor) -> list[OutCut]:
+        """How each leaf of ``desc``'s output is cut to a batch's real rows."""
+        return list(self._entries[desc].out_dims)
+
+    def cut_output(self, desc: BatchDescriptor, output: Any, batch: Batch) -> Any:
+        """An output of ``desc``'s shape (an eager run of its program, say) cut to ``batch``'s
+        real rows exactly as the graph's output is."""
+        entry = self._entries[desc]
+        leaves, structure = tree.flatten(output)
+        cut = [_cut_leaf(leaf, dims, batch) if isinstance(leaf, torch.Tensor) else leaf
+               for leaf, dims in zip(leaves, entry.out_dims, strict=False)]
+        cut.extend(leaves[len(cut):])
+        return structure.unflatten(cut)
+
     @staticmethod
     def _cut_views(entry: Entry, batch: Batch) -> list[Any]:
         """The output leaves cut to the batch's real rows: views, made once per batch shape."""
         key = (batch.num_tokens, batch.num_reqs)
         cut = entry.cuts.get(key)
         if cut is None:
-            cut = []
-            for leaf, dims in zip(entry.leaves, entry.out_dims, strict=False):
-                for d, kind in dims:
-                    count = batch.num_tokens if kind == "tokens" else batch.num_reqs
-                    # Never past the captured size (a slice's clamp, as before).
-                    leaf = leaf.narrow(d, 0, min(count, leaf.shape[d]))
-                cut.append(leaf)
+            cut = [_cut_leaf(leaf, dims, batch) for leaf, dims in zip(entry.leaves, entry.out_dims, strict=False)]
             entry.cuts[key] = cut
         return cut
 

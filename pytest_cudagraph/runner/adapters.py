@@ -24,9 +24,22 @@ from typing import Any
 
 import torch
 
-from ..manager.capture import buffers_restored
-
 __all__ = ["CompiledRunner", "GraphedRunner", "compiled", "graphed_callables"]
+
+
+@contextmanager
+def _buffers_copied_back(module: torch.nn.Module) -> Iterator[None]:
+    """Put the module's buffers back as they were when the block ends. Copies
+    them all rather than watching writes (``observe.restoring``): the block runs
+    someone else's compiled code, which a dispatch mode would change."""
+    snapshot = {name: t.detach().clone() for name, t in module.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, t in module.named_buffers():
+                if name in snapshot:
+                    t.copy_(snapshot[name])
 
 #: ``pad_values`` entry that repeats an input's last real row into its padded rows.
 EDGE = "edge"
@@ -257,7 +270,7 @@ class CompiledRunner:
         # write (a KV cache's live slots) is no step of the caller's, so the
         # module's buffers are put back as they were (in place: the graphs
         # keep their addresses).
-        with buffers_restored(self.module):
+        with _buffers_copied_back(self.module):
             for size in sorted(self.warmup_sizes, reverse=True):
                 reqs = size if self.max_num_reqs is None else min(size, self.max_num_reqs)
                 inputs = self.make_inputs(size, reqs)
@@ -484,7 +497,7 @@ class GraphedRunner:
         # skips; True so that an input the forward ignores is never an error.
         # The sample batches' writes (a KV cache's live slots) are put back
         # afterwards, in place, as compiled()'s warm-ups are.
-        with torch.no_grad(), buffers_restored(self.module):
+        with torch.no_grad(), _buffers_copied_back(self.module):
             for size in sorted(self.capture_sizes, reverse=True):
                 static = samples[size]
                 fn = torch.cuda.make_graphed_callables(

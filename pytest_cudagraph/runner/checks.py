@@ -10,6 +10,7 @@ docs/runners.md.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 from ..checks.compare import first_difference
 from ..checks.context import clone_tree
+from ..checks.floor import Verdict, across_shapes
 from ..checks.registry import Check, CheckRegistry, failed, passed, skipped
 from ..checks.report import Finding, Outcome
 from ..checks.suite import _drawn_value, _finding, _where
@@ -39,45 +41,95 @@ def _calls_of(ctx: RunnerContext, desc: BatchDescriptor) -> list[Call]:
 
 
 def real_batches(ctx: RunnerContext, desc: BatchDescriptor) -> Outcome | None:
-    """Every real batch the descriptor stands for: the runner's outputs equal eager on the unpadded batch."""
+    """Every real batch the descriptor stands for: the runner's outputs equal eager on the unpadded batch,
+    held to the measured floor across shapes (``checks/floor.py``), or bit for bit with ``batch_invariant``."""
     rtol, atol = ctx.tolerance()
-    worst_abs, worst_ulp = 0.0, 0
+    worst_abs, measured = 0.0, 0
     calls = _calls_of(ctx, desc)
     for call in calls:
         if call.error is not None:
             return _raised(call)
-        diff = first_difference(call.got, call.expected, rtol=rtol, atol=atol)
-        if diff is not None:
-            tol = "bit for bit (batch_invariant)" if ctx.batch_invariant else "within tolerance"
-            return failed(f"the runner's outputs differ from eager on the unpadded batch {tol} ({_where(diff)}): "
-                          "rows cut wrongly, a graph too small for the batch, or inputs the graph does not read",
-                          _finding(diff, call.batch), batches=len(calls))
-        exact = first_difference(call.got, call.expected)
-        if exact is not None and exact.max_abs is not None:
-            worst_abs, worst_ulp = max(worst_abs, exact.max_abs), max(worst_ulp, exact.max_ulp or 0)
-    return passed(batches=len(calls), max_abs=worst_abs, max_ulp=worst_ulp)
+        if ctx.batch_invariant:
+            diff = first_difference(call.got, call.expected)
+            verdict = Verdict(diff is None, diff, "" if diff is None else
+                              f"the runner's outputs differ from eager on the unpadded batch bit for bit "
+                              f"(batch_invariant) ({_where(diff)})")
+        else:
+            verdict = across_shapes(call.got, call.expected, functools.partial(_padded_output, ctx, call, desc),
+                                    rtol=rtol, atol=atol, roundoff=ctx.roundoff)
+        measured += verdict.floor_used
+        if not verdict.passed:
+            diff = verdict.diff
+            return failed(f"{verdict.why}: rows cut wrongly, a graph too small for the batch, or inputs the graph "
+                          "does not read", _finding(diff, call.batch) if diff is not None else
+                          Finding(real_batch=call.batch.shape()), batches=len(calls), floor_measured=measured)
+        worst_abs = max(worst_abs, verdict.figures.get("max_abs", 0.0))
+    return passed(batches=len(calls), max_abs=worst_abs, floor_measured=measured)
+
+
+def _padded_output(ctx: RunnerContext, call: Call, desc: BatchDescriptor) -> Any:
+    """Eager at the capture size, cut to the real rows; None where no floor can be measured."""
+    padded = ctx.padded(call, desc)
+    return padded[0] if padded is not None else None
 
 
 def state(ctx: RunnerContext, desc: BatchDescriptor) -> Outcome | None:
-    """After each real batch, the module's buffers and parameters equal eager's outside ``scratch_state``,
-    within the real rows' tolerance."""
-    # Within the real rows' tolerance: the runner's kernels (a compiled graph's,
-    # say) write the same values as eager's only up to rounding.
+    """After each real batch, what the forward writes equals eager's outside ``scratch_state``: bit for bit
+    where eager's real rows wrote nothing, and where they wrote, held to the floor across shapes."""
     rtol, atol = ctx.tolerance()
     calls = _calls_of(ctx, desc)
     for call in calls:
         if call.error is not None:
             return _raised(call)
         assert call.got_state is not None and call.expected_state is not None
-        diff = ctx.state_difference(call.got_state, call.expected_state, use_scratch=True, rtol=rtol, atol=atol)
-        if diff is not None:
+        found = _state_difference(ctx, call, desc, rtol, atol)
+        if found is not None:
+            name, diff, why = found
             return failed(
-                f"after the runner, module state '{diff.path}' differs from eager's ({diff.reason}): padded "
+                f"after the runner, module state '{name}' differs from eager's ({why}): padded "
                 "rows wrote where real ones live (a padding slot that is live, a table with the previous "
                 "step's entries), or the runner skipped a write. Declare a region padded rows may write "
                 "with scratch_state",
                 _finding(diff, call.batch), batches=len(calls))
     return passed(batches=len(calls))
+
+
+def _state_difference(ctx: RunnerContext, call: Call, desc: BatchDescriptor, rtol: float | None,
+                      atol: float | None) -> tuple[str, Any, str] | None:
+    """(name, where, why) of the first state tensor the runner left otherwise than eager, or None."""
+    assert call.got_state is not None and call.expected_state is not None
+    if ctx.batch_invariant:
+        diff = ctx.state_difference(call.got_state, call.expected_state, use_scratch=True)
+        return (diff.path, diff, diff.reason) if diff is not None else None
+    for name, e in call.expected_state.items():
+        g, before = call.got_state[name], ctx.state0.get(name)
+        g, e = ctx.outside_scratch(name, g), ctx.outside_scratch(name, e)
+        if before is None:
+            diff = first_difference(g, e, rtol=rtol, atol=atol)
+            if diff is not None:
+                return name, diff, diff.reason
+            continue
+        before = ctx.outside_scratch(name, before)
+        # What eager's real rows wrote may differ by the floor; nothing else may differ at all.
+        wrote = ~((e == before) | (torch.isnan(e) & torch.isnan(before))) if e.is_floating_point() else e != before
+        untouched = first_difference(torch.where(wrote, 0, g), torch.where(wrote, 0, e))
+        if untouched is not None:
+            return name, untouched, f"{untouched.reason} where eager's real rows wrote nothing"
+        if not bool(wrote.any()):
+            continue
+        padded = ctx.padded(call, desc)
+        reference = (ctx.outside_scratch(name, padded[1][name])[wrote] if padded is not None and name in padded[1]
+                     else None)
+        verdict = across_shapes(g[wrote], e[wrote], functools.partial(_same, reference) if reference is not None
+                                else None, rtol=rtol, atol=atol, roundoff=ctx.roundoff)
+        if not verdict.passed:
+            diff = verdict.diff or first_difference(g, e)
+            return name, diff, verdict.why
+    return None
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def graph_coverage(ctx: RunnerContext, desc: BatchDescriptor) -> Outcome | None:
@@ -191,17 +243,20 @@ RUNNER_CHECKS = CheckRegistry([
     Check(
         "real_batches", real_batches,
         compares="every real batch from 1 token to past the largest capture size: the runner's outputs equal "
-                 "the module's eager forward on the unpadded batch, within a dtype-aware tolerance (bit for bit "
-                 "with `batch_invariant=True`)",
+                 "the module's eager forward on the unpadded batch within the dtype's tolerance, or held to the "
+                 "measured floor (eager on the batch padded to the capture size, as `real_batches` of `verify` "
+                 "does; bit for bit with `batch_invariant=True`)",
         catches="a dispatcher that serves a batch with a graph too small, outputs cut to the wrong rows, inputs "
                 "or metadata the graph does not read",
         applies="never",
     ),
     Check(
         "state", state,
-        compares="after each real batch, the module's buffers and parameters equal eager's, outside the "
-                 "declared `scratch_state` regions, within `real_batches`' tolerance (bit for bit with "
-                 "`batch_invariant=True`; snapshot and restored around each comparison)",
+        compares="after each real batch, what the module's forward writes (its KV cache, say) equals eager's "
+                 "outside the declared `scratch_state` regions: bit for bit where eager's real rows wrote nothing, "
+                 "held to the measured floor where they wrote (bit for bit with `batch_invariant=True`; snapshot "
+                 "and restored around each comparison); a tensor eager never writes that the runner changed fails "
+                 "once, at the end",
         catches="padded tokens given a live KV slot, per-request tables copied without clearing the previous "
                 "step's entries, writes the runner skips",
         applies="never",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +10,8 @@ from typing import Any
 import torch
 
 from ..checks.context import ModuleState, ScratchRegion, clone_tree
-from ..manager.layout import call_make_inputs
+from ..checks.floor import cut_to
+from ..manager.layout import InputSpec, call_make_inputs, infer_layout, padded_inputs
 from ..plan import Batch, BatchDescriptor, GraphMode
 from .coverage import ReplayCounter
 
@@ -28,6 +30,11 @@ class Call:
     expected_state: dict[str, torch.Tensor] | None = None
     replays: int = 0  # CUDA graphs the runner's call replayed
     error: Exception | None = None  # what the runner raised, if it did
+    #: Eager at the capture size on these inputs padded (cut to the real rows), and the state it
+    #: left: the floor across shapes (``RunnerContext.padded``); None until asked, or where the
+    #: inputs cannot be padded.
+    padded: tuple[Any, dict[str, torch.Tensor]] | None = None
+    padded_tried: bool = False
 
 
 class RunnerContext(ModuleState):
@@ -73,6 +80,10 @@ class RunnerContext(ModuleState):
             self.descriptors.append(BatchDescriptor(mode=GraphMode.NONE, num_tokens=max_tokens))
         self.runner_calls = 0
         self._calls: dict[int, Call] | None = None
+        #: The module's state before the sweep: every call starts from it.
+        self.state0: dict[str, torch.Tensor] = {}
+        self._layout: dict[str, InputSpec] | None = None
+        self._layout_tried = False
 
     # -- batches -----------------------------------------------------------
     def token_counts(self, desc: BatchDescriptor) -> list[int]:
@@ -108,10 +119,20 @@ class RunnerContext(ModuleState):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def learn(self) -> None:
+        """What the module's forward writes, from eager runs at the smallest and largest
+        batch (put back after): the state the checks copy, compare and restore."""
+
+        def forward(n: int) -> None:
+            self.eager(self.make(self.batch(n)))
+
+        self.learn_writes([functools.partial(forward, 1), functools.partial(forward, self.max_tokens)])
+
     def calls(self) -> dict[int, Call]:
         """Every real batch, run once through the runner and once eagerly (the sweep; made once)."""
         if self._calls is None:
             self._calls = {}
+            self.state0 = self.snapshot()
             for n in range(self.max_tokens, 0, -1):
                 self._calls[n] = self._one(self.batch(n))
         return self._calls
@@ -132,6 +153,38 @@ class RunnerContext(ModuleState):
             call.expected = self.eager(call.inputs)
             call.expected_state = self.snapshot()
         return call
+
+    def _specs(self) -> dict[str, InputSpec] | None:
+        """Which dimensions of each input follow the batch, learned from make_inputs as the
+        manager learns them; None where that fails (the floor is then not measured)."""
+        if not self._layout_tried:
+            self._layout_tried = True
+            top = self.batch(self.capture_sizes[-1])
+            try:
+                self._layout = infer_layout(self.make_inputs, max_tokens=top.num_tokens, max_reqs=top.num_reqs,
+                                            device=self.device, pad_values={})
+            except (ValueError, TypeError):
+                self._layout = None
+        return self._layout
+
+    def padded(self, call: Call, desc: BatchDescriptor) -> tuple[Any, dict[str, torch.Tensor]] | None:
+        """Eager at ``desc``'s capture size on the call's inputs padded (zeros, as the manager
+        pads), cut to the real rows, and the state it leaves: how far eager is from itself
+        across the two shapes. None for the eager fallback, or where inputs cannot be padded."""
+        if desc.mode is GraphMode.NONE:
+            return None
+        if not call.padded_tried:
+            call.padded_tried = True
+            specs = self._specs()
+            if specs is not None:
+                batch = self.batch(desc.num_tokens)
+                padded = padded_inputs(specs, call.inputs, batch.num_tokens, batch.num_reqs)
+                with self.preserved_state():
+                    self.restore(self.state0)
+                    self.seed_all(self.seed)
+                    out = self.eager(padded)
+                    call.padded = (cut_to(out, call.expected), self.snapshot())
+        return call.padded
 
     def tolerance(self) -> tuple[float | None, float | None]:
         """(rtol, atol) for real rows against unpadded eager: bit for bit with ``batch_invariant``."""

@@ -11,7 +11,7 @@ import torch
 
 from ..checks.engine import _could_not_run, _guarded
 from ..checks.registry import Check, check_list
-from ..checks.report import Outcome, VerifyReport
+from ..checks.report import Finding, Outcome, VerifyReport
 from ..checks.suite import _finding
 from ..manager.layout import not_a_module
 from .checks import RUNNER_CHECKS
@@ -121,6 +121,11 @@ def verify_runner(
         training="train" if module.training else "eval",
     )
     started = time.perf_counter()
+    # What the module's forward writes (and nothing else) is copied, compared and restored.
+    ctx.learn()
+    report.notes.extend(f"forward writes {name!r} where no op shows it to torch's dispatcher (a Triton kernel or "
+                        "an extension called directly); found by its fingerprint, it is compared from then on"
+                        for name in ctx.unseen)
     capture = getattr(runner, "capture", None)
     if callable(capture):
         before = ctx.snapshot()
@@ -150,4 +155,11 @@ def verify_runner(
                 f"scope {check.scope!r} has no meaning for a runner (its capture is its own)"))])
     report.check_seconds = time.perf_counter() - started
     report.real_batches = ctx.runner_calls
+    changed = ctx.unseen_writes()
+    if changed and "state" in selected:
+        report.add([Outcome("state", None, False,
+                            f"module tensor(s) {', '.join(repr(n) for n in changed)} hold other values after the "
+                            "runner ran than before, though the module's eager forward never writes them: the "
+                            "runner (its capture or its replays) wrote where eager does not",
+                            Finding(output=changed[0]))])
     return report

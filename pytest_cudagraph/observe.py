@@ -1,0 +1,294 @@
+"""What a forward does to its module, seen op by op.
+
+Two things the checks need and cannot read off the module itself:
+
+- **Which parameters and buffers a forward writes.** Verification restores
+  the module between runs and compares its state; copying every parameter
+  for that would double an 8B model's memory. Only what a forward writes
+  (a KV cache, a counter, running statistics) needs a copy, and every write
+  passes through the dispatcher as an op whose schema marks the argument it
+  writes (``alias_info.is_write``), so a dispatch mode sees each one.
+- **The precision its arithmetic runs at.** Eager runs of different batch
+  shapes round differently (another GEMM tiling, another reduction order),
+  and how far is set by the coarsest precision the matrix products and
+  convolutions run at: bf16, or TF32 for fp32 tensors on a GPU that allows
+  it, whatever dtype the output has.
+
+The observer is fed by the capture guard (every op of a checked capture and
+of the guarded eager runs) and by ``observing`` for eager forwards of its
+own (a learning pass, the probes). ``restoring`` runs forwards whose effect
+must not stay: it copies each tensor just before its first write and puts the
+copies back afterwards, so a forward that writes nothing costs no copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["ForwardObserver", "buffers_restored", "fingerprint", "observing", "restoring", "unit_roundoff"]
+
+aten = torch.ops.aten
+
+#: The unit roundoff (half the gap between 1 and the next value) of each floating dtype.
+_UNIT_ROUNDOFF: dict[torch.dtype, float] = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+    torch.complex128: 2.0**-53,
+    torch.complex64: 2.0**-24,
+}
+for _name, _u in (("float8_e4m3fn", 2.0**-4), ("float8_e4m3fnuz", 2.0**-4), ("float8_e5m2", 2.0**-3),
+                  ("float8_e5m2fnuz", 2.0**-3)):
+    if hasattr(torch, _name):
+        _UNIT_ROUNDOFF[getattr(torch, _name)] = _u
+#: TensorFloat-32: fp32's range with fp16's 10-bit mantissa.
+TF32 = 2.0**-11
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """The unit roundoff of ``dtype``; 0.0 for integers and bool (exact)."""
+    return _UNIT_ROUNDOFF.get(dtype, 0.0)
+
+
+def _packets(*names: str) -> frozenset[Any]:
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+# Where the bulk of a forward's rounding happens: long reductions whose
+# order the kernel picks by shape. Elementwise ops round once per element,
+# the same way at every shape.
+_MATMUL = _packets("mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "matmul", "linear",
+                   "_scaled_mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                   "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                   "_flash_attention_forward", "_efficient_attention_forward", "_scaled_dot_product_attention_math")
+_CONV = _packets("convolution", "_convolution", "cudnn_convolution", "cudnn_convolution_transpose",
+                 "mkldnn_convolution", "convolution_overrideable", "_slow_conv2d_forward", "conv2d", "conv1d", "conv3d")
+
+
+def _fp32_roundoff(device: torch.device, conv: bool) -> float:
+    """What an fp32 product or convolution rounds at on ``device`` under torch's current settings."""
+    try:
+        if conv:
+            return TF32 if device.type == "cuda" and _tf32_convolutions() else 2.0**-24
+        return _fp32_products(device)
+    except (RuntimeError, AttributeError):
+        # torch refuses to say (its legacy and new precision settings were mixed): the looser
+        # reading, so that rounding is never taken for a bug.
+        return TF32 if device.type == "cuda" else 2.0**-24
+
+
+def _tf32_convolutions() -> bool:
+    """Whether cuDNN may run fp32 convolutions in TF32 (on by default)."""
+    setting = getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision", None)
+    if setting in ("tf32", "ieee"):
+        return bool(setting == "tf32")
+    return bool(torch.backends.cudnn.allow_tf32)
+
+
+def _fp32_products(device: torch.device) -> float:
+    """The unit roundoff fp32 matrix products run at on ``device``."""
+    precision = torch.get_float32_matmul_precision()
+    if precision == "medium":
+        return 2.0**-8  # fp32 products may run in bf16
+    if device.type != "cuda":
+        return 2.0**-24
+    return TF32 if (torch.backends.cuda.matmul.allow_tf32 or precision == "high") else 2.0**-24
+
+
+# func -> the positions (ints) and keyword names (strs) of the arguments it writes
+_WRITES: dict[Any, tuple[int | str, ...]] = {}
+
+# Ops that write arguments their schema does not mark: batch norm updates its
+# running statistics (positions 3 and 4) in place; c10d's in-place
+# collectives write the tensors they are given.
+_UNMARKED: dict[Any, tuple[int | str, ...]] = {
+    p: (3, 4, "running_mean", "running_var")
+    for p in _packets("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm", "_batch_norm_impl_index",
+                      "batch_norm")
+}
+_COLLECTIVE_NAMESPACES = frozenset({"c10d"})
+
+
+def _written_arguments(func: Any) -> tuple[int | str, ...]:
+    found = _WRITES.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        places: list[int | str] = list(_UNMARKED.get(getattr(func, "overloadpacket", None), ()))
+        if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES:
+            places.append(0)
+        if schema is not None:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    places.append(arg.name if arg.kwarg_only else i)
+                    if not arg.kwarg_only:
+                        places.append(arg.name)  # also given by name
+        found = _WRITES[func] = tuple(places)
+    return found
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # sparse, meta, and the like: no storage to write
+        return None
+
+
+class ForwardObserver:
+    """What the forwards it sees do to ``module``: the parameters and buffers
+    they write (``written``, by dotted name, in the order first written) and
+    the coarsest unit roundoff of their matrix products and convolutions
+    (``roundoff``; 0.0 until one is seen)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.written: dict[str, None] = {}
+        self.roundoff = 0.0
+        # storage address -> the (name, tensor) pairs that live there; made on first use
+        self._owners: dict[int, list[tuple[str, torch.Tensor]]] | None = None
+        # copies taken before first writes, one dict per open ``restoring`` block
+        self._open: list[dict[str, torch.Tensor]] = []
+
+    def refresh(self) -> None:
+        """Read the module's tensors again (after parameters or buffers were replaced)."""
+        self._owners = None
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter and buffer by name, tied ones under each of their names."""
+        items: list[tuple[str, torch.Tensor]] = list(self.module.named_parameters(remove_duplicate=False))
+        items.extend(self.module.named_buffers(remove_duplicate=False))
+        return items
+
+    def _owner_map(self) -> dict[int, list[tuple[str, torch.Tensor]]]:
+        if self._owners is None:
+            owners: dict[int, list[tuple[str, torch.Tensor]]] = {}
+            for name, t in self.tensors():
+                key = _storage_key(t)
+                if key is not None and t.numel():
+                    owners.setdefault(key, []).append((name, t))
+            self._owners = owners
+        return self._owners
+
+    def observe(self, func: Any, args: Any, kwargs: Any) -> None:
+        """One op about to run (called before it runs, so a copy taken here holds the old value)."""
+        places = _written_arguments(func)
+        if places:
+            for place in places:
+                value = args[place] if isinstance(place, int) and place < len(args) else \
+                    kwargs.get(place) if isinstance(place, str) and kwargs else None
+                if isinstance(value, torch.Tensor):
+                    self._wrote(value)
+                elif isinstance(value, (list, tuple)):
+                    for v in value:
+                        if isinstance(v, torch.Tensor):
+                            self._wrote(v)
+        packet = getattr(func, "overloadpacket", None)
+        if packet in _MATMUL or packet in _CONV:
+            self._note_precision(args, conv=packet in _CONV)
+
+    def _wrote(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key is None:
+            return
+        for name, tensor in self._owner_map().get(key, ()):
+            self.written.setdefault(name, None)
+            for copies in self._open:
+                if name not in copies:
+                    copies[name] = tensor.detach().clone()
+
+    def _note_precision(self, args: Any, *, conv: bool) -> None:
+        for a in args:
+            if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex()):
+                u = unit_roundoff(a.dtype)
+                if a.dtype in (torch.float32, torch.complex64):
+                    u = _fp32_roundoff(a.device, conv)
+                self.roundoff = max(self.roundoff, u)
+                return
+
+    def written_items(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters and buffers seen written, by name."""
+        if not self.written:
+            return []
+        return [(name, t) for name, t in self.tensors() if name in self.written]
+
+
+class _Observing(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self, observer: ForwardObserver) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.observer = observer
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.observer.observe(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def observing(observer: ForwardObserver) -> Iterator[None]:
+    """Feed every op run in the block to ``observer``."""
+    with _Observing(observer):
+        yield
+
+
+@contextlib.contextmanager
+def restoring(observer: ForwardObserver) -> Iterator[dict[str, torch.Tensor]]:
+    """Run forwards for what they show, not for their effect: every parameter
+    or buffer the block writes is copied just before its first write and put
+    back, in place, when the block ends. Yields the copies."""
+    copies: dict[str, torch.Tensor] = {}
+    observer._open.append(copies)
+    try:
+        with _Observing(observer):
+            yield copies
+    finally:
+        observer._open.remove(copies)
+        if copies:
+            live = dict(observer.tensors())
+            with torch.no_grad():
+                for name, saved in copies.items():
+                    if name in live:
+                        live[name].copy_(saved)
+
+
+@contextlib.contextmanager
+def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
+    """``restoring`` with an observer of its own: forwards run in the block (to
+    learn shapes or memory) leave the module's tensors as they found them."""
+    with restoring(ForwardObserver(module)):
+        yield
+
+
+# Elements summed per step: bounds the integer copies a fingerprint makes (three of them).
+_CHUNK = 1 << 22
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MODULUS = 65521  # the largest prime below 2**16: weights 1..65521 never line up with a power-of-two layout
+
+
+def fingerprint(t: torch.Tensor) -> tuple[int, int]:
+    """Two sums over ``t``'s bit patterns, plain and weighted by position: a
+    change to any element (or two elements swapped) changes one of them, short
+    of a contrived collision. Costs one read of the tensor and a few chunks of
+    scratch memory, never a copy of it, and one synchronization."""
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    size = flat.element_size()
+    ints = flat.view(_INT_OF_SIZE[size]) if size in _INT_OF_SIZE and flat.dtype not in _INT_OF_SIZE.values() else flat
+    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for start in range(0, ints.numel(), _CHUNK):
+        chunk = ints[start:start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64)
+        weights.remainder_(_MODULUS).add_(1)
+        total[0] += chunk.sum()
+        total[1] += weights.mul_(chunk).sum()
+    plain, weighted = total.tolist()
+    return int(plain), int(weighted)
