@@ -9,6 +9,8 @@ import torch
 
 from pytest_cudagraph import CaptureError, verify
 from pytest_cudagraph.checks import CHECKS
+from pytest_cudagraph.checks.registry import Check
+from pytest_cudagraph.checks.report import Outcome
 from pytest_cudagraph.manager import GraphManager
 from tests.bugs import D, IdentityMemo, NoMemo, token_inputs
 
@@ -52,6 +54,24 @@ def test_a_descriptor_that_capture_safety_fails_is_its_own_failure(backend, devi
     assert all("not captured: its capture failed (capture_safety says why)" in o.message for o in skipped_t8)
     (t8,) = [o for o in report.failures if o.check == "capture_safety"]
     assert t8.message.startswith("1 op(s) cannot be captured in a graph; the first is float(tensor)"), t8.message
+
+
+def _refuses_four(ctx, descs):
+    return [Outcome("refuse_four", d, d.num_tokens != 4, "" if d.num_tokens != 4 else "four tokens refused")
+            for d in descs]
+
+
+def test_a_descriptor_a_suites_before_capture_check_fails_is_not_captured(backend, device):
+    """A downstream check of scope before_capture blocks the descriptors it fails, as capture_safety's did."""
+    torch.manual_seed(0)
+    refuse = Check("refuse_four", _refuses_four, compares="four tokens are refused", scope="before_capture")
+    report = verify(NoMemo().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
+                    backend=backend, extra_checks=[refuse])
+    _one_each(report)
+    assert [(o.check, o.descriptor.label()) for o in report.failures] == [("refuse_four", "FULL-T4-R4")]
+    assert {d.label() for d in report.descriptors} == {"FULL-T8-R4", "FULL-T2-R2", "FULL-T1-R1"}
+    skipped = [o for o in report.skips if o.descriptor is not None and o.descriptor.label() == "FULL-T4-R4"]
+    assert skipped and all("not captured: refuse_four failed for this descriptor" in o.message for o in skipped)
 
 
 def test_a_failed_capture_is_that_descriptors_failure_and_replaces_its_pass(backend, device, monkeypatch):

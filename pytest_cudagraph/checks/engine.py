@@ -420,10 +420,10 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
                 with meter.step(CAPTURE_CHECK):
                     listed = next((o for o in _guarded_each(capture_check, ctx, [desc])
                                    if not o.passed and not o.skipped), None)
-            _replace(report, listed or Outcome(
+            report.add([listed or Outcome(
                 CAPTURE_CHECK, desc, False, str(error),
                 Finding(submodule=error.module_path, ops=[f"{error.op} ({error.reason})"] if error.op else []),
-            ))
+            )])
             blocked[desc] = f"not captured: its capture failed ({CAPTURE_CHECK} says why)"
         if capture_check is not None:
             report.add([Outcome(CAPTURE_CHECK, d, True, figures={"guarded": "every op of its capture"})
@@ -458,15 +458,6 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
                 outcome = _guarded(check, None, partial(check.run, ctx, captured))
             report.add([outcome])
     report.check_seconds = time.perf_counter() - started
-
-
-def _replace(report: VerifyReport, outcome: Outcome) -> None:
-    """Put ``outcome`` in place of its check's outcome on its descriptor (one outcome per check and descriptor)."""
-    for i, old in enumerate(report.outcomes):
-        if old.check == outcome.check and old.descriptor == outcome.descriptor:
-            report.outcomes[i] = outcome
-            return
-    report.add([outcome])
 
 
 def _raise_if_lost(exc: Exception) -> None:
