@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .plan import BatchDescriptor
 
-__all__ = ["CaptureError"]
+__all__ = ["CaptureError", "EagerFailure"]
 
 
 class CaptureError(RuntimeError):
@@ -37,3 +37,9 @@ class CaptureError(RuntimeError):
         self.module_path = module_path
         self.descriptor = descriptor
         self.backend = backend
+
+
+class EagerFailure(ValueError):
+    """The module's eager forward fails at every shape verification tried, before anything is
+    captured: nothing can be captured or compared, so it is one error with eager's own exception
+    (``__cause__``), not a failed capture per descriptor."""

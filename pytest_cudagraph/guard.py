@@ -632,6 +632,8 @@ class GuardDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         self.guard.check_dispatch(func, args, kwargs)
         out = func(*args, **kwargs)
+        if self.guard.observer is not None:
+            self.guard.observer.after(func, out)
         if self.keep_alive is not None:
             for t in tensors_in(args, kwargs):
                 key = t.untyped_storage().data_ptr()

@@ -24,13 +24,15 @@ copies back afterwards, so a forward that writes nothing costs no copy.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ForwardObserver", "buffers_restored", "fingerprint", "observing", "restoring", "unit_roundoff"]
+__all__ = ["ForwardObserver", "buffers_restored", "draws_random", "fingerprint", "observing", "poisoned",
+           "restoring", "unit_roundoff"]
 
 aten = torch.ops.aten
 
@@ -132,6 +134,35 @@ def _written_arguments(func: Any) -> tuple[int | str, ...]:
     return found
 
 
+# Ops that draw from a generator, in every overload (those without a generator argument draw
+# from the default one): the random factories and samplers, and dropout's own kernels.
+_DRAWS_BY_NAME = _packets("native_dropout", "_fused_dropout", "fused_dropout", "rrelu_with_noise", "feature_dropout",
+                          "alpha_dropout", "rand", "randn", "randint", "randperm", "rand_like", "randn_like",
+                          "randint_like", "bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "multinomial",
+                          "poisson", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_", "binomial",
+                          "_standard_gamma", "_sample_dirichlet")
+_DRAWS: dict[Any, bool] = {}
+
+
+def draws_random(func: Any) -> bool:
+    """Whether ``func`` draws from a random generator: its schema takes one, or it is dropout's."""
+    found = _DRAWS.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = getattr(func, "overloadpacket", None) in _DRAWS_BY_NAME or (
+            schema is not None and any("Generator" in str(a.type) for a in schema.arguments))
+        _DRAWS[func] = found
+    return found
+
+
+# Ops that hand back memory as the allocator left it.
+_ALLOCATES = _packets("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                      "empty_permuted")
+# Ops that overwrite their first argument without reading it.
+_OVERWRITES = _packets("copy_", "fill_", "zero_", "uniform_", "normal_", "random_", "bernoulli_", "exponential_",
+                       "geometric_", "cauchy_", "log_normal_", "set_", "resize_")
+
+
 def _storage_key(t: torch.Tensor) -> int | None:
     try:
         return int(t.untyped_storage().data_ptr())
@@ -149,6 +180,14 @@ class ForwardObserver:
         self.module = module
         self.written: dict[str, None] = {}
         self.roundoff = 0.0
+        #: Ops seen drawing random numbers (by name): the module's randomness, told by its use of a
+        #: generator rather than by two runs that differ (Python state or uninitialized memory differ too).
+        self.random_ops: dict[str, None] = {}
+        #: Memory handed back as the allocator left it (``torch.empty`` and kin) and not yet written:
+        #: storage address -> the op that made it. Entries leave with their tensors.
+        self._fresh: dict[int, str] = {}
+        #: The first op seen reading such memory: (the op that read, the op that made it), or None.
+        self.unwritten_read: tuple[str, str] | None = None
         # storage address -> the (name, tensor) pairs that live there; made on first use
         self._owners: dict[int, list[tuple[str, torch.Tensor]]] | None = None
         # copies taken before first writes, one dict per open ``restoring`` block
@@ -176,6 +215,8 @@ class ForwardObserver:
 
     def observe(self, func: Any, args: Any, kwargs: Any) -> None:
         """One op about to run (called before it runs, so a copy taken here holds the old value)."""
+        if self._fresh:
+            self._reads_fresh(func, args, kwargs)
         places = _written_arguments(func)
         if places:
             for place in places:
@@ -190,6 +231,51 @@ class ForwardObserver:
         packet = getattr(func, "overloadpacket", None)
         if packet in _MATMUL or packet in _CONV:
             self._note_precision(args, conv=packet in _CONV)
+        elif draws_random(func):
+            self.random_ops.setdefault(str(func), None)
+
+    def after(self, func: Any, out: Any) -> None:
+        """One op that ran: memory it handed back unwritten (``torch.empty``) is watched for reads."""
+        if getattr(func, "overloadpacket", None) not in _ALLOCATES or not isinstance(out, torch.Tensor):
+            return
+        key = _storage_key(out)
+        if key is None or not out.numel():
+            return
+        fresh = self._fresh
+        fresh[key] = str(func)
+
+        def forget(_: Any = None, key: int = key) -> None:
+            fresh.pop(key, None)
+
+        weakref.finalize(out, forget)
+
+    def _reads_fresh(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Mark what ``func`` writes as written; the first read of memory nobody wrote is a finding.
+
+        An argument the op writes (its schema says so, ``out=`` included) counts as written,
+        unless the op is an in-place method that reads its ``self`` first (``add_``, not
+        ``copy_``). Views and ops that read only a tensor's metadata (``empty_like``) read nothing.
+        A write to part of the memory counts for all of it: a partial write followed by a read of
+        the rest is not told, while nothing that writes is ever taken for a read."""
+        if _reads_nothing(func):
+            return
+        packet = getattr(func, "overloadpacket", None)
+        written = _written_arguments(func)
+        in_place = getattr(getattr(func, "_schema", None), "name", "").endswith("_") and packet not in _OVERWRITES
+        places: list[tuple[int | str, Any]] = list(enumerate(args))
+        if kwargs:
+            places.extend(kwargs.items())
+        for place, value in places:
+            for t in (value if isinstance(value, (list, tuple)) else (value,)):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                key = _storage_key(t)
+                if key is None or key not in self._fresh:
+                    continue
+                if place in written and not (place == 0 and in_place):
+                    del self._fresh[key]  # written, not read
+                elif self.unwritten_read is None:
+                    self.unwritten_read = (str(func), self._fresh[key])
 
     def _wrote(self, t: torch.Tensor) -> None:
         key = _storage_key(t)
@@ -217,6 +303,26 @@ class ForwardObserver:
         return [(name, t) for name, t in self.tensors() if name in self.written]
 
 
+# Ops that read a tensor's shape, dtype and device, never its values.
+_METADATA_ONLY = _packets("empty_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+                          "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+                          "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "detach",
+                          "lift_fresh", "_has_same_storage_numel")
+_NOTHING_READ: dict[Any, bool] = {}
+
+
+def _reads_nothing(func: Any) -> bool:
+    """Whether ``func`` reads no tensor's values: a view (its result aliases an argument) or a
+    metadata op."""
+    found = _NOTHING_READ.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        view = schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
+                                          for r in schema.returns)
+        found = _NOTHING_READ[func] = view or getattr(func, "overloadpacket", None) in _METADATA_ONLY
+    return found
+
+
 class _Observing(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, observer: ForwardObserver) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -225,7 +331,45 @@ class _Observing(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.observer.observe(func, args, kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.observer.after(func, out)
+        return out
+
+
+class _Poisoning(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Fills the memory ``torch.empty`` and kin hand back with a value of its own."""
+
+    def __init__(self, which: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.which = which
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "overloadpacket", None) in _ALLOCATES and isinstance(out, torch.Tensor) and out.numel():
+            out.fill_(_POISON[self.which](out.dtype))
+        return out
+
+
+def _poison_value(first: bool) -> Callable[[torch.dtype], Any]:
+    def value(dtype: torch.dtype) -> Any:
+        if dtype == torch.bool:
+            return first
+        if dtype.is_floating_point or dtype.is_complex:
+            return 1234.5 if first else -2345.25  # finite, and far from what a forward computes
+        return 0x5A if first else 0x25
+
+    return value
+
+
+_POISON = (_poison_value(True), _poison_value(False))
+
+
+@contextlib.contextmanager
+def poisoned(which: int) -> Iterator[None]:
+    """Every ``torch.empty`` (and kin) the block makes holds poison ``which`` (0 or 1): a forward that
+    reads memory nobody wrote gives other results under the two."""
+    with _Poisoning(which):
+        yield
 
 
 @contextlib.contextmanager

@@ -203,9 +203,11 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
     devices: list[str] = []
     modes: list[str] = []
     calls = 0
+    quick = True  # every verification of the test was quick: fewer descriptors than planned is the plan
     for record in records:
         calls += 1
         rep = record["report"]
+        quick = quick and rep.get("exhaustive") is False
         device = str(rep.get("device", ""))
         if device.startswith("cuda") and device not in devices:
             devices.append(device)
@@ -228,6 +230,8 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
                 where = desc["label"] if isinstance(desc, Mapping) and "label" in desc else "module"
                 failures.append(f"{outcome_dict.get('check')} ({where})")
     parts = [
+        # Quick mode verifies two descriptors a mode by design: "2/3 captured" would read as a failure.
+        f"{captured} of {planned} descriptors verified (quick mode)" if quick and calls else
         f"{captured}/{planned} descriptors captured",
         f"{passed} checks passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""),
         f"capture {format_seconds(seconds)}",

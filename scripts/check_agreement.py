@@ -15,22 +15,21 @@ import argparse
 import datetime
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pytest_cudagraph.checks import verify
-from tests.bugs import PAIRS, token_inputs
+from tests.bugs import PAIRS, Pair
 
 
-def run(cls: type, backend: str, kwargs: dict[str, Any]) -> set[str]:
+def run(cls: type, backend: str, pair: Pair) -> set[str]:
     device = torch.device("cuda", 0) if backend == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
-    # The pair's own verify keywords (nonfinite_padding, say), as tests/test_checks.py passes them.
-    report = verify(cls().to(device), token_inputs(device), capture_sizes=(1, 2, 4, 8), max_num_reqs=4,
-                    backend=backend, device=device, **kwargs)
+    # The pair's own inputs and verify keywords (nonfinite_padding, say), as tests/test_checks.py passes them.
+    report = verify(cls().to(device), pair.make_inputs(device), capture_sizes=(1, 2, 4, 8), max_num_reqs=4,
+                    backend=backend, device=device, **pair.kwargs)
     return {o.check for o in report.failures}
 
 
@@ -49,8 +48,8 @@ def main() -> None:
     for pair in PAIRS:
         cells = []
         for backend in backends:
-            buggy = run(pair.buggy, backend, pair.kwargs)
-            correct = run(pair.correct, backend, pair.kwargs)
+            buggy = run(pair.buggy, backend, pair)
+            correct = run(pair.correct, backend, pair)
             cells += [
                 "yes" if pair.check in buggy else "NO",
                 "yes" if not correct else "NO: " + ", ".join(sorted(correct)),

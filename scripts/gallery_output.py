@@ -26,7 +26,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.buggy.common import token_inputs  # noqa: E402
 from examples.buggy.shape_branch import NoShapeBranch, ShapeBranch  # noqa: E402
 from pytest_cudagraph.checks import verify  # noqa: E402
 from tests.bugs import PAIRS, Pair  # noqa: E402
@@ -36,7 +35,7 @@ SIZES = (1, 2, 4, 8)
 
 def block(pair: Pair) -> str:
     torch.manual_seed(0)
-    report = verify(pair.buggy(), token_inputs("cpu"), capture_sizes=SIZES, max_num_reqs=4, backend="emulate",
+    report = verify(pair.buggy(), pair.make_inputs("cpu"), capture_sizes=SIZES, max_num_reqs=4, backend="emulate",
                     **pair.kwargs)
     shown = next((o for o in report.failures if o.check == pair.check), None)
     if shown is None:

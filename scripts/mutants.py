@@ -135,6 +135,8 @@ CO = "pytest_cudagraph/checks/cost.py"
 FLOOR_TESTS = ("tests/test_floor.py",)
 SCALE_TESTS = "tests/test_scale.py"
 OBSERVE_TESTS = ("tests/test_observe.py",)
+DIAGNOSES = ("tests/test_diagnoses.py",)
+PR = "pytest_cudagraph/pytest_report.py"
 
 EXACT = "return ((g == e) & _same_sign(g, e)) | both_nan"
 
@@ -197,7 +199,7 @@ MUTANTS: list[Mutant] = [
            "diff = None", sensitivity("test_padding_isolation_catches_padded_rows_written_into_state"),
            "state written by padded rows never compared"),
     Mutant("suite-lifetime-no-later-runs", S,
-           "        ctx.run(ctx.make(batch), batch)  # a later batch",
+           "        ctx.run(later, batch)  # a later batch",
            "        pass  # a later batch",
            (*sensitivity("test_output_lifetime_runs_later_batches"), pair("ReturnsStatsBuffer")),
            "output_lifetime runs no later batch (issue #15)"),
@@ -322,9 +324,9 @@ MUTANTS: list[Mutant] = [
     Mutant("runner-rows-not-compared", RC, "verdict = across_shapes(call.got, call.expected,",
            "verdict = across_shapes(call.expected, call.expected,", RUNNER_TESTS,
            "real_batches compares eager with itself"),
-    Mutant("runner-state-not-compared", RC,
-           "g, before = call.got_state[name], ctx.state0.get(name)",
-           "g, before = call.expected_state[name], ctx.state0.get(name)",
+    Mutant("runner-state-not-compared", X,
+           "g, start = got[name], before.get(name)",
+           "g, start = expected[name], before.get(name)",
            RUNNER_TESTS, "state compares eager's state with itself"),
     Mutant("runner-state-after-restore", RX, "            call.got_state = self.snapshot()\n            self.restore(state0)",
            "            self.restore(state0)\n            call.got_state = self.snapshot()", RUNNER_TESTS,
@@ -410,8 +412,8 @@ MUTANTS: list[Mutant] = [
     Mutant("observe-fingerprint-unweighted", OB, "total[1] += weights.mul_(chunk).sum()", "total[1] += chunk.sum()",
            OBSERVE_TESTS, "two elements swapped keep the fingerprint"),
     Mutant("context-snapshot-everything", X,
-           "return {name: t.detach().clone() for name, t in self.observer.written_items()}",
-           "return {name: t.detach().clone() for name, t in self.observer.tensors()}", OBSERVE_TESTS,
+           "snap = Snapshot({name: t.detach().clone() for name, t in self.observer.written_items()})",
+           "snap = Snapshot({name: t.detach().clone() for name, t in self.observer.tensors()})", OBSERVE_TESTS,
            "every snapshot copies the weights (four copies of an 8B model at once)"),
     Mutant("engine-no-learning", E, "                _learn_writes(ctx, selected)", "                pass",
            OBSERVE_TESTS, "verification leaves what its forwards wrote in the module"),
@@ -426,6 +428,42 @@ MUTANTS: list[Mutant] = [
            "state compares the graph's inputs with themselves: a mutated input passes"),
     Mutant("cost-forwards-uncounted", CO, "cost.forwards += self.forwards - forwards", "cost.forwards += 0",
            OBSERVE_TESTS, "the report says no check ran a forward"),
+    # -- issue #26: integer padding, state on padded batches, the true cause named ----------------------
+    Mutant("observe-randomness-unseen", OB, "        elif draws_random(func):", "        elif False:",
+           (*DIAGNOSES, pair("ReseedsInForward")), "no module draws random numbers: real_batches runs on noise"),
+    Mutant("context-python-not-restored", X, "            _set_python_value(self.module, dotted, value)",
+           "            pass", DIAGNOSES, "a Python counter is not put back between runs, nor after verification"),
+    Mutant("observe-unwritten-read-unseen", OB, "                elif self.unwritten_read is None:",
+           "                elif False:", (*OBSERVE_TESTS, pair("SplitKIntoEmpty")),
+           "a read of memory nobody wrote is not seen"),
+    Mutant("observe-writes-taken-for-reads", OB, "if place in written and not (place == 0 and in_place):",
+           "if False:", OBSERVE_TESTS, "an op's out= (or a copy_) counts as a read of what it writes"),
+    Mutant("context-uninitialized-unconfirmed", X, "if first_difference(outs[0], outs[1]) is not None:\n"
+           "                    self._uninitialized = (", "if True:\n                    self._uninitialized = (",
+           DIAGNOSES, "a read no poison changes the results of is a finding"),
+    Mutant("engine-cause-not-named", E, "    if uninitialized and uninitialized not in outcome.message:",
+           "    if False:", DIAGNOSES, "other failures of a module reading unwritten memory blame their own check"),
+    Mutant("suite-integers-not-filled", S, "    for label, int_fill in _INT_FILLS:", "    for label, int_fill in []:",
+           (pair("HashRoutedLoad"),), "padded integer rows keep their pad value"),
+    Mutant("suite-declared-pads-filled", S, "            and name not in declared and", "            and",
+           ("examples/real_models/test_hf_bugs.py::test_fix_passes",),
+           "a pad value the caller declared (padded positions are 0) is overwritten"),
+    Mutant("suite-state-padded-skipped", S, "    return _state_padded(ctx, desc) or Outcome(\"state\", desc, True)",
+           "    return Outcome(\"state\", desc, True)", DIAGNOSES, "state never compared after a padded batch"),
+    Mutant("engine-eager-failure-per-descriptor", E, "    if len(failures) == len(shapes):", "    if False:",
+           DIAGNOSES, "a module whose eager forward fails everywhere gets a capture failure per descriptor"),
+    Mutant("report-quick-reads-as-failed", PR,
+           'f"{captured} of {planned} descriptors verified (quick mode)" if quick and calls else',
+           'f"{captured}/{planned} descriptors captured" if quick and calls else',
+           ("tests/test_plugin.py::test_terminal_summary_section",), "a passing quick run reads \"2/3 captured\""),
+    Mutant("compare-ulps-across-signs", C, "signed = finite & _same_sign(gp, ep)", "signed = finite", COMPARE_TESTS,
+           "ULPs counted across a sign change (two billion for 0.3 against -0.2)"),
+    Mutant("suite-snapshot-before-make", S,
+           "        inputs = ctx.make(batch)\n        with ctx.preserved_state() as state0:\n"
+           "            ctx.seed_all(ctx.seed)\n            got = ctx.run(",
+           "        with ctx.preserved_state() as state0:\n            inputs = ctx.make(batch)\n"
+           "            ctx.seed_all(ctx.seed)\n            got = ctx.run(", DIAGNOSES,
+           "real_batches snapshots before make_inputs, the other checks after it"),
 ]
 
 

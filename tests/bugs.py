@@ -13,6 +13,7 @@ from torch import nn
 
 from examples.buggy.batch_statistics import BatchStatistics, TokenStatistics
 from examples.buggy.common import D, token_inputs
+from examples.buggy.expert_load import HashRoutedLoad, MaskedHashRoutedLoad, id_inputs
 from examples.buggy.host_sync import HostSync, HostSyncFixed
 from examples.buggy.host_value import CountsOnDevice, WritesPythonCount
 from examples.buggy.input_mutation import CopiesInput, MutatesInput
@@ -23,9 +24,10 @@ from examples.buggy.rebound_buffer import RebindsBuffer, UpdatesBufferInPlace
 from examples.buggy.reseed import DrawsNoise, ReseedsInForward
 from examples.buggy.side_output import ReturnsHidden, StoresHidden
 from examples.buggy.stale_cache import IdentityMemo, NoMemo
+from examples.buggy.uninitialized import SplitKIntoEmpty, SplitKIntoWritten
 from examples.buggy.unregistered_state import RegisteredState, UnregisteredState
 
-__all__ = ["PAIRS", "D", "IdentityMemo", "NoMemo", "Pair", "PythonCounter", "token_inputs"]
+__all__ = ["PAIRS", "D", "IdentityMemo", "NoMemo", "Pair", "PythonCounter", "id_inputs", "token_inputs"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,14 @@ class Pair:
     correct: type[nn.Module]
     message: str  # a regex the failure message must match
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: The name of the make_inputs factory in this module (a name, so that pytester files can import it).
+    inputs: str = "token_inputs"
+
+    def make_inputs(self, device: Any = "cpu") -> Any:
+        return INPUTS[self.inputs](device)
+
+
+INPUTS = {"token_inputs": token_inputs, "id_inputs": id_inputs}
 
 
 PAIRS = [
@@ -45,6 +55,10 @@ PAIRS = [
     Pair("fresh_inputs", IdentityMemo, NoMemo, r"with fresh inputs after capture, replay differs from eager"),
     Pair("real_batches", BatchStatistics, TokenStatistics,
          r"real rows (are off systematically|differ from eager on the unpadded batch by)"),
+    # Integer rows of padding: ids a router counts (hash-routed expert loads).
+    Pair("padding_isolation", HashRoutedLoad, MaskedHashRoutedLoad,
+         r"module state 'load' changes when padded rows of 'ids' hold .* instead of their pad value: padded rows "
+         r"write into state", inputs="id_inputs"),
     Pair("padding_isolation", PoolsPaddedRows, MaskBySelect,
          r"real rows change when padded rows of 'x' hold random values instead of zeros: padding leaks into real "
          r"rows"),
@@ -56,6 +70,8 @@ PAIRS = [
     Pair("side_outputs", StoresHidden, ReturnsHidden,
          r"forward stores a new tensor in the plain attribute 'hidden' on every call.*still holds the tensor "
          r"stored at capture"),
+    Pair("determinism", SplitKIntoEmpty, SplitKIntoWritten,
+         r"forward reads memory nobody wrote: aten\.add_\.Tensor reads what aten\.empty\.memory_format handed back"),
     Pair("determinism", UnregisteredState, RegisteredState,
          r"two replays of the same inputs, from the same module state and seed, differ"),
     Pair("output_lifetime", ReturnsStatsBuffer, ReturnsStatsCopy,

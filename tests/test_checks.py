@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -11,10 +13,10 @@ from tests.bugs import PAIRS, Pair, token_inputs
 SIZES = (1, 2, 4, 8)
 
 
-def run(module_cls: type, backend: str, device: torch.device, **kwargs):
+def run(module_cls: type, backend: str, device: torch.device, inputs: Any = token_inputs, **kwargs):
     torch.manual_seed(0)
     module = module_cls().to(device)
-    return verify(module, token_inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend,
+    return verify(module, inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend,
                   device=device, **kwargs)
 
 
@@ -24,7 +26,7 @@ def test_every_check_has_a_pair():
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p.buggy.__name__)
 def test_buggy_module_fails_its_check(pair: Pair, backend, device):
-    report = run(pair.buggy, backend, device, **pair.kwargs)
+    report = run(pair.buggy, backend, device, pair.make_inputs, **pair.kwargs)
     failed = [o for o in report.failures if o.check == pair.check]
     assert failed, f"{pair.check} did not catch {pair.buggy.__name__}:\n{report.format(verbose=True)}"
     assert any(__import__("re").search(pair.message, o.message) for o in failed), report.format()
@@ -32,7 +34,7 @@ def test_buggy_module_fails_its_check(pair: Pair, backend, device):
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p.correct.__name__)
 def test_correct_twin_passes_every_check(pair: Pair, backend, device):
-    report = run(pair.correct, backend, device, **pair.kwargs)
+    report = run(pair.correct, backend, device, pair.make_inputs, **pair.kwargs)
     assert report.ok, report.format()
     assert {o.check for o in report.outcomes} == {*CHECKS, "dispatch"}
 

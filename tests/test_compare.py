@@ -129,11 +129,15 @@ def test_signed_zeros_of_complex_parts_differ() -> None:
     assert _differs(got, torch.tensor([complex(1.0, -0.0)])).index == (0,)
 
 
-def test_ulps_are_counted_across_zero_and_for_negative_values() -> None:
+def test_ulps_are_counted_where_signs_agree_and_for_negative_values() -> None:
     tiny = torch.tensor([0.0], dtype=torch.float32)
     up = torch.nextafter(tiny, torch.tensor([1.0]))  # the smallest subnormal
     assert _differs(up, tiny).max_ulp == 1
-    assert _differs(up, -up).max_ulp == 2  # -tiny, -0 / +0, +tiny
+    # Across a sign change a ULP count measures the whole range between the values (0.3 against
+    # -0.2 is two billion ULPs): no figure, where no element of one sign differs.
+    assert _differs(up, -up).max_ulp is None
+    across = _differs(torch.tensor([0.3, 1.0]), torch.tensor([-0.2, torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))]))
+    assert across.max_ulp == 1
     minus_one = torch.tensor([-1.0])
     below = torch.nextafter(minus_one, torch.tensor([-2.0]))
     assert _differs(below, minus_one).max_ulp == 1

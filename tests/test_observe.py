@@ -169,3 +169,53 @@ def test_the_report_says_where_the_time_went_and_the_peak() -> None:
     assert "peak memory" in report.summary()
     assert report.to_dict()["costs"]["determinism"]["replays"] == 6
     assert "Where the time went" in report.format(verbose=True)
+
+
+def _first_unwritten_read(fn: Any) -> Any:
+    observer = ForwardObserver(nn.Linear(2, 2))
+    with observing(observer):
+        fn()
+    return observer.unwritten_read
+
+
+def test_a_read_of_memory_nobody_wrote_is_seen_with_the_op_that_made_it() -> None:
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+
+    def split_k() -> None:
+        out = torch.empty(3, 5)
+        out += a[:, :2] @ b[:2]
+
+    assert _first_unwritten_read(split_k) == ("aten.add_.Tensor", "aten.empty.memory_format")
+
+    def cloned() -> None:
+        torch.empty_like(a).clone()
+
+    assert _first_unwritten_read(cloned) == ("aten.clone.default", "aten.empty_like.default")
+
+
+@pytest.mark.parametrize("name", ["copy_then_add", "out_argument", "a_view_then_copy", "metadata_only"])
+def test_memory_written_before_it_is_read_is_not_a_finding(name: str) -> None:
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+
+    def copy_then_add() -> None:
+        out = torch.empty(3, 5)
+        out.copy_(a[:, :2] @ b[:2])
+        out += a[:, 2:] @ b[2:]
+
+    def out_argument() -> None:
+        out = torch.empty(3, 5)
+        torch.mm(a, b, out=out)
+        out.relu()
+
+    def a_view_then_copy() -> None:
+        out = torch.empty(15).view(3, 5)
+        out.t()
+        out.fill_(1.0)
+        out.sum()
+
+    def metadata_only() -> None:
+        out = torch.empty(3, 5)
+        torch.zeros_like(out)
+        torch.empty_like(out).zero_()
+
+    assert _first_unwritten_read(locals()[name]) is None

@@ -536,9 +536,9 @@ def test_terminal_summary_section(inner: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         [
             "*= cudagraph =*",
-            "test_rep.py::test_twice: *4/6 descriptors captured, * checks passed, 0 failed*, capture *s, "
+            "test_rep.py::test_twice: *4 of 6 descriptors verified (quick mode), * checks passed, 0 failed*, capture *s, "
             "graph memory * (2 verify calls)",
-            "test_rep.py::test_buggy: *0/3 descriptors captured, 0 checks passed, 2 failed*; "
+            "test_rep.py::test_buggy: *0 of 3 descriptors verified (quick mode), 0 checks passed, 2 failed*; "
             "failures: capture_safety (FULL-T4-R4), capture_safety (FULL-T1-R1) [[]failed]",
         ]
     )
@@ -744,8 +744,8 @@ def test_xdist_workers_results_reach_the_summary_and_report(inner: pytest.Pytest
     # a malformed marker: a worker cannot raise a usage error, so that test errors with the message
     result.stdout.fnmatch_lines(["*ERROR at setup of test_x*", "*unknown keyword 'sizes'*"])
     result.stdout.fnmatch_lines(["*= cudagraph =*"])
-    result.stdout.fnmatch_lines(["test_rep.py::test_twice: *4/6 descriptors captured*"])
-    result.stdout.fnmatch_lines(["test_rep.py::test_buggy: *0/3 descriptors captured*"])
+    result.stdout.fnmatch_lines(["test_rep.py::test_twice: *4 of 6 descriptors verified (quick mode)*"])
+    result.stdout.fnmatch_lines(["test_rep.py::test_buggy: *0 of 3 descriptors verified (quick mode)*"])
     data = _report(inner)
     assert set(data["tests"]) == {"test_rep.py::test_twice", "test_rep.py::test_buggy",
                                   "test_rep.py::test_not_verifying", "test_bad_marker.py::test_x"}

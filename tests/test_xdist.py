@@ -52,7 +52,7 @@ def _summary(result: pytest.RunResult) -> list[str]:
     start = next(i for i, line in enumerate(lines) if "= cudagraph =" in line)
     # Timings and the process's peak memory are the machine's, not the verdict's.
     return sorted(re.sub(r"peak memory [\d.]+ \w+( \([\d.]+ \w+ before\))?", "peak memory <m>", re.sub(r"capture [\d.]+ [mµ]?s", "capture <t>", line))
-                  for line in lines[start + 1:] if "::" in line and "descriptors captured" in line)
+                  for line in lines[start + 1:] if "::" in line and ("descriptors captured" in line or "descriptors verified" in line))
 
 
 @pytest.mark.parametrize("split", ["test", "descriptor"])

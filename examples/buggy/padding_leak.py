@@ -5,10 +5,10 @@ so the unpadded comparison (``real_batches``) cannot see it; an engine's
 padded rows hold whatever an earlier batch left there. Caught by
 ``padding_isolation``. The plugin prints:
 
-    PoolsPaddedRows on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 20 real batches, 2 failure(s) in padding_isolation, 2 skipped; capture 2 ms, graph memory 2.5 KiB, peak memory 322.3 MiB (321.1 MiB before)
+    PoolsPaddedRows on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 20 real batches, 2 failure(s) in padding_isolation, 2 skipped; capture 2 ms, graph memory 2.5 KiB, peak memory 324.3 MiB (323.2 MiB before)
     FAIL padding_isolation      FULL-T8-R4
          real rows change when padded rows of 'x' hold random values instead of zeros: padding leaks into real rows (the output: values differ)
-         real batch (num_reqs=3, num_tokens=5, num_active_loras=0, num_ubatches=1); output <the output> at index [0, 0]; graph gave -3.6182351112365723, eager gave -1.329487919807434; max abs diff 2.29, max ULP 2126961342
+         real batch (num_reqs=3, num_tokens=5, num_active_loras=0, num_ubatches=1); the output at index [0, 0]; graph gave -3.6182351112365723, eager gave -1.329487919807434; max abs diff 2.29, max ULP 54856980
 
     (CPU emulator, `pytest --cudagraph-verify`, capture sizes 1, 2, 4, 8; the padding_isolation failure shown)
 
@@ -17,10 +17,10 @@ finite value, so it passes by default; ``0 * NaN`` is NaN, which the strict
 ``nonfinite_padding=True`` (``--cudagraph-nonfinite-padding``) finds and
 says so. The plugin prints:
 
-    MaskByMultiply on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 20 real batches, 2 failure(s) in padding_isolation, 2 skipped; capture 3 ms, graph memory 2.5 KiB, peak memory 323.5 MiB (322.3 MiB before)
+    MaskByMultiply on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 20 real batches, 2 failure(s) in padding_isolation, 2 skipped; capture 3 ms, graph memory 2.5 KiB, peak memory 325.5 MiB (324.3 MiB before)
     FAIL padding_isolation      FULL-T8-R4
          real rows change when padded rows of 'x' hold NaN instead of zeros: padding leaks into real rows (the output: values differ) (found by nonfinite_padding=True, a strictness beyond engines, which pad with finite values: every finite padding tried left the real rows unchanged; typically 0 * NaN where a weight is 0)
-         real batch (num_reqs=3, num_tokens=5, num_active_loras=0, num_ubatches=1); output <the output> at index [0, 0]; graph gave nan, eager gave -1.329487919807434
+         real batch (num_reqs=3, num_tokens=5, num_active_loras=0, num_ubatches=1); the output at index [0, 0]; graph gave nan, eager gave -1.329487919807434
 
     (CPU emulator, `pytest --cudagraph-verify`, capture sizes 1, 2, 4, 8, nonfinite_padding=True; the padding_isolation failure shown)
 

@@ -2,9 +2,9 @@
 
 Caught by ``address_stability``. The plugin prints:
 
-    RebindsBuffer on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 18 real batches, 17 failure(s) in address_stability, fresh_inputs, real_batches, replay_matches_eager, state, 2 skipped; capture 3 ms, graph memory 3.0 KiB, peak memory 328.1 MiB (327.9 MiB before)
+    RebindsBuffer on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 18 real batches, 17 failure(s) in address_stability, fresh_inputs, real_batches, replay_matches_eager, state, 2 skipped; capture 3 ms, graph memory 3.0 KiB, peak memory 329.1 MiB (329.1 MiB before)
     FAIL address_stability      module
-         module tensor 'running' moved: it was rebound to another tensor (address 0x56362ec30580 -> 0x56362ede3480), and graphs keep reading the old memory. Update it in place (copy_, mul_, add_) instead of rebinding the attribute
+         module tensor 'running' moved: it was rebound to another tensor (address 0x5581f7ec8dc0 -> 0x5581f7ffe140), and graphs keep reading the old memory. Update it in place (copy_, mul_, add_) instead of rebinding the attribute
          output module tensor 'running'
 
     (CPU emulator, `pytest --cudagraph-verify`, capture sizes 1, 2, 4, 8; the address_stability failure shown; also failed: fresh_inputs, real_batches, replay_matches_eager, state)

@@ -13,24 +13,25 @@ from tests.bugs import PAIRS
 
 # Every descriptor, also without --cudagraph-verify: some bugs show at one size only.
 CONFIG = {"capture_sizes": (1, 2, 4, 8), "max_num_reqs": 4, "exhaustive": True}
-# (check, buggy, fixed, message, extra keywords: a strictness the pair is caught under)
-GALLERY = [(p.check, p.buggy, p.correct, p.message, p.kwargs) for p in PAIRS] + [
-    ("real_batches", ShapeBranch, NoShapeBranch, r"real rows (are off systematically|differ from eager on the unpadded batch)", {}),
+# (check, buggy, fixed, message, extra keywords: a strictness the pair is caught under, make_inputs)
+GALLERY = [(p.check, p.buggy, p.correct, p.message, p.kwargs, p.make_inputs) for p in PAIRS] + [
+    ("real_batches", ShapeBranch, NoShapeBranch, r"real rows (are off systematically|differ from eager on the unpadded batch)",
+     {}, token_inputs),
 ]
-FIELDS = ("check", "buggy", "fixed", "message", "extra")
+FIELDS = ("check", "buggy", "fixed", "message", "extra", "inputs")
 
 
 @pytest.mark.parametrize(FIELDS, GALLERY, ids=[g[1].__name__ for g in GALLERY])
-def test_bug_is_caught(cudagraph_verify, cudagraph_device, check, buggy, fixed, message, extra):
+def test_bug_is_caught(cudagraph_verify, cudagraph_device, check, buggy, fixed, message, extra, inputs):
     torch.manual_seed(0)
     with pytest.raises(pytest.fail.Exception, match=rf"(?s)FAIL {check} .*{message}"):
-        cudagraph_verify(buggy().to(cudagraph_device), token_inputs(cudagraph_device), **CONFIG, **extra)
+        cudagraph_verify(buggy().to(cudagraph_device), inputs(cudagraph_device), **CONFIG, **extra)
 
 
 @pytest.mark.parametrize(FIELDS, GALLERY, ids=[f"{g[2].__name__}-{g[1].__name__}" for g in GALLERY])
-def test_fix_passes(cudagraph_verify, cudagraph_device, check, buggy, fixed, message, extra):
+def test_fix_passes(cudagraph_verify, cudagraph_device, check, buggy, fixed, message, extra, inputs):
     torch.manual_seed(0)
-    assert cudagraph_verify(fixed().to(cudagraph_device), token_inputs(cudagraph_device), **CONFIG, **extra).ok
+    assert cudagraph_verify(fixed().to(cudagraph_device), inputs(cudagraph_device), **CONFIG, **extra).ok
 
 
 def test_strict_padding_bug_passes_finite_padding(cudagraph_verify, cudagraph_device):

@@ -156,7 +156,8 @@ class HostSyncLongRopeLlamaLayer(_LongRopeLlama):
 
 
 class DeviceLongRopeLlamaLayer(_LongRopeLlama):
-    """Chooses the factors on the device; padded positions are 0, so the choice follows the real tokens."""
+    """Chooses the factors on the device; padded positions are 0 (the engine's contract, declared with
+    ``pad_values={"position_ids": 0}``), so the choice follows the real tokens."""
 
     def inv_freq(self, position_ids: torch.Tensor) -> torch.Tensor:
         long = position_ids.max() + 1 > ORIGINAL_CONTEXT

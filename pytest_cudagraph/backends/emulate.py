@@ -231,6 +231,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         self.guard.check_dispatch(func, args, kwargs)
         out = func(*args, **kwargs)
+        if self.guard.observer is not None:
+            self.guard.observer.after(func, out)
         if func in _ALLOCATIONS:
             self._note_created(out)
             return out

@@ -74,8 +74,8 @@ BUILTIN = CheckRegistry([
         catches="computations that depend on the padded batch size: statistics over the whole batch, padded "
                 "rows included; a Python branch on the token count, or a scale computed from it, down to a few "
                 "percent on bf16 logits; outputs cut wrongly",
-        applies="no real batch dispatches to the descriptor; the module draws random numbers (the `rng` check "
-                "covers them)",
+        applies="no real batch dispatches to the descriptor; the module draws random numbers, told by its use "
+                "of a generator (the `rng` check covers them)",
     ),
     Check(
         "padding_isolation", suite.padding_isolation,
@@ -83,22 +83,26 @@ BUILTIN = CheckRegistry([
                  "zeros, random values or large finite values, as padded rows of an engine do (stale rows, "
                  "hidden states of pad tokens); with `nonfinite_padding=True` (marker keyword, "
                  "`--cudagraph-nonfinite-padding`, ini `cudagraph_nonfinite_padding`) also NaN and inf, a "
-                 "strictness whose failures say so. Integer inputs keep their pad value; inputs whose padding "
-                 "is declared semantics (a square mask with its `pad_values`) are not filled",
+                 "strictness whose failures say so. Padded rows of integer inputs (ids, positions, indices) hold "
+                 "the largest value `make_inputs` gives, then other values in its range; inputs whose padding "
+                 "is declared semantics in `pad_values` (a reserved slot, a square mask) are not filled",
         catches="attention that reads padded keys (bidirectional over the padded sequence), pooling over padded "
                 "rows, batch statistics (a BatchNorm in train mode is named), padded rows writing into state "
-                "(allow a scratch region with `scratch_state`); strict: masking by multiplication "
-                "(`0 * NaN = NaN`)",
-        applies="no real batch of the descriptor leaves padded rows; no floating-point input has padded rows "
-                "to fill",
+                "(an expert load counted by the pad id; allow a scratch region with `scratch_state`); strict: "
+                "masking by multiplication (`0 * NaN = NaN`)",
+        applies="no real batch of the descriptor leaves padded rows; no input has padded rows that can hold "
+                "other values",
     ),
     Check(
         "state", suite.state,
         compares="what forwards write (module buffers, parameters written in place), and inputs that eager "
                  "mutates in place, end in the same state after `run()` as after eager at the captured shape (what "
                  "forwards write is snapshot and restored around each comparison, so a graph-safe counter buffer "
-                 "passes; nothing else is copied)",
-        catches="in-place writes to inputs (the graph writes its static copy, never the caller's tensor)",
+                 "passes; nothing else is copied); and, where forwards write module state, after the smallest "
+                 "real batch as after eager on its real rows (bit for bit where those wrote nothing, the "
+                 "measured floor where they wrote)",
+        catches="in-place writes to inputs (the graph writes its static copy, never the caller's tensor); "
+                "padded rows writing where no real row does (a count of the pad id, a live KV slot)",
         applies="never",
     ),
     Check(
@@ -112,14 +116,19 @@ BUILTIN = CheckRegistry([
     ),
     Check(
         "determinism", suite.determinism,
-        compares="two replays of the same inputs, from the same state and seed, are bit-identical",
-        catches="state kept outside registered buffers, nondeterministic kernels",
+        compares="two replays of the same inputs, from the same state and seed, are bit-identical; and no "
+                 "forward reads memory nobody wrote: an op seen reading what `torch.empty` (or kin) handed back "
+                 "before anything wrote it, confirmed by two eager runs with that memory poisoned two ways, is "
+                 "named with the op that made it (and every other failure of the module says so first)",
+        catches="state kept outside registered buffers, nondeterministic kernels, a split-K sum into "
+                "`torch.empty`",
         applies="never",
     ),
     Check(
         "rng", suite.rng,
         compares="with a seeded generator, replay draws equal eager draws, and successive replays draw fresh "
-                 "values",
+                 "values; a module is random when its forwards use a generator (seen op by op), never because "
+                 "two runs differ (Python state, put back between runs, and unwritten memory do that)",
         catches="seeding inside `forward`, generators a graph does not advance",
         applies="eager itself is not reproducible under one seed (the `determinism` and replay checks say why)",
     ),

@@ -180,8 +180,11 @@ def _largest(g: torch.Tensor, e: torch.Tensor, widen: bool, ulp: bool = True) ->
                 wide = torch.float64 if gp.dtype == torch.float64 else torch.float32
                 delta = torch.where(finite, (gp.to(wide) - ep.to(wide)).abs(), 0)
                 max_abs = max(max_abs or 0.0, float(delta.max()))
-                if ulp and g.dtype in _INT_VIEW:
-                    ulps = torch.where(finite, (_ordered_bits(gp) - _ordered_bits(ep)).abs(), 0)
+                # ULPs count steps between values of one sign: across a sign change they would
+                # count the whole range between them, a figure that means nothing.
+                signed = finite & _same_sign(gp, ep)
+                if ulp and g.dtype in _INT_VIEW and bool(signed.any()):
+                    ulps = torch.where(signed, (_ordered_bits(gp) - _ordered_bits(ep)).abs(), 0)
                     max_ulp = max(max_ulp or 0, int(ulps.max()))
         elif not floating and g.dtype != torch.bool:
             max_abs = max(max_abs or 0.0, float((gp.long() - ep.long()).abs().max()))

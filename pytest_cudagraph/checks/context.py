@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -13,12 +14,13 @@ from ..context import running
 from ..guard import as_captured
 from ..manager import GraphManager, tree
 from ..manager.layout import call_make_inputs
-from ..observe import ForwardObserver, fingerprint, restoring
+from ..observe import ForwardObserver, fingerprint, poisoned, restoring
 from ..plan import Batch, BatchDescriptor, GraphMode
 from ..plan.properties import exact_batch
 from .compare import Difference, first_difference
+from .floor import across_shapes
 
-__all__ = ["ModuleState", "VerifyContext", "clone_tree"]
+__all__ = ["ModuleState", "Snapshot", "VerifyContext", "clone_tree", "python_values"]
 
 # A region of a buffer that padded rows may legitimately write (a KV cache's
 # padding slot): an index, a slice, or a callable returning a boolean mask.
@@ -28,6 +30,34 @@ ScratchRegion = int | slice | Callable[[torch.Tensor], torch.Tensor]
 def clone_tree(value: Any) -> Any:
     """``value`` with every tensor cloned, dataclass fields included, in the same structure."""
     return tree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def python_values(module: torch.nn.Module) -> dict[str, Any]:
+    """Plain Python values held by the module tree (what a graph freezes), by dotted name."""
+    found: dict[str, Any] = {}
+    for path, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if attr == "training" or attr.startswith("__"):
+                continue
+            if isinstance(value, (bool, int, float, str)) or value is None:
+                found[f"{path}.{attr}" if path else attr] = value
+    return found
+
+
+def _set_python_value(module: torch.nn.Module, dotted: str, value: Any) -> None:
+    path, _, attr = dotted.rpartition(".")
+    owner = module.get_submodule(path) if path else module
+    owner.__dict__[attr] = value
+
+
+class Snapshot(dict[str, torch.Tensor]):
+    """Copies of the tensors forwards write, and (``python``) the plain Python values they change."""
+
+    python: dict[str, Any]
 
 
 class ModuleState:
@@ -63,17 +93,36 @@ class ModuleState:
         self.unseen: list[str] = []
         #: What the verification could not do as usual, for the report.
         self.notes: list[str] = []
+        #: Plain Python values of the module tree that forwards change (a counter, an offset), by
+        #: dotted name: snapshot and put back with the tensors.
+        self.python_written: list[str] = []
 
     # -- module state -------------------------------------------------------
     def _state_items(self) -> list[tuple[str, torch.Tensor]]:
         """Every parameter and buffer, by name."""
         return self.observer.tensors()
 
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        """Copies of the tensors forwards write (nothing else can change)."""
-        return {name: t.detach().clone() for name, t in self.observer.written_items()}
+    def snapshot(self) -> Snapshot:
+        """Copies of the tensors forwards write (nothing else can change), and the Python values they change."""
+        snap = Snapshot({name: t.detach().clone() for name, t in self.observer.written_items()})
+        snap.python = self._python_now()
+        return snap
+
+    def _python_now(self) -> dict[str, Any]:
+        values = {}
+        for dotted in self.python_written:
+            path, _, attr = dotted.rpartition(".")
+            with contextlib.suppress(AttributeError):
+                owner = self.module.get_submodule(path) if path else self.module
+                if attr in owner.__dict__:
+                    values[dotted] = owner.__dict__[attr]
+        return values
 
     def restore(self, snap: Mapping[str, torch.Tensor]) -> None:
+        # A Python counter or offset goes back too: left alone, two eager runs "from one state"
+        # differ, and a module with Python state reads as random.
+        for dotted, value in getattr(snap, "python", {}).items():
+            _set_python_value(self.module, dotted, value)
         if not snap:
             return
         with torch.no_grad():
@@ -82,7 +131,7 @@ class ModuleState:
                     t.copy_(snap[name])
 
     @contextlib.contextmanager
-    def preserved_state(self) -> Iterator[dict[str, torch.Tensor]]:
+    def preserved_state(self) -> Iterator[Snapshot]:
         """Snapshot the module's state and put it back afterwards."""
         snap = self.snapshot()
         try:
@@ -98,10 +147,17 @@ class ModuleState:
         it is watched from then on (``unseen``), though what the pass wrote
         there cannot be undone."""
         before = {name: fingerprint(t) for name, t in self._state_items()}
+        python_before = python_values(self.module)
         with restoring(self.observer):
             for forward in forwards:
                 self.seed_all(self.seed)
                 forward()
+        python_after = python_values(self.module)
+        self.python_written = [name for name, value in python_after.items()
+                               if name not in python_before or python_before[name] != value]
+        for name in self.python_written:
+            if name in python_before:
+                _set_python_value(self.module, name, python_before[name])
         self._unwritten = {}
         for name, t in self._state_items():
             if name in self.observer.written:
@@ -153,6 +209,54 @@ class ModuleState:
                 return found
         return None
 
+    def state_across_shapes(self, got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+                            before: Mapping[str, torch.Tensor],
+                            padded: Callable[[], Mapping[str, torch.Tensor] | None], *, rtol: float | None,
+                            atol: float | None) -> tuple[str, Difference, str] | None:
+        """(name, where, why) of the first tensor a padded run (``got``) left otherwise than eager on the
+        unpadded batch (``expected``), both from ``before``, outside ``scratch_state``; or None.
+
+        Where eager's real rows wrote nothing, bit for bit: a padded row that wrote there wrote where
+        no real row does. Where they wrote, held to the floor across shapes (``checks/floor.py``):
+        ``padded()`` is the state eager at the padded shape leaves (run only when needed; None: no
+        floor, the tolerance decides)."""
+        reference: list[Mapping[str, torch.Tensor] | None] = []
+
+        def floor_state() -> Mapping[str, torch.Tensor] | None:
+            if not reference:
+                reference.append(padded())
+            return reference[0]
+
+        for name, e in expected.items():
+            g, start = got[name], before.get(name)
+            g, e = self.outside_scratch(name, g), self.outside_scratch(name, e)
+            if start is None:
+                diff = first_difference(g, e, rtol=rtol, atol=atol)
+                if diff is not None:
+                    diff.path = name
+                    return name, diff, diff.reason
+                continue
+            start = self.outside_scratch(name, start)
+            same = (e == start) | (torch.isnan(e) & torch.isnan(start)) if e.is_floating_point() else e == start
+            wrote = ~same
+            untouched = first_difference(torch.where(wrote, 0, g), torch.where(wrote, 0, e))
+            if untouched is not None:
+                untouched.path = name
+                return name, untouched, f"{untouched.reason} where eager's real rows wrote nothing"
+            if not bool(wrote.any()):
+                continue
+            state = floor_state()
+            p = self.outside_scratch(name, state[name])[wrote] if state is not None and name in state else None
+            verdict = across_shapes(g[wrote], e[wrote], functools.partial(_same, p) if p is not None else None,
+                                    rtol=rtol, atol=atol, roundoff=self.roundoff,
+                                    subject="the values the real rows wrote")
+            if not verdict.passed:
+                diff = verdict.diff or Difference(name, "values differ")
+                diff.path = name
+                diff.index = None  # an index into the written values alone, not into the tensor
+                return name, diff, verdict.why
+        return None
+
     def seed_all(self, seed: int) -> None:
         torch.manual_seed(seed)
 
@@ -194,7 +298,6 @@ class VerifyContext(ModuleState):
         #: padding_isolation also fills padded rows with NaN and inf.
         self.nonfinite_padding = nonfinite_padding
         self.real_batches_run = 0
-        self._random: dict[BatchDescriptor, bool] = {}
         #: Plain tensor attributes of the module tree right after capture,
         #: by dotted name (what a replay leaves there).
         self.captured_attributes: dict[str, Any] = {}
@@ -212,25 +315,41 @@ class VerifyContext(ModuleState):
         self._served: dict[BatchDescriptor, list[Batch]] | None = None
         #: Per descriptor, replay_matches_eager's eager run at the captured shape (the inputs as it
         #: left them, the state it wrote), for the state check; dropped when the descriptor is done.
-        self.exact_eager: dict[BatchDescriptor, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+        self.exact_eager: dict[BatchDescriptor, tuple[dict[str, Any], Snapshot, Snapshot]] = {}
+        self._uninitialized: str | None = None
+
+    def uninitialized(self) -> str:
+        """Why the module's results are undefined, when a forward reads memory nobody wrote (``""``
+        when none does): the observer saw an op read what ``torch.empty`` (or kin) handed back
+        before anything wrote it, and two eager runs from one state and seed, with that memory
+        poisoned two ways, give other results. Found once a verification."""
+        if self._uninitialized is None:
+            self._uninitialized = ""
+            seen = self.observer.unwritten_read
+            if seen is not None:
+                reader, maker = seen
+                batch = self.exact_batch(min(self.manager.plan.capture_order, key=lambda d: d.num_tokens))
+                inputs = self.make(batch)
+                outs = []
+                with self.preserved_state() as state0:
+                    for which in (0, 1):
+                        self.restore(state0)
+                        self.seed_all(self.seed)
+                        with poisoned(which):
+                            outs.append(self.eager_real(clone_tree(inputs), batch, captured_path=False))
+                if first_difference(outs[0], outs[1]) is not None:
+                    self._uninitialized = (
+                        f"forward reads memory nobody wrote: {reader} reads what {maker} handed back before "
+                        "anything wrote it, so its results are whatever the allocator left there (eager differs "
+                        "from itself, and a graph reads other memory again). Write it fully first, or make it "
+                        "with torch.zeros")
+        return self._uninitialized
 
     def module_is_random(self, desc: BatchDescriptor) -> bool:
-        """Whether eager output depends on the seed: asked at the first descriptor it is asked
-        for, and taken as the module's answer at every shape (two eager forwards once, not
-        two per descriptor: a model draws random numbers at every shape or at none)."""
-        if self._random:
-            return next(iter(self._random.values()))
-        if desc not in self._random:
-            batch = self.exact_batch(desc)
-            inputs = self.make(batch)
-            outs = []
-            with self.preserved_state() as state0:
-                for seed in (self.seed, self.seed + 1):
-                    self.restore(state0)
-                    self.seed_all(seed)
-                    outs.append(self.eager_real(inputs, batch))
-            self._random[desc] = first_difference(outs[0], outs[1]) is not None
-        return self._random[desc]
+        """Whether the module draws random numbers: told by its use of a generator, op by op, in
+        every forward the observer saw (the first pass, the guarded runs, every checked capture),
+        never by two runs that differ, which Python state or memory nobody wrote also make."""
+        return bool(self.observer.random_ops)
 
     # -- real batches ---------------------------------------------------
     def real_batches(self, desc: BatchDescriptor) -> list[Batch]:
@@ -251,6 +370,20 @@ class VerifyContext(ModuleState):
             if candidate is not None and self.manager.dispatch_batch(candidate) == desc:
                 found.append(candidate)
         return found
+
+    def integer_ranges(self, desc: BatchDescriptor) -> dict[str, tuple[int, int]]:
+        """(min, max) of each integer input in make_inputs' batch of ``desc``'s own shape (the capture
+        sample): values an index may hold at that shape and stay an index (a request row below the
+        descriptor's request count, say)."""
+        try:
+            sample = self.manager.capture_sample(desc)
+        except LookupError:
+            sample = self.make(self.exact_batch(desc))
+        return {
+            name: (int(value.min()), int(value.max())) for name, value in sample.items()
+            if isinstance(value, torch.Tensor) and value.numel() and not value.is_floating_point()
+            and not value.is_complex() and value.dtype != torch.bool
+        }
 
     def checked_batches(self, desc: BatchDescriptor) -> list[Batch]:
         """The real batches ``real_batches`` runs for ``desc``: its smallest (the most padding:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .. import faults
+from ..errors import EagerFailure
 from ..guard import host_methods_watched
 from ..manager import GraphManager
 from ..manager.layout import MakeInputsError, not_a_module
@@ -301,17 +302,31 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
     shapes = sorted({min(selected, key=lambda d: d.num_tokens), max(selected, key=lambda d: d.num_tokens)},
                     key=lambda d: d.num_tokens)
 
+    failures: list[tuple[BatchDescriptor, Exception]] = []
+
+    # make_inputs runs outside the pass: what it draws is not the module's randomness.
+    made = {desc: ctx.make(ctx.exact_batch(desc)) for desc in shapes}
+
     def forward(desc: BatchDescriptor) -> None:
         batch = ctx.exact_batch(desc)
         try:
             # As users run it, tagged with the descriptor it stands for (a lost context names it).
-            ctx.eager(ctx.manager.eager_kwargs(ctx.make(batch), batch.num_tokens), desc, captured_path=False)
-        except MakeInputsError:
-            raise
+            ctx.eager(ctx.manager.eager_kwargs(made[desc], batch.num_tokens), desc, captured_path=False)
         except Exception as exc:
             _raise_if_lost(exc)
+            failures.append((desc, exc))
 
     ctx.learn_writes([partial(forward, desc) for desc in shapes])
+    if len(failures) == len(shapes):
+        # Eager fails at every shape tried: one error that says how, not a failed capture per descriptor.
+        desc, exc = failures[0]
+        shown = ", ".join(f"(num_tokens={d.num_tokens}, num_reqs={ctx.manager.capture_reqs(d)})" for d in shapes)
+        raise EagerFailure(
+            f"{type(ctx.module).__name__}'s eager forward fails on make_inputs' batches at {shown}, before "
+            f"anything is captured: {type(exc).__name__}: {exc}. Nothing can be captured or compared; run "
+            f"module(**make_inputs({desc.num_tokens}, {ctx.manager.capture_reqs(desc)})) eagerly to see it "
+            "(make_inputs' keys must be forward's arguments)"
+        ) from exc
     if ctx.unseen:
         names = ", ".join(repr(n) for n in ctx.unseen)
         ctx.notes.append(
@@ -445,7 +460,7 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
             else:
                 with meter.step(check.name):
                     outcome = _guarded(check, desc, partial(check.run, ctx, desc))
-                report.add([outcome])
+                report.add([_named(ctx, outcome)])
         # Nothing a descriptor kept outlives its checks: the eager run state reuses, the capture sample.
         ctx.exact_eager.pop(desc, None)
         manager.drop_sample(desc)
@@ -458,6 +473,17 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
                 outcome = _guarded(check, None, partial(check.run, ctx, captured))
             report.add([outcome])
     report.check_seconds = time.perf_counter() - started
+
+
+def _named(ctx: VerifyContext, outcome: Outcome) -> Outcome:
+    """A failure of a module that reads memory nobody wrote says so first: any difference a check
+    then sees may be the allocator's leftovers, not what the check names."""
+    if outcome.passed or outcome.skipped:
+        return outcome
+    uninitialized = ctx.uninitialized()
+    if uninitialized and uninitialized not in outcome.message:
+        outcome.message = f"{uninitialized}. What the check saw: {outcome.message}"
+    return outcome
 
 
 def _raise_if_lost(exc: Exception) -> None:

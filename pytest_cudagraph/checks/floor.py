@@ -258,14 +258,31 @@ def across_shapes(
     atol: float | None,
     roundoff: float,
     rows_ndim: Sequence[int] | None = None,
+    subject: str = "real rows",
 ) -> Verdict:
     """``got`` (the graph's real rows) against ``expected`` (eager on the unpadded
     batch), with ``padded()`` (eager at the graph's shape, cut to the real rows)
     run only when the tolerance alone does not settle it (None from it: no floor
-    can be measured, and the tolerance decides). ``roundoff``: the
-    coarsest unit roundoff of the forward's products (0: not known; each
-    output's dtype then). ``rows_ndim``: per output leaf, how many leading
-    dimensions make its rows (default 1)."""
+    can be measured, and the tolerance decides). ``roundoff``: the coarsest unit
+    roundoff of the forward's products (0: not known; each output's dtype then).
+    ``rows_ndim``: per output leaf, how many leading dimensions make its rows
+    (default 1). ``subject`` names what is compared in the verdict's words."""
+    verdict = _across_shapes(got, expected, padded, rtol=rtol, atol=atol, roundoff=roundoff, rows_ndim=rows_ndim)
+    if subject != "real rows" and verdict.why.startswith("real rows"):
+        verdict.why = subject + verdict.why[len("real rows"):]
+    return verdict
+
+
+def _across_shapes(
+    got: Any,
+    expected: Any,
+    padded: Callable[[], Any] | None,
+    *,
+    rtol: float | None,
+    atol: float | None,
+    roundoff: float,
+    rows_ndim: Sequence[int] | None,
+) -> Verdict:
     compute = compute_dtype(roundoff) if roundoff else None
     diff = first_difference(got, expected, rtol=rtol, atol=atol, compute=compute, figures=False)
     if diff is None:

@@ -55,7 +55,7 @@ class Finding:
             shape = ", ".join(f"{k}={v}" for k, v in self.real_batch.items() if v is not None)
             parts.append(f"real batch ({shape})")
         if self.output is not None:
-            where = f"output {self.output or '<the output>'}"
+            where = f"output {self.output}" if self.output else "the output"
             if self.index is not None:
                 where += f" at index {list(self.index)}"
             parts.append(where)

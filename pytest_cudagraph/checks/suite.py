@@ -7,6 +7,7 @@ not disturb one another and a graph-safe counter buffer passes.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from ..guard import ModuleTracker, find_violations
 from ..manager.capture import MODULE_INTERNALS
 from ..plan import Batch, BatchDescriptor, GraphMode
 from .compare import Difference, first_difference, leaves
-from .context import VerifyContext, clone_tree
+from .context import VerifyContext, clone_tree, python_values
 from .divergence import locate_divergence
 from .floor import Verdict, across_shapes
 from .report import Finding, Outcome
@@ -104,18 +105,6 @@ def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list
 
 
 # -- replay against eager ---------------------------------------------------
-def _python_state(module: torch.nn.Module) -> dict[str, Any]:
-    """Plain Python values held by the module tree (what a graph freezes)."""
-    found: dict[str, Any] = {}
-    for path, sub in module.named_modules():
-        for attr, value in vars(sub).items():
-            if attr == "training" or attr.startswith("__"):
-                continue
-            if isinstance(value, (bool, int, float, str)) or value is None:
-                found[f"{path}.{attr}" if path else attr] = value
-    return found
-
-
 def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: dict[str, Any],
                     check: str, fresh: bool) -> Outcome:
     with ctx.preserved_state() as state0:
@@ -123,14 +112,15 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
         ctx.seed_all(ctx.seed)
         graph = ctx.replay(desc)
         ctx.restore(state0)
-        before = _python_state(ctx.module)
+        before = python_values(ctx.module)
         ctx.seed_all(ctx.seed)
         eager = ctx.eager(padded, desc)
-        after = _python_state(ctx.module)
+        after = python_values(ctx.module)
         if not fresh:
             # The state check compares run() with this very eager run at the captured shape: kept
-            # for it (the inputs as eager left them, the state it wrote) until the descriptor is done.
-            ctx.exact_eager[desc] = (padded, ctx.snapshot())
+            # for it (the inputs as eager left them, the state it started from and the state it
+            # left) until the descriptor is done.
+            ctx.exact_eager[desc] = (padded, state0, ctx.snapshot())
         diff = first_difference(graph, eager, check_strides=True)
         if diff is None and not fresh and not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves(eager)):
             return _nothing_to_compare(check, desc, eager, batch)  # told once, by replay_matches_eager
@@ -148,6 +138,9 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
                 f"({_where(diff)}); keep such state in a registered buffer updated in place",
                 _finding(diff, batch),
             )
+        uninitialized = ctx.uninitialized()
+        if uninitialized:
+            return Outcome(check, desc, False, f"{uninitialized} ({_where(diff)})", _finding(diff, batch))
         ctx.restore(state0)
         ctx.seed_all(ctx.seed)
         again = ctx.eager(padded, desc)
@@ -333,8 +326,10 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     rows = ctx.rows_ndim(desc)
     totals: dict[str, Any] = {"batches": len(batches), "max_abs": 0.0, "floor_measured": 0, "floor_max": 0.0}
     for batch in batches:
+        # make_inputs first, then the snapshot, as every check does: a make_inputs that updates the
+        # module (a weight sync between batches) is part of the state both runs start from.
+        inputs = ctx.make(batch)
         with ctx.preserved_state() as state0:
-            inputs = ctx.make(batch)
             ctx.seed_all(ctx.seed)
             got = ctx.run(clone_tree(inputs), batch)
             ctx.restore(state0)
@@ -365,9 +360,17 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=True) \
             if diff is not None and diff.index is not None else (None, None)
         finding = _finding(diff, batch, submodule, segment) if diff is not None else Finding(real_batch=batch.shape())
-        return Outcome("real_batches", desc, False, f"{verdict.why}{_batch_norm_hint(ctx)}", finding,
-                       figures={**totals, **verdict.figures})
+        return Outcome("real_batches", desc, False, f"{verdict.why}{_batch_norm_hint(ctx)}{_python_hint(ctx)}",
+                       finding, figures={**totals, **verdict.figures})
     return Outcome("real_batches", desc, True, figures=totals)
+
+
+def _python_hint(ctx: VerifyContext) -> str:
+    """Where forwards change Python state, that is the likelier cause of a difference than the padding."""
+    if not ctx.python_written:
+        return ""
+    return (f". Forward changes Python state ({', '.join(ctx.python_written[:3])}) on every call, which a graph "
+            "freezes at capture: replay_matches_eager names it")
 
 
 def _tally(totals: dict[str, Any], verdict: Verdict) -> None:
@@ -398,9 +401,59 @@ _NONFINITE_FILLS: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
 ]
 
 
-def _padding_views(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> list[tuple[str, torch.Tensor]]:
-    """The floating-point padded rows of the static buffers for ``batch`` under ``desc``."""
-    return [(name, view) for name, view in ctx.manager.padding_views(desc, batch) if view.is_floating_point()]
+# Integer rows (ids, positions, indices) of padding hold other valid values: the largest make_inputs
+# gives at the descriptor's shape, or values drawn in its range there. A padded row a module counts,
+# routes or indexes by shows.
+_INT_FILLS: list[tuple[str, Callable[[torch.Tensor, int, int, torch.Generator], Any]]] = [
+    ("the largest value make_inputs gives", lambda t, lo, hi, gen: t.fill_(hi)),
+    ("other values within make_inputs' range",
+     lambda t, lo, hi, gen: t.copy_(torch.randint(lo, hi + 1, t.shape, generator=gen))),
+]
+
+
+def _fill_plans(ctx: VerifyContext, desc: BatchDescriptor,
+                batch: Batch) -> tuple[list[tuple[str, str, Callable[[], None]]], list[str], list[str]]:
+    """How padded rows are filled, one plan a run: (label, the inputs it fills, fill). The first is
+    the base (floats zeroed, integers at their pad value); then each finite (and, when asked, each
+    non-finite) floating fill, then each integer fill, integers with a declared pad value (whose
+    padding is the module's semantics, a slot the engine reserves) left alone."""
+    manager = ctx.manager
+    views = manager.padding_views(desc, batch)
+    floats = [(name, v) for name, v in views if v.is_floating_point()]
+    declared = manager.declared_pads
+    ranges = ctx.integer_ranges(desc)
+    ints = [(name, v) for name, v in views if not v.is_floating_point() and v.dtype != torch.bool
+            and name not in declared and ranges.get(name, (0, 0))[0] < ranges.get(name, (0, 0))[1]]
+
+    def zero_floats() -> None:
+        for _, view in floats:
+            view.zero_()
+
+    plans: list[tuple[str, str, Callable[[], None]]] = [("zeros" if floats else "their pad value", "", zero_floats)]
+    float_names = ", ".join(f"'{name}'" for name, _ in floats)
+    for label, fill in _FINITE_FILLS[1:] + (_NONFINITE_FILLS if ctx.nonfinite_padding else []):
+        if floats:
+            plans.append((label, float_names, functools.partial(_fill_all, floats, fill)))
+    gen = torch.Generator().manual_seed(ctx.seed + 104729)
+    for label, int_fill in _INT_FILLS:
+        for name, view in ints:
+            lo, hi = ranges[name]
+            plans.append((label, f"'{name}'", functools.partial(_fill_int, zero_floats, view, int_fill, lo, hi, gen)))
+    return plans, [name for name, _ in floats], [name for name, _ in ints]
+
+
+def _fill_all(views: list[tuple[str, torch.Tensor]], fill: Callable[[torch.Tensor], Any]) -> None:
+    for _, view in views:
+        fill(view)
+
+
+def _fill_int(zero_floats: Callable[[], None], view: torch.Tensor,
+              fill: Callable[[torch.Tensor, int, int, torch.Generator], Any], lo: int, hi: int,
+              gen: torch.Generator) -> None:
+    zero_floats()
+    drawn = torch.empty(view.shape, dtype=torch.int64)
+    fill(drawn, lo, hi, gen)
+    view.copy_(drawn.to(device=view.device, dtype=view.dtype))
 
 
 def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
@@ -409,36 +462,35 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     if batch is None or (batch.num_tokens == desc.num_tokens and batch.num_reqs == manager.capture_reqs(desc)):
         return Outcome("padding_isolation", desc, True, skipped=True,
                        message="no real batch of this descriptor leaves padded rows")
-    views = _padding_views(ctx, desc, batch)
-    if not views:
+    plans, floats, ints = _fill_plans(ctx, desc, batch)
+    if len(plans) == 1:
         return Outcome("padding_isolation", desc, True, skipped=True,
-                       message="no floating-point input has padded rows to fill")
+                       message="no input has padded rows that can hold other values (no floating input; integer "
+                               "inputs hold one value each, or their pad value is declared in pad_values)")
     inputs = ctx.make(batch)
-    fills = _FINITE_FILLS + (_NONFINITE_FILLS if ctx.nonfinite_padding else [])
-    results: list[tuple[str, Any, dict[str, torch.Tensor]]] = []
+    results: list[tuple[str, str, Any, dict[str, torch.Tensor]]] = []
     with ctx.preserved_state() as state0:
-        for label, fill in fills:
+        for label, filled, fill in plans:
             ctx.restore(state0)
             manager.load_inputs(desc, inputs, batch)
             with torch.no_grad():
-                for _, view in views:
-                    fill(view)
+                fill()
             ctx.seed_all(ctx.seed)
             manager.replay(desc)
             manager.synchronize()
             out = clone_tree(manager.real_rows(desc, batch))
-            results.append((label, out, ctx.snapshot()))
-    base_label, base_out, base_state = results[0]
-    filled = ", ".join(f"'{name}'" for name, _ in views)
-    for label, out, state in results[1:]:
+            results.append((label, filled, out, ctx.snapshot()))
+    base_label, _, base_out, base_state = results[0]
+    for label, filled, out, state in results[1:]:
         strict = "" if label not in dict(_NONFINITE_FILLS) else (
             " (found by nonfinite_padding=True, a strictness beyond engines, which pad with finite values: "
             "every finite padding tried left the real rows unchanged; typically 0 * NaN where a weight is 0)")
+        instead = "their pad value" if label in dict(_INT_FILLS) else base_label
         diff = first_difference(out, base_out)
         if diff is not None:
             return Outcome(
                 "padding_isolation", desc, False,
-                f"real rows change when padded rows of {filled} hold {label} instead of {base_label}: padding "
+                f"real rows change when padded rows of {filled} hold {label} instead of {instead}: padding "
                 f"leaks into real rows ({_where(diff)}){strict}{_batch_norm_hint(ctx)}",
                 _finding(diff, batch),
                 figures={"fill": label, "nonfinite": bool(strict)},
@@ -448,12 +500,13 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             return Outcome(
                 "padding_isolation", desc, False,
                 f"module state '{diff.path}' changes when padded rows of {filled} hold {label} instead of "
-                f"{base_label}: padded rows write into state (route them to a scratch slot and name it in "
-                f"scratch_state){strict}",
+                f"{instead}: padded rows write into state (mask them out through is_padding, or route them to a "
+                f"scratch slot and name it in scratch_state){strict}",
                 _finding(diff, batch),
                 figures={"fill": label, "nonfinite": bool(strict)},
             )
-    return Outcome("padding_isolation", desc, True, figures={"fills": [label for label, _ in fills]})
+    return Outcome("padding_isolation", desc, True,
+                   figures={"fills": [label for label, _, _, _ in results], "floating": floats, "integer": ints})
 
 
 # -- side outputs --------------------------------------------------------------
@@ -571,13 +624,15 @@ def state(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     # forward saved per descriptor), else a run of its own on fresh inputs.
     inputs = ctx.manager.capture_sample(desc) if kept is not None else ctx.make(batch)
     with ctx.preserved_state() as state0:
+        if kept is not None:
+            ctx.restore(kept[1])  # the state that eager run started from
         graph_inputs = clone_tree(inputs)
         ctx.seed_all(ctx.seed)
         ctx.run(graph_inputs, batch)
         ctx.manager.synchronize()
         graph_state = ctx.snapshot()
         if kept is not None:
-            padded, eager_state = kept
+            padded, _, eager_state = kept
             eager_inputs = {name: padded[name] for name in graph_inputs}
         else:
             ctx.restore(state0)
@@ -598,7 +653,46 @@ def state(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             "static copy, never the caller's tensor (return the result instead of writing into an input)",
             _finding(diff, batch),
         )
-    return Outcome("state", desc, True)
+    return _state_padded(ctx, desc) or Outcome("state", desc, True)
+
+
+def _state_padded(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome | None:
+    """The state a padded batch leaves, against eager on its real rows: a padded row that writes
+    where no real row does (a count of the pad id, a live KV slot) shows here. Only where forwards
+    write module state at all (seen op by op); declared ``scratch_state`` regions exempt."""
+    batch = ctx.padded_batch(desc)
+    exact = ctx.exact_batch(desc)
+    if batch is None or (batch.num_tokens, batch.num_reqs) == (exact.num_tokens, exact.num_reqs) \
+            or not ctx.observer.written:
+        return None
+    inputs = ctx.make(batch)
+    with ctx.preserved_state() as state0:
+        ctx.seed_all(ctx.seed)
+        ctx.run(clone_tree(inputs), batch)
+        ctx.manager.synchronize()
+        graph_state = ctx.snapshot()
+        ctx.restore(state0)
+        ctx.seed_all(ctx.seed)
+        ctx.eager_real(clone_tree(inputs), batch)
+        eager_state = ctx.snapshot()
+
+        def padded_state() -> dict[str, torch.Tensor]:
+            ctx.restore(state0)
+            ctx.seed_all(ctx.seed)
+            ctx.eager_padded(desc, clone_tree(inputs), batch)
+            return ctx.snapshot()
+
+        found = ctx.state_across_shapes(graph_state, eager_state, state0, padded_state, rtol=ctx.rtol, atol=ctx.atol)
+    if found is None:
+        return None
+    name, diff, why = found
+    return Outcome(
+        "state", desc, False,
+        f"after a padded batch, module state '{name}' differs from what eager leaves on its real rows ({why}): "
+        "padded rows write into state (a count of the pad id, a live slot). Mask them out through is_padding, "
+        "or route them to a scratch region and name it in scratch_state",
+        _finding(diff, batch),
+    )
 
 
 def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
@@ -611,6 +705,11 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
 
     outs = ctx.twice_from_one_state(replayed)
     diff = first_difference(outs[1], outs[0])
+    uninitialized = ctx.uninitialized()
+    if uninitialized:
+        # Undefined whether the two replays happened to agree: the memory they read is anybody's.
+        return Outcome("determinism", desc, False, uninitialized,
+                       _finding(diff, batch) if diff is not None else Finding(real_batch=batch.shape()))
     if diff is None:
         return Outcome("determinism", desc, True)
     return Outcome(
@@ -622,11 +721,12 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
 
 
 def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> Outcome | None:
-    """None when an output returned by run() kept its values through two later runs."""
+    """None when an output returned by run() kept its values through a later run."""
+    inputs, later = ctx.make(batch), ctx.make(batch)
     with ctx.preserved_state():
-        first = ctx.run(ctx.make(batch), batch)
+        first = ctx.run(inputs, batch)
         kept = clone_tree(first)
-        ctx.run(ctx.make(batch), batch)  # a later batch of the same shape rewrites whatever it aliases
+        ctx.run(later, batch)  # a later batch of the same shape rewrites whatever it aliases
         ctx.manager.synchronize()
     diff = first_difference(first, kept)
     if diff is None:

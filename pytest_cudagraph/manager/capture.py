@@ -587,9 +587,10 @@ class CapturePart(RuntimePart):
         """
         outputs = []
         try:
+            # make_inputs outside the observed forwards: what it draws is not the module's randomness.
+            made = [self.eager_kwargs(call_make_inputs(self._make_inputs, t, r), t) for t, r in PROBES]
             with restoring(self.observer):
-                for num_tokens, num_reqs in PROBES:
-                    kwargs = self.eager_kwargs(call_make_inputs(self._make_inputs, num_tokens, num_reqs), num_tokens)
+                for (num_tokens, num_reqs), kwargs in zip(PROBES, made, strict=True):
                     marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
                     with torch.no_grad(), running(marker):
                         outputs.append(tree.flatten_with_paths(self.module(**kwargs)))

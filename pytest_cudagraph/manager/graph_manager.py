@@ -161,6 +161,11 @@ class GraphManager(CapturePart):
         self._walked: list[Any] | None = None
         self.capture_seconds = 0.0
 
+    @property
+    def declared_pads(self) -> dict[str, PadValue]:
+        """The pad values the caller declared (``pad_values``): a padded entry's meaning, which checks keep."""
+        return dict(self._pad_values)
+
     def sibling(self) -> GraphManager:
         """A new, uncaptured manager over the same module, inputs and settings."""
         sibling = GraphManager(

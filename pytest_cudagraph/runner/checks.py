@@ -101,35 +101,13 @@ def _state_difference(ctx: RunnerContext, call: Call, desc: BatchDescriptor, rto
     if ctx.batch_invariant:
         diff = ctx.state_difference(call.got_state, call.expected_state, use_scratch=True)
         return (diff.path, diff, diff.reason) if diff is not None else None
-    for name, e in call.expected_state.items():
-        g, before = call.got_state[name], ctx.state0.get(name)
-        g, e = ctx.outside_scratch(name, g), ctx.outside_scratch(name, e)
-        if before is None:
-            diff = first_difference(g, e, rtol=rtol, atol=atol)
-            if diff is not None:
-                return name, diff, diff.reason
-            continue
-        before = ctx.outside_scratch(name, before)
-        # What eager's real rows wrote may differ by the floor; nothing else may differ at all.
-        wrote = ~((e == before) | (torch.isnan(e) & torch.isnan(before))) if e.is_floating_point() else e != before
-        untouched = first_difference(torch.where(wrote, 0, g), torch.where(wrote, 0, e))
-        if untouched is not None:
-            return name, untouched, f"{untouched.reason} where eager's real rows wrote nothing"
-        if not bool(wrote.any()):
-            continue
-        padded = ctx.padded(call, desc)
-        reference = (ctx.outside_scratch(name, padded[1][name])[wrote] if padded is not None and name in padded[1]
-                     else None)
-        verdict = across_shapes(g[wrote], e[wrote], functools.partial(_same, reference) if reference is not None
-                                else None, rtol=rtol, atol=atol, roundoff=ctx.roundoff)
-        if not verdict.passed:
-            diff = verdict.diff or first_difference(g, e)
-            return name, diff, verdict.why
-    return None
+    return ctx.state_across_shapes(call.got_state, call.expected_state, ctx.state0,
+                                   functools.partial(_padded_state, ctx, call, desc), rtol=rtol, atol=atol)
 
 
-def _same(value: Any) -> Any:
-    return value
+def _padded_state(ctx: RunnerContext, call: Call, desc: BatchDescriptor) -> dict[str, torch.Tensor] | None:
+    padded = ctx.padded(call, desc)
+    return padded[1] if padded is not None else None
 
 
 def graph_coverage(ctx: RunnerContext, desc: BatchDescriptor) -> Outcome | None:

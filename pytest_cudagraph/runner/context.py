@@ -123,10 +123,12 @@ class RunnerContext(ModuleState):
         """What the module's forward writes, from eager runs at the smallest and largest
         batch (put back after): the state the checks copy, compare and restore."""
 
-        def forward(n: int) -> None:
-            self.eager(self.make(self.batch(n)))
+        made = {n: self.make(self.batch(n)) for n in (1, self.max_tokens)}  # outside the observed forwards
 
-        self.learn_writes([functools.partial(forward, 1), functools.partial(forward, self.max_tokens)])
+        def forward(n: int) -> None:
+            self.eager(made[n])
+
+        self.learn_writes([functools.partial(forward, n) for n in made])
 
     def calls(self) -> dict[int, Call]:
         """Every real batch, run once through the runner and once eagerly (the sweep; made once)."""
