@@ -660,7 +660,7 @@ def test_a_real_bug_fails_with_the_readable_report(inner: pytest.Pytester) -> No
     result.stdout.fnmatch_lines(
         [
             "*_ test_bug _*",
-            "ItemInForward on *: 0/3 descriptors captured and verified (quick: *), 0 real batches, "
+            "ItemInForward on *: 0 of 3 descriptors verified (quick mode: *), 0 real batches, "
             "2 failure(s) in capture_safety*",
             "FAIL capture_safety * FULL-T4-R4",
             "*cannot be captured in a graph; the first is Tensor.item() (host sync) in the top-level module, "
