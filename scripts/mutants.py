@@ -181,8 +181,6 @@ MUTANTS: list[Mutant] = [
            "float8 compared without widening: no kernels for signbit, isfinite, isclose"),
     Mutant("compare-max-ulp", C, "max_ulp = max(max_ulp or 0, int(ulps.max()))", "max_ulp = max(max_ulp or 0, int(ulps.min()))",
            COMPARE_TESTS, "the smallest ULP difference reported"),
-    Mutant("compare-ordered-bits", C, "return torch.where(bits < 0, -magnitude, magnitude)", "return magnitude",
-           COMPARE_TESTS, "ULPs of negative values counted as positive"),
     # -- checks/suite.py: the checks ----------------------------------------------------------------------
     Mutant("suite-replay-compare", S, "diff = first_difference(graph, eager, check_strides=True)",
            "diff = first_difference(graph, graph, check_strides=True)",

@@ -61,11 +61,10 @@ def leaves(value: Any) -> list[tuple[str, Any]]:
     return tree.flatten_with_paths(value)
 
 
-def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
-    bits = t.contiguous().view(_INT_VIEW[t.dtype]).to(torch.int64)
-    width = t.element_size() * 8
-    magnitude = bits & ((1 << (width - 1)) - 1)
-    return torch.where(bits < 0, -magnitude, magnitude)
+def _int_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers: between two values of one sign (ULPs are counted only where signs
+    agree), the difference of these is the count of representable values from one to the other."""
+    return t.contiguous().view(_INT_VIEW[t.dtype]).to(torch.int64)
 
 
 def _layout(t: torch.Tensor) -> tuple[int | None, ...]:
@@ -184,7 +183,7 @@ def _largest(g: torch.Tensor, e: torch.Tensor, widen: bool, ulp: bool = True) ->
                 # count the whole range between them, a figure that means nothing.
                 signed = finite & _same_sign(gp, ep)
                 if ulp and g.dtype in _INT_VIEW and bool(signed.any()):
-                    ulps = torch.where(signed, (_ordered_bits(gp) - _ordered_bits(ep)).abs(), 0)
+                    ulps = torch.where(signed, (_int_bits(gp) - _int_bits(ep)).abs(), 0)
                     max_ulp = max(max_ulp or 0, int(ulps.max()))
         elif not floating and g.dtype != torch.bool:
             max_abs = max(max_abs or 0.0, float((gp.long() - ep.long()).abs().max()))
