@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ from ..observe import ForwardObserver, fingerprint, poisoned, restoring
 from ..plan import Batch, BatchDescriptor, GraphMode
 from ..plan.properties import exact_batch
 from .compare import Difference, first_difference
-from .floor import across_shapes
+from .floor import across_shapes, given
 
 __all__ = ["ModuleState", "Snapshot", "VerifyContext", "clone_tree", "python_values"]
 
@@ -30,10 +29,6 @@ ScratchRegion = int | slice | Callable[[torch.Tensor], torch.Tensor]
 def clone_tree(value: Any) -> Any:
     """``value`` with every tensor cloned, dataclass fields included, in the same structure."""
     return tree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
-
-
-def _same(value: Any) -> Any:
-    return value
 
 
 def python_values(module: torch.nn.Module) -> dict[str, Any]:
@@ -179,30 +174,29 @@ class ModuleState:
         """The coarsest unit roundoff of the forward's products seen so far (0.0: none seen)."""
         return self.observer.roundoff
 
-    def outside_scratch(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (a copy of state ``name``) with its declared scratch region zeroed."""
+    def outside_scratch(self, name: str, *tensors: torch.Tensor,
+                        like: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """``tensors`` (snapshots of state ``name``) with its declared scratch region zeroed, one
+        region for all of them: a callable region is asked of ``like`` (default: the first tensor)
+        only, so that the tensors compared are masked alike."""
         region = self.scratch_state.get(name)
         if region is None:
-            return t
-        t = t.clone()
-        if callable(region):
-            t[region(t)] = 0
-        else:
-            t[region] = 0
-        return t
+            return list(tensors)
+        where = region(tensors[0] if like is None else like) if callable(region) else region
+        masked = []
+        for t in tensors:
+            t = t.clone()
+            t[where] = 0
+            masked.append(t)
+        return masked
 
     def state_difference(self, got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
                          *, use_scratch: bool, rtol: float | None = 0.0,
                          atol: float | None = 0.0) -> Difference | None:
         for name in expected:
             g, e = got[name], expected[name]
-            if use_scratch and name in self.scratch_state:
-                # The region where g shows it: a callable region reads the tensor it masks.
-                region = self.scratch_state[name]
-                where = region(g) if callable(region) else region
-                g, e = g.clone(), e.clone()
-                g[where] = 0
-                e[where] = 0
+            if use_scratch:
+                g, e = self.outside_scratch(name, g, e)
             found = first_difference(g, e, rtol=rtol, atol=atol)
             if found is not None:
                 found.path = name
@@ -228,15 +222,15 @@ class ModuleState:
             return reference[0]
 
         for name, e in expected.items():
-            g, start = got[name], before.get(name)
-            g, e = self.outside_scratch(name, g), self.outside_scratch(name, e)
+            raw, start = got[name], before.get(name)
+            g, e = self.outside_scratch(name, raw, e)
             if start is None:
                 diff = first_difference(g, e, rtol=rtol, atol=atol)
                 if diff is not None:
                     diff.path = name
                     return name, diff, diff.reason
                 continue
-            start = self.outside_scratch(name, start)
+            (start,) = self.outside_scratch(name, start, like=raw)
             same = (e == start) | (torch.isnan(e) & torch.isnan(start)) if e.is_floating_point() else e == start
             wrote = ~same
             untouched = first_difference(torch.where(wrote, 0, g), torch.where(wrote, 0, e))
@@ -246,15 +240,17 @@ class ModuleState:
             if not bool(wrote.any()):
                 continue
             state = floor_state()
-            p = self.outside_scratch(name, state[name])[wrote] if state is not None and name in state else None
-            verdict = across_shapes(g[wrote], e[wrote], functools.partial(_same, p) if p is not None else None,
-                                    rtol=rtol, atol=atol, roundoff=self.roundoff,
-                                    subject="the values the real rows wrote")
+            floor = None
+            if state is not None and name in state:
+                (p,) = self.outside_scratch(name, state[name], like=raw)
+                floor = given(p[wrote])
+            verdict = across_shapes(g[wrote], e[wrote], floor, rtol=rtol, atol=atol, roundoff=self.roundoff)
             if not verdict.passed:
                 diff = verdict.diff or Difference(name, "values differ")
                 diff.path = name
                 diff.index = None  # an index into the written values alone, not into the tensor
-                return name, diff, verdict.why
+                # The verdict speaks of real rows: here they are the values the real rows wrote.
+                return name, diff, verdict.why.replace("real rows", "the values the real rows wrote", 1)
         return None
 
     def seed_all(self, seed: int) -> None:

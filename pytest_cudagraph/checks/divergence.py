@@ -9,7 +9,6 @@ inside the graph and holds that submodule's value after a replay.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -19,7 +18,7 @@ from ..manager import tree
 from ..manager.pieces import SegmentedGraph, piece_of
 from ..plan import BatchDescriptor
 from .compare import first_difference
-from .floor import across_shapes
+from .floor import across_shapes, cut_leaf, given
 
 __all__ = ["locate_divergence"]
 
@@ -56,24 +55,6 @@ class _Recorder:
                 h.remove()
 
 
-def _cut(graph: torch.Tensor, eager: torch.Tensor) -> torch.Tensor | None:
-    """The graph's record cut to eager's shape: the real rows, along whichever
-    dimensions were padded ((1, T, H) hidden states, (1, T, T) weights); None
-    when the two cannot be the same value at different paddings."""
-    if graph.shape == eager.shape:
-        return graph
-    if graph.dim() != eager.dim() or any(g < e for g, e in zip(graph.shape, eager.shape, strict=True)):
-        return None
-    for d, (g, e) in enumerate(zip(graph.shape, eager.shape, strict=True)):
-        if g != e:
-            graph = graph.narrow(d, 0, e)
-    return graph
-
-
-def _same(value: torch.Tensor) -> torch.Tensor:
-    return value
-
-
 def _rows_ndim(graph: torch.Tensor, eager: torch.Tensor) -> int:
     """The leading dimensions that make rows: up to the last one padding changed."""
     cut = [d for d, (g, e) in enumerate(zip(graph.shape, eager.shape, strict=False)) if g != e]
@@ -90,15 +71,15 @@ def _first_divergent(graph: list[Record], eager: list[Record], *, rtol: float | 
             return i  # control flow itself differs from here on
         p_out = padded[i][1] if padded is not None and i < len(padded) and padded[i][0] == g_name else None
         for k, (g, e) in enumerate(zip(g_out, e_out, strict=False)):
-            cut = _cut(g, e)
+            cut = cut_leaf(g, e.shape)
             if cut is None:
                 continue
             if padded is None:
                 if first_difference(cut, e, rtol=rtol, atol=atol) is not None:
                     return i
                 continue
-            p = _cut(p_out[k], e) if p_out is not None and k < len(p_out) else None
-            verdict = across_shapes(cut, e, functools.partial(_same, p) if p is not None else None, rtol=rtol,
+            p = cut_leaf(p_out[k], e.shape) if p_out is not None and k < len(p_out) else None
+            verdict = across_shapes(cut, e, given(p) if p is not None else None, rtol=rtol,
                                     atol=atol, roundoff=roundoff, rows_ndim=[_rows_ndim(g, e)])
             if not verdict.passed:
                 return i

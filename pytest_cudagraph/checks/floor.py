@@ -44,7 +44,10 @@ import torch
 from ..observe import unit_roundoff
 from .compare import CHUNK, Difference, default_tolerance, first_difference, largest_difference, leaves
 
-__all__ = ["CAP", "FLOOR_MAX", "FLOOR_RMS", "SYSTEMATIC", "Verdict", "across_shapes", "compute_dtype", "cut_to"]
+__all__ = [
+    "CAP", "FLOOR_MAX", "FLOOR_RMS", "SYSTEMATIC", "Verdict", "across_shapes", "compute_dtype", "cut_leaf", "cut_to",
+    "given",
+]
 
 #: The graph may be this many times the floor from unpadded eager (largest
 #: element, and rms), plus the tolerance. The graph runs the program the floor
@@ -85,12 +88,22 @@ def cut_to(padded: Any, like: Any) -> Any:
     out = []
     for i, leaf in enumerate(flat):
         target = shapes[i] if i < len(shapes) else None
-        if isinstance(leaf, torch.Tensor) and target is not None and leaf.dim() == len(target):
-            for d, (n, m) in enumerate(zip(leaf.shape, target, strict=True)):
-                if n > m:
-                    leaf = leaf.narrow(d, 0, m)
-        out.append(leaf)
+        cut = cut_leaf(leaf, target) if isinstance(leaf, torch.Tensor) and target is not None else None
+        out.append(leaf if cut is None else cut)
     return structure.unflatten(out)
+
+
+def cut_leaf(padded: torch.Tensor, shape: Sequence[int]) -> torch.Tensor | None:
+    """``padded`` narrowed to ``shape`` along each dimension where it is larger (the padded rows);
+    None where it cannot hold the same value at another padding (another rank, a dimension smaller)."""
+    if tuple(padded.shape) == tuple(shape):
+        return padded
+    if padded.dim() != len(shape) or any(n < m for n, m in zip(padded.shape, shape, strict=True)):
+        return None
+    for d, (n, m) in enumerate(zip(padded.shape, shape, strict=True)):
+        if n > m:
+            padded = padded.narrow(d, 0, m)
+    return padded
 
 
 def compute_dtype(roundoff: float) -> torch.dtype | None:
@@ -249,6 +262,11 @@ def _fmt(x: float) -> str:
     return "0" if x == 0 else f"{x:.3g}"
 
 
+def given(value: Any) -> Callable[[], Any]:
+    """``value`` as the thunk ``across_shapes`` takes, for a floor already at hand."""
+    return lambda: value
+
+
 def across_shapes(
     got: Any,
     expected: Any,
@@ -258,7 +276,6 @@ def across_shapes(
     atol: float | None,
     roundoff: float,
     rows_ndim: Sequence[int] | None = None,
-    subject: str = "real rows",
 ) -> Verdict:
     """``got`` (the graph's real rows) against ``expected`` (eager on the unpadded
     batch), with ``padded()`` (eager at the graph's shape, cut to the real rows)
@@ -266,23 +283,7 @@ def across_shapes(
     can be measured, and the tolerance decides). ``roundoff``: the coarsest unit
     roundoff of the forward's products (0: not known; each output's dtype then).
     ``rows_ndim``: per output leaf, how many leading dimensions make its rows
-    (default 1). ``subject`` names what is compared in the verdict's words."""
-    verdict = _across_shapes(got, expected, padded, rtol=rtol, atol=atol, roundoff=roundoff, rows_ndim=rows_ndim)
-    if subject != "real rows" and verdict.why.startswith("real rows"):
-        verdict.why = subject + verdict.why[len("real rows"):]
-    return verdict
-
-
-def _across_shapes(
-    got: Any,
-    expected: Any,
-    padded: Callable[[], Any] | None,
-    *,
-    rtol: float | None,
-    atol: float | None,
-    roundoff: float,
-    rows_ndim: Sequence[int] | None,
-) -> Verdict:
+    (default 1)."""
     compute = compute_dtype(roundoff) if roundoff else None
     diff = first_difference(got, expected, rtol=rtol, atol=atol, compute=compute, figures=False)
     if diff is None:
