@@ -110,6 +110,7 @@ def test_a_module_that_fails_at_one_shape_only_is_that_descriptors_failure() -> 
     report = _verify(FailsAtFour(D, D))
     assert [(o.check, o.descriptor.num_tokens) for o in report.failures] == [("capture_safety", 4)]
     assert "four is not served" in report.failures[0].message
+    assert report.failures[0].finding.ops == []  # eager's own failure: no op a graph cannot hold is named
 
 
 class SyncedWeights(nn.Module):
@@ -194,3 +195,23 @@ def test_state_after_a_padded_batch_names_a_count_of_the_pad_id() -> None:
                                      "its real rows") for o in report.failures)
     assert all(o.finding is not None and o.finding.output == "load" for o in report.failures)
     assert _verify(MaskedHashRoutedLoad(), id_inputs(), checks=["state"]).ok
+
+
+class FailsOnAHostValue(nn.Linear):
+    """Reads a value back to the host, then fails on it at every shape: eager fails because of an op a
+    graph cannot hold, as a CPU tensor used as a device op's operand fails eagerly on a GPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().sum().item() >= 0:  # .item(): a host sync
+            raise ValueError("the host value says no")
+        return super().forward(x)
+
+
+def test_a_forward_that_fails_everywhere_at_an_op_a_graph_cannot_hold_is_capture_safetys_to_tell() -> None:
+    report = _verify(FailsOnAHostValue(D, D))  # no EagerFailure: the failure has a capture bug's name
+    told = [o for o in _outcomes(report, "capture_safety") if not o.passed]
+    assert told and len(told) == len(_outcomes(report, "capture_safety"))
+    for outcome in told:
+        assert "the host value says no" in outcome.message
+        assert len(outcome.finding.ops) == 1 and "item" in outcome.finding.ops[0]
+        assert outcome.finding.ops[0] in outcome.message

@@ -25,7 +25,7 @@ from .context import ScratchRegion, VerifyContext
 from .cost import Meter, peak_memory, start_peak
 from .registry import Check, CheckRegistry, check_list
 from .report import Finding, Outcome, VerifyReport
-from .suite import attributes_restored, tensor_attributes
+from .suite import attributes_restored, capture_safety, tensor_attributes
 
 __all__ = ["CHECKS", "DISPATCH_CHECK", "registry_with", "select_descriptors", "verify"]
 
@@ -318,8 +318,13 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
 
     ctx.learn_writes([partial(forward, desc) for desc in shapes])
     if len(failures) == len(shapes):
-        # Eager fails at every shape tried: one error that says how, not a failed capture per descriptor.
         desc, exc = failures[0]
+        told = capture_safety(ctx, [desc])[0].finding
+        if told is not None and told.ops:
+            # It fails at an op a graph cannot hold (on a GPU, a CPU tensor as a device op's operand):
+            # a capture bug, which capture_safety names at each descriptor.
+            return
+        # Eager fails at every shape tried: one error that says how, not a failed capture per descriptor.
         shown = ", ".join(f"(num_tokens={d.num_tokens}, num_reqs={ctx.manager.capture_reqs(d)})" for d in shapes)
         raise EagerFailure(
             f"{type(ctx.module).__name__}'s eager forward fails on make_inputs' batches at {shown}, before "

@@ -15,7 +15,7 @@ import torch
 
 from .. import faults
 from ..context import running
-from ..guard import ModuleTracker, find_violations
+from ..guard import ModuleTracker, Violation, find_violations
 from ..manager.capture import MODULE_INTERNALS
 from ..plan import Batch, BatchDescriptor, GraphMode
 from .compare import Difference, first_difference, leaves
@@ -73,24 +73,40 @@ def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list
     for desc in descs:
         reqs = manager.capture_reqs(desc)
         batch = ctx.exact_batch(desc)
-        with ctx.preserved_state():
-            kwargs = ctx.load(desc, ctx.make(batch), batch)
+        with ctx.preserved_state() as state0:
 
-            def forward(kwargs: dict[str, Any] = kwargs, desc: BatchDescriptor = desc) -> None:
-                with ctx.phase("eager", desc), torch.no_grad(), running(desc):
-                    ctx.module(**kwargs)
+            def run(first_only: bool, desc: BatchDescriptor = desc, batch: Batch = batch) -> list[Violation]:
+                kwargs = ctx.load(desc, ctx.make(batch), batch)
+
+                def forward() -> None:
+                    with ctx.phase("eager", desc), torch.no_grad(), running(desc):
+                        ctx.module(**kwargs)
+
+                return find_violations(forward, tracker, manager.device, exempt=manager.eager_modules(desc),
+                                       first_only=first_only)
 
             try:
-                violations = find_violations(forward, tracker, manager.device, exempt=manager.eager_modules(desc))
+                violations = run(first_only=False)
             except Exception as exc:
                 if faults.is_sticky(exc):
                     raise  # the process's CUDA context is gone: verify tells it, no check can go on
-                outcomes.append(Outcome(
-                    "capture_safety", desc, False,
-                    f"the module fails eagerly at this shape (tokens={desc.num_tokens}, reqs={reqs}): "
-                    f"{faults.described(exc, manager.device)}",
-                    Finding(submodule=tracker.failed_path),
-                ))
+                finding = Finding(submodule=tracker.failed_path)
+                why = (f"the module fails eagerly at this shape (tokens={desc.num_tokens}, reqs={reqs}): "
+                       f"{faults.described(exc, manager.device)}")
+                # Every op ran, so the op that failed may be one a graph cannot hold (on a GPU, a CPU
+                # tensor as a device op's operand fails eagerly too): run again from the same state,
+                # stopping before the first such op, to name it.
+                ctx.restore(state0)
+                try:
+                    met = run(first_only=True)
+                except Exception as again:
+                    if faults.is_sticky(again):
+                        raise
+                    met = []  # no such op before it fails: the failure is eager's own
+                if met:
+                    why += f"; on its way it meets an op a graph cannot hold: {met[0].describe()}"
+                    finding = Finding(submodule=met[0].module_path, ops=[met[0].describe()])
+                outcomes.append(Outcome("capture_safety", desc, False, why, finding))
                 continue
         if violations:
             first = violations[0]
