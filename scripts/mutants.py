@@ -467,6 +467,12 @@ MUTANTS: list[Mutant] = [
            "        with ctx.preserved_state() as state0:\n            inputs = ctx.make(batch)\n"
            "            ctx.seed_all(ctx.seed)\n            got = ctx.run(", DIAGNOSES,
            "real_batches snapshots before make_inputs, the other checks after it"),
+    Mutant("emulate-one-poison", EM, "data[offset : offset + size].fill_(POISON_BYTES[which])",
+           "data[offset : offset + size].fill_(POISON_BYTES[0])", DIAGNOSES,
+           "the graph's free memory is poisoned one way only: a replay reading it is never told"),
+    Mutant("suite-graph-poison-unread", S, "        graph_diff = first_difference(outs[2], outs[0])",
+           "        graph_diff = None", DIAGNOSES,
+           "replays that read graph memory nobody wrote, below the dispatcher, pass determinism"),
 ]
 
 

@@ -215,3 +215,63 @@ def test_a_forward_that_fails_everywhere_at_an_op_a_graph_cannot_hold_is_capture
         assert "the host value says no" in outcome.message
         assert len(outcome.finding.ops) == 1 and "item" in outcome.finding.ops[0]
         assert outcome.finding.ops[0] in outcome.message
+
+
+def test_a_replay_reading_graph_memory_nobody_wrote_is_named_though_no_op_is_seen_reading_it(
+        backend: str, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    from examples.buggy.uninitialized import SplitKIntoEmpty, SplitKIntoWritten
+    from pytest_cudagraph import observe
+
+    # Blind to torch.empty, as to an extension's own buffer: neither seen read nor poisoned eagerly.
+    monkeypatch.setattr(observe, "_ALLOCATES", frozenset())
+    torch.manual_seed(0)
+    report = verify(SplitKIntoEmpty().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
+                    backend=backend, checks=["determinism"])
+    told = _outcomes(report, "determinism")
+    assert told and not any(o.passed for o in told)
+    for outcome in told:
+        assert outcome.message.startswith("a replay reads graph memory nobody wrote: with the graph's free memory "
+                                          "poisoned one way"), outcome.message
+    torch.manual_seed(0)
+    assert verify(SplitKIntoWritten().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
+                  backend=backend, checks=["determinism"]).ok
+
+
+def test_a_replay_of_a_module_reading_unwritten_memory_is_shown_reading_it_too(backend: str,
+                                                                             device: torch.device) -> None:
+    from examples.buggy.uninitialized import SplitKIntoEmpty
+
+    torch.manual_seed(0)
+    report = verify(SplitKIntoEmpty().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
+                    backend=backend, checks=["determinism"])
+    for outcome in _outcomes(report, "determinism"):
+        assert outcome.message.startswith("forward reads memory nobody wrote: aten.add_.Tensor reads what "
+                                          "aten.empty.memory_format handed back"), outcome.message
+        assert "; a replay reads it too: with the graph's free memory poisoned one way" in outcome.message
+
+
+@torch.library.custom_op("cudagraph_tests::split_k_into_empty", mutates_args=())
+def _split_k_into_empty(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # An extension's own buffer: the dispatcher sees this op whole, never the torch.empty inside it.
+    half = x.shape[1] // 2
+    out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+    out += x[:, :half] @ w[:, :half].T
+    out += x[:, half:] @ w[:, half:].T
+    return out
+
+
+class SplitKInsideAnOp(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _split_k_into_empty(x, self.weight) + self.bias
+
+
+@pytest.mark.cuda
+def test_a_cuda_replay_reading_an_extension_buffer_nobody_wrote_is_named() -> None:
+    # The emulator replays the op's own allocation from the host heap, outside its pool: CUDA only.
+    torch.manual_seed(0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    report = verify(SplitKInsideAnOp(D, D).to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
+                    backend="cuda", checks=["determinism"])
+    told = _outcomes(report, "determinism")
+    assert told and not any(o.passed for o in told)
+    assert all(o.message.startswith("a replay reads graph memory nobody wrote") for o in told), told[0].message

@@ -132,6 +132,17 @@ class Backend(ABC):
     def synchronize(self) -> None:  # noqa: B027 - optional hook, a no-op on the CPU
         """Wait for queued device work (a no-op on the CPU)."""
 
+    def poison_free(self, which: int) -> bool:
+        """Fill the shared pool's free memory with poison ``which`` (0 or 1): the memory a graph's
+        intermediates live in between replays, so that a replay reading what nobody wrote reads
+        one poison or the other. False where this backend cannot."""
+        return False
+
+
+#: The byte each poison fills graph memory with: large finite floats of opposite signs
+#: (0x5A5A5A5A is 1.5e16 as a float32), and integers that differ.
+POISON_BYTES = (0x5A, 0xA5)
+
 
 def make_backend(name: str, device: torch.device | str | None) -> Backend:
     """Build the backend ``name`` ('auto', 'cuda' or 'emulate') for ``device``."""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..guard import CaptureGuard, GuardDispatchMode
-from .base import Backend, CapturedGraph, OpenCapture
+from .base import POISON_BYTES, Backend, CapturedGraph, OpenCapture
 
 __all__ = ["CudaBackend", "CudaGraph"]
 
@@ -452,3 +452,40 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
+
+    def poison_free(self, which: int) -> bool:
+        # The pool's inactive blocks, found in the caching allocator's snapshot: the graphs'
+        # intermediates between replays. They are written through tensors that alias them
+        # (no allocation, so the pool is neither grown nor reshaped), on the current stream,
+        # where the replays that read them run next.
+        pool = self._pool
+        if pool is None:
+            return True
+        snapshot = getattr(torch.cuda, "memory_snapshot", None)
+        if snapshot is None:
+            return False
+        torch.cuda.synchronize(self.index)
+        with _OnDevice(self.index):
+            for segment in snapshot():
+                if segment.get("device") != self.index or tuple(segment.get("segment_pool_id", ())) != tuple(pool):
+                    continue
+                address = segment["address"]
+                for block in segment["blocks"]:
+                    size = block["size"]
+                    start = block.get("address", address)
+                    if block["state"] == "inactive" and size:
+                        _device_bytes(start, size, self.index).fill_(POISON_BYTES[which])
+                    address = start + size
+        return True
+
+
+class _Raw:
+    """Device memory at an address, for ``torch.as_tensor`` (the CUDA array interface)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
+
+
+def _device_bytes(address: int, nbytes: int, index: int) -> torch.Tensor:
+    return torch.as_tensor(_Raw(address, nbytes), device=torch.device("cuda", index))

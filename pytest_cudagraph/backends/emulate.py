@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..guard import CaptureGuard
-from .base import Backend, CapturedGraph, OpenCapture
+from .base import POISON_BYTES, Backend, CapturedGraph, OpenCapture
 
 __all__ = ["EmulateBackend", "EmulatedGraph"]
 
@@ -616,6 +616,16 @@ class EmulateBackend(Backend):
         if self._pool is None and _USE_COUNT is not None:
             self._pool = _Pool()
         return _EmulatedCapture(self._pool, guard)
+
+    def poison_free(self, which: int) -> bool:
+        # The free blocks of every segment: what a graph's intermediates occupy between replays
+        # (no holder outside the graphs reads them).
+        if self._pool is not None:
+            for segment in self._pool.segments:
+                data = _bytes(segment.storage, segment.size)
+                for offset, size in segment.free:
+                    data[offset : offset + size].fill_(POISON_BYTES[which])
+        return True
 
     def release(self) -> None:
         # A later capture starts a fresh pool. Tensors still held from this one

@@ -119,9 +119,12 @@ BUILTIN = CheckRegistry([
         compares="two replays of the same inputs, from the same state and seed, are bit-identical; and no "
                  "forward reads memory nobody wrote: an op seen reading what `torch.empty` (or kin) handed back "
                  "before anything wrote it, confirmed by two eager runs with that memory poisoned two ways, is "
-                 "named with the op that made it (and every other failure of the module says so first)",
+                 "named with the op that made it (and every other failure of the module says so first); and "
+                 "replays with the graphs' free pool memory (their intermediates between replays) poisoned one "
+                 "way, twice, then the other way, all agree: which finds a replay reading what "
+                 "nobody wrote where no op the dispatcher sees does (an extension's own buffer)",
         catches="state kept outside registered buffers, nondeterministic kernels, a split-K sum into "
-                "`torch.empty`",
+                "`torch.empty`, in eager or only in the graph",
         applies="never",
     ),
     Check(

@@ -256,14 +256,15 @@ class ModuleState:
     def seed_all(self, seed: int) -> None:
         torch.manual_seed(seed)
 
-    def twice_from_one_state(self, run: Callable[[], Any]) -> list[Any]:
-        """``run()`` twice, each from the same module state and seed (the determinism checks)."""
+    def from_one_state(self, run: Callable[[int], Any], times: int = 2) -> list[Any]:
+        """``run(i)`` for i in ``range(times)``, each from the same module state and seed (the
+        determinism checks)."""
         outs = []
         with self.preserved_state() as state0:
-            for _ in range(2):
+            for i in range(times):
                 self.restore(state0)
                 self.seed_all(self.seed)
-                outs.append(run())
+                outs.append(run(i))
         return outs
 
 

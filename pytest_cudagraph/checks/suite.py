@@ -715,17 +715,47 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
     inputs = ctx.make(batch)
 
-    def replayed() -> Any:
+    def replayed(_: int) -> Any:
         ctx.load(desc, inputs, batch)
         return ctx.replay(desc)
 
-    outs = ctx.twice_from_one_state(replayed)
+    outs = ctx.from_one_state(replayed)
     diff = first_difference(outs[1], outs[0])
+    # Again with the graphs' free memory (their intermediates between replays) poisoned just
+    # before each replay: one poison twice, then the other. A graph that reads what nobody wrote
+    # gives one result per poison, where plain replays read whatever the last one left.
+    poisons = (0, 0, 1)
+    poisonable = True
+
+    def poisoned(i: int) -> Any:
+        nonlocal poisonable
+        ctx.load(desc, inputs, batch)
+        poisonable = ctx.manager.poison_free(poisons[i]) and poisonable
+        return ctx.replay(desc)
+
+    outs = ctx.from_one_state(poisoned, len(poisons))
+    graph_diff = None
+    if poisonable and first_difference(outs[1], outs[0]) is None:
+        graph_diff = first_difference(outs[2], outs[0])
+    read_poison = (
+        f"with the graph's free memory poisoned one way before each of two replays of the same inputs they agree, "
+        f"and poisoned the other way they differ ({_where(graph_diff)})" if graph_diff is not None else "")
     uninitialized = ctx.uninitialized()
     if uninitialized:
         # Undefined whether the two replays happened to agree: the memory they read is anybody's.
-        return Outcome("determinism", desc, False, uninitialized,
-                       _finding(diff, batch) if diff is not None else Finding(real_batch=batch.shape()))
+        shown = diff or graph_diff
+        return Outcome("determinism", desc, False,
+                       f"{uninitialized}; a replay reads it too: {read_poison}" if read_poison else uninitialized,
+                       _finding(shown, batch) if shown is not None else Finding(real_batch=batch.shape()))
+    if graph_diff is not None:
+        left = ". Two plain replays differ too: each reads what the last one left" if diff is not None else ""
+        return Outcome(
+            "determinism", desc, False,
+            f"a replay reads graph memory nobody wrote: {read_poison}{left}. No op the dispatcher sees reads "
+            "unwritten memory, so it happens below it (in a custom op's or an extension's own buffer, say): write "
+            "that buffer fully first, or make it with zeros",
+            _finding(graph_diff, batch),
+        )
     if diff is None:
         return Outcome("determinism", desc, True)
     return Outcome(

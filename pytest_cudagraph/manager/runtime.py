@@ -443,6 +443,11 @@ class RuntimePart:
         """Wait for the device work queued so far (a no-op on the emulator)."""
         self._backend.synchronize()
 
+    def poison_free(self, which: int) -> bool:
+        """Fill the graphs' free pool memory (their intermediates between replays) with poison
+        ``which`` (0 or 1); False where the backend cannot."""
+        return self._backend.poison_free(which)
+
     # -- copy-in --------------------------------------------------------
     def load_inputs(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> None:
         """Copy a real batch into the static buffers and pad the rest of ``desc``'s rows."""
