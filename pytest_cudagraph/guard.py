@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .capturability import REFUSED, Table, Verdict, load_table, pattern
 from .observe import ForwardObserver
 
 __all__ = ["CaptureGuard", "GuardDispatchMode", "ModuleTracker", "Violation", "find_violations"]
@@ -168,6 +169,9 @@ class ModuleTracker:
         self._stack: list[str] = []
         #: The submodule that was running when a tracked forward last failed.
         self.failed_path = ""
+        #: Ops the emulator's guard met that the capturability table does not cover, with the
+        #: submodule that ran each first: whether CUDA captures them is not known.
+        self.not_known: dict[str, str] = {}
         self.refresh()
 
     def refresh(self) -> None:
@@ -286,6 +290,41 @@ def check_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: t
     return None
 
 
+_TABLE_OFF = 0
+
+
+@contextlib.contextmanager
+def no_capturability_table() -> Iterator[None]:
+    """The guard as it was before the learned table (scripts/capturability.py's ``agree --before``)."""
+    global _TABLE_OFF
+    _TABLE_OFF += 1
+    try:
+        yield
+    finally:
+        _TABLE_OFF -= 1
+
+
+def capturability_table() -> Table | None:
+    """The learned table the guard consults, unless turned off."""
+    return None if _TABLE_OFF else load_table()
+
+
+def _on_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _refused(table: Table, func: Any, verdict: Verdict) -> tuple[str, str]:
+    return str(func), f"a CUDA graph capture refuses it: {verdict.reason.partition(': ')[2] or verdict.reason}, " \
+                      f"learned on {table.source}"
+
+
+def _is_view(func: Any) -> bool:
+    """A view or an alias: no kernel runs, so there is nothing for a capture to refuse."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and bool(schema.returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
 def _is_masked_fill(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """index_put_ with a single boolean mask and a 0-dim CPU value: torch runs masked_fill_ with the number."""
     if packet not in (aten.index_put, aten.index_put_, aten._index_put_impl_) or len(args) < 2:
@@ -306,8 +345,25 @@ def _written_value(packet: Any, position: int, args: tuple[Any, ...], kwargs: di
 
 def _storage_key(t: torch.Tensor) -> int:
     # The storage, not the tensor: a view of a host-made tensor (t[None],
-    # t.view(...)) is as much on the host as the tensor itself.
+    # t.view(...)) is as much on the host as the tensor itself. A sparse
+    # tensor has no one storage: the tensor stands for itself.
+    if t.layout != torch.strided:
+        return id(t)
     return int(t.untyped_storage()._cdata)
+
+
+SPARSE_REASON = (
+    "sparse tensor ({layout}): the emulator records ops on strided tensors only, so it cannot tell what a "
+    "graph of this op does; verify it on a GPU (a CUDA capture may hold it), or keep the graph's tensors dense"
+)
+
+
+def not_strided(tensors: Iterable[Any]) -> torch.layout | None:
+    """The layout of the first tensor that is not strided (sparse, say), or None."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            return t.layout
+    return None
 
 
 class CaptureGuard:
@@ -374,11 +430,25 @@ class CaptureGuard:
             self.observer.observe(func, args, kwargs)
         if self._in_host_method:
             return  # already reported under its Python name
+        if self.by_provenance:
+            layout = not_strided(tensors_in(args, kwargs))
+            if layout is not None:
+                self.report(str(func), SPARSE_REASON.format(layout=layout))
+                return
         if self.by_provenance and self.host_made and _is_masked_fill(getattr(func, "overloadpacket", None), args,
                                                                      kwargs):
             value = _written_value(func.overloadpacket, 2, args, kwargs)
             if _storage_key(value) in self.host_made:
                 return  # `t[mask] = 0.0` with a number made on the host: masked_fill_ on a GPU
+        table = capturability_table()
+        if table is not None:
+            learned = self._learned(table, func, args, kwargs, exact=True)
+            if learned is not None:
+                # What a GPU did with this op and these kinds of arguments outranks the rules below,
+                # which are written for the general case (a boolean mask on the host is no sync).
+                if learned.kind == REFUSED:
+                    self.report(*_refused(table, func, learned))
+                return
         found = check_op(func, args, kwargs, self.device)
         if found is None and self.by_provenance:
             if func is aten.lift_fresh.default:
@@ -388,8 +458,23 @@ class CaptureGuard:
                 return
             if self.host_made:
                 found = self._check_host_values(func, args, kwargs)
+        if found is None and self.by_provenance and not self.suspended and table is not None and not _is_view(func):
+            # On the emulator, what its CPU cannot refuse: what a GPU refused when the table was
+            # learned. An op the table does not cover is kept as not known (the report says so).
+            verdict = self._learned(table, func, args, kwargs, exact=False)
+            if verdict is None:
+                self.tracker.not_known.setdefault(str(func), self.tracker.path)
+            elif verdict.kind == REFUSED:
+                found = _refused(table, func, verdict)
         if found is not None:
             self.report(*found)
+
+    def _learned(self, table: Table, func: Any, args: Any, kwargs: Any, *, exact: bool) -> Verdict | None:
+        if self.by_provenance:
+            is_host = (lambda t: _storage_key(t) in self.host_made) if self.host_made else None
+        else:
+            is_host = _on_cpu
+        return table.verdict(str(func), pattern(args, kwargs, is_host), exact=exact)
 
     # -- host-made values (the emulator) ------------------------------------
     def mark_host(self, t: Any) -> None:
@@ -631,19 +716,46 @@ class GuardDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.guard.check_dispatch(func, args, kwargs)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:
+            if self.guard.device.type == "cuda" and _capturing(self.guard.device):
+                # The op itself failed the capture (a sync or a pageable copy inside its kernel
+                # code): a finding that names it, with CUDA's own words, not a raw exception.
+                lines = str(exc).strip().splitlines()
+                self.guard.report(str(func), f"a CUDA graph capture refuses it: {lines[0] if lines else type(exc).__name__}")
+            raise
         if self.guard.observer is not None:
             self.guard.observer.after(func, out)
+        if self.guard.by_provenance:
+            layout = not_strided(tree_flatten(out)[0])
+            if layout is not None:
+                self.guard.report(str(func), SPARSE_REASON.format(layout=layout))
         if self.keep_alive is not None:
             for t in tensors_in(args, kwargs):
-                key = t.untyped_storage().data_ptr()
+                key = _address(t)
                 if key not in self._made and key not in self._kept:
                     self._kept.add(key)
                     self.keep_alive.append(t)
             outs = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ()
             for t in tensors_in(outs, None):
-                self._made.add(t.untyped_storage().data_ptr())
+                self._made.add(_address(t))
         return out
+
+
+def _address(t: torch.Tensor) -> int:
+    """Where a tensor's memory is (a sparse tensor, with no one storage, is itself)."""
+    return id(t) if t.layout != torch.strided else int(t.untyped_storage().data_ptr())
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream is capturing, asked of CUDA itself (the Python query may be
+    answered by as_captured)."""
+    query = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    try:
+        return bool(query()) if query is not None else False
+    except RuntimeError:
+        return False
 
 
 class _FirstFound(Exception):

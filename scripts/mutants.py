@@ -137,6 +137,9 @@ SCALE_TESTS = "tests/test_scale.py"
 OBSERVE_TESTS = ("tests/test_observe.py",)
 DIAGNOSES = ("tests/test_diagnoses.py",)
 PR = "pytest_cudagraph/pytest_report.py"
+GD = "pytest_cudagraph/guard.py"
+CB = "pytest_cudagraph/capturability.py"
+CAPTURABILITY = ("tests/test_capturability.py",)
 
 EXACT = "return ((g == e) & _same_sign(g, e)) | both_nan"
 
@@ -473,6 +476,27 @@ MUTANTS: list[Mutant] = [
     Mutant("suite-graph-poison-unread", S, "        graph_diff = first_difference(outs[2], outs[0])",
            "        graph_diff = None", DIAGNOSES,
            "replays that read graph memory nobody wrote, below the dispatcher, pass determinism"),
+    # -- issue #27: the capturability table learned on a GPU -----------------------------------------
+    Mutant("guard-table-unasked", GD,
+           "        if found is None and self.by_provenance and not self.suspended and table is not None and not",
+           "        if False and found is None and self.by_provenance and not self.suspended and table is not None and not",
+           (*CAPTURABILITY, pair("InvertsInForward")), "the emulator passes an op the table says CUDA refuses"),
+    Mutant("guard-learned-outranked", GD, "            learned = self._learned(table, func, args, kwargs, exact=True)",
+           "            learned = None", CAPTURABILITY,
+           "a write through a host boolean mask, which CUDA captures, is refused by the general rule"),
+    Mutant("guard-not-known-silent", GD, "                self.tracker.not_known.setdefault(str(func), self.tracker.path)",
+           "                pass", CAPTURABILITY, "an op the table does not cover passes in silence"),
+    Mutant("capturability-numbers-matter", CB, 'tensors = letters.replace("s", "")', "tensors = letters",
+           CAPTURABILITY, "an op learned with a dim argument is not known without it"),
+    Mutant("capturability-any-kind-carries", CB, "            if all(letter in seen for letter in tensors):",
+           "            if True:", CAPTURABILITY,
+           "a verdict learned for integer indices carries over to a boolean mask"),
+    Mutant("emulate-shape-change-replayed", EM,
+           'if getattr(func, "overloadpacket", None) in _METADATA_IN_PLACE and args',
+           'if False and getattr(func, "overloadpacket", None) in _METADATA_IN_PLACE and args', CAPTURABILITY,
+           "an in-place transpose_ is replayed as a step: replay fails on shapes"),
+    Mutant("emulate-steps-not-frozen", EM, "            step.swap(lambda value: frozen if value is t else value)",
+           "            pass", CAPTURABILITY, "steps before an in-place shape change read the tensor as it ends"),
 ]
 
 

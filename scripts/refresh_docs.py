@@ -261,6 +261,7 @@ def render(caption: str, lines: list[str]) -> list[str]:
 
 
 _MASKS = (
+    (re.compile(r"(in \d+\.\d+s) \(\d+:\d\d:\d\d\)"), r"\1"),  # pytest adds (h:mm:ss) past a minute
     (re.compile(r"-?\b\d+\.\d+(e[-+]?\d+)?"), "<f>"),  # timings, random values (either sign), sizes
     (re.compile(r"capture \d+ ms"), "capture <t> ms"),
     (re.compile(r"max ULP \d+"), "max ULP <n>"),

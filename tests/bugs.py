@@ -13,6 +13,7 @@ from torch import nn
 
 from examples.buggy.batch_statistics import BatchStatistics, TokenStatistics
 from examples.buggy.common import D, token_inputs
+from examples.buggy.device_solver import InvertsInForward, InvertsWithoutCheck
 from examples.buggy.expert_load import HashRoutedLoad, MaskedHashRoutedLoad, id_inputs
 from examples.buggy.host_sync import HostSync, HostSyncFixed
 from examples.buggy.host_value import CountsOnDevice, WritesPythonCount
@@ -51,6 +52,9 @@ PAIRS = [
     Pair("capture_safety", HostSync, HostSyncFixed, r"Tensor\.item\(\) \(host sync\) in the top-level module"),
     Pair("capture_safety", WritesPythonCount, CountsOnDevice,
          r"aten\.copy_\.default \(host-to-device copy: a value made on the host .* in the top-level module"),
+    # An op whose CUDA kernel code syncs: known on the CPU from the table learned on a GPU.
+    Pair("capture_safety", InvertsInForward, InvertsWithoutCheck,
+         r"aten\._linalg_check_errors\.default \(a CUDA graph capture refuses it"),
     Pair("replay_matches_eager", PythonCounter, BufferCounter, r"Python state changes on every forward \(calls:"),
     Pair("fresh_inputs", IdentityMemo, NoMemo, r"with fresh inputs after capture, replay differs from eager"),
     Pair("real_batches", BatchStatistics, TokenStatistics,

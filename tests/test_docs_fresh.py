@@ -66,6 +66,7 @@ def test_check_masks_timings_and_hypothesis_wording_but_not_counts() -> None:
         ["x: 4/4 captured, 35 checks passed, capture 71 ms, graph memory 13.5 KiB"])
     assert norm(["graph gave -3.83, eager gave 6.7e-05"]) == norm(["graph gave 1.51, eager gave -2.16"])
     assert norm(["E           Falsifying example: test_x("]) == norm(["E           Failing test case: test_x("])
+    assert norm(["= 85 passed, 16 skipped in 48.81s ="]) == norm(["= 85 passed, 16 skipped in 64.02s (0:01:04) ="])
     assert norm(["38 checks passed"]) != norm(["34 checks passed"])
     assert norm(["(calls: 6 -> 7)"]) != norm(["(calls: 8 -> 9)"])
 
@@ -78,3 +79,14 @@ def test_unbalanced_markers_are_an_error(tmp_path: Path) -> None:
     bad.write_text("text\n<!-- /refresh -->\n")
     with pytest.raises(ValueError, match="without a start"):
         refresh.markers(bad)
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    """docs/architecture.md stays true: a module added to the package has a row (or its folder does)."""
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "architecture.md").read_text()
+    package = root / "pytest_cudagraph"
+    unnamed = [str(p.relative_to(package)) for p in sorted(package.rglob("*.py"))
+               if p.name != "__init__.py" and not any(f"`{name}`" in page for name in
+                                                      (p.name, p.relative_to(package).as_posix(), f"{p.parent.name}/"))]
+    assert not unnamed, f"docs/architecture.md does not name {unnamed}"

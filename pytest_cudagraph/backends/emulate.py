@@ -43,7 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from ..guard import CaptureGuard
+from ..guard import SPARSE_REASON, CaptureGuard, not_strided
 from .base import POISON_BYTES, Backend, CapturedGraph, OpenCapture
 
 __all__ = ["EmulateBackend", "EmulatedGraph"]
@@ -75,6 +75,17 @@ def _storage_key(t: torch.Tensor) -> int:
     # The StorageImpl itself, not its address: an out= op may resize a storage
     # (and so move its data) in the middle of the capture.
     return int(t.untyped_storage()._cdata)
+
+
+# Ops that change a tensor's shape, strides or offset in place. On CUDA they run
+# no kernel: the capture records the kernels before them with the tensor as it
+# was, and a replay does not run them again. (resize_ that grows a storage
+# allocates; here the storage's region is placed at its final size, so the
+# steps before it write where the grown tensor reads.)
+_METADATA_IN_PLACE = frozenset(
+    getattr(aten, name) for name in ("transpose_", "t_", "swapdims_", "swapaxes_", "squeeze_", "unsqueeze_",
+                                     "as_strided_", "resize_", "resize_as_", "detach_")
+    if hasattr(aten, name))
 
 
 def _use_count(storage: torch.UntypedStorage) -> int:
@@ -230,9 +241,17 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.guard.check_dispatch(func, args, kwargs)
+        if getattr(func, "overloadpacket", None) in _METADATA_IN_PLACE and args and isinstance(args[0], torch.Tensor):
+            self._freeze(args[0])
+            out = func(*args, **kwargs)
+            self._know(args[0])
+            return out
         out = func(*args, **kwargs)
         if self.guard.observer is not None:
             self.guard.observer.after(func, out)
+        layout = not_strided(tree_flatten(out)[0])
+        if layout is not None:
+            self.guard.report(str(func), SPARSE_REASON.format(layout=layout))
         if func in _ALLOCATIONS:
             self._note_created(out)
             return out
@@ -257,6 +276,16 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return out
         self.steps.append(_Step(func, tuple(args), dict(kwargs), fresh))
         return out
+
+    def _freeze(self, t: torch.Tensor) -> None:
+        """Before ``t``'s shape changes in place: the steps recorded so far keep it as it was,
+        through a view of the same memory with its present shape, strides and offset."""
+        frozen = t.as_strided(t.shape, t.stride(), t.storage_offset())
+        for step in self.steps:
+            step.swap(lambda value: frozen if value is t else value)
+        key = _storage_key(t)
+        if key in self.created:
+            self._know(frozen)
 
     def _note_created(self, out: Any) -> None:
         flat, _ = tree_flatten(out)

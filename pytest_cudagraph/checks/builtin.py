@@ -33,15 +33,22 @@ BUILTIN = CheckRegistry([
         compares="every op of each descriptor's capture goes through a guard that stops at the first op a graph "
                  "cannot hold, before the device runs it; a descriptor it stops is then run eagerly under the "
                  "guard, which lists every such op with its submodule and its call site (`file:line in "
-                 "function`, the first frame outside torch and this plugin). A descriptor whose capture fails "
-                 "fails here and the others are still captured and verified",
+                 "function`, the first frame outside torch and this plugin). The guard asks first the table of "
+                 "what a CUDA capture holds, op by op and by the kinds of its arguments, learned on a GPU from "
+                 "PyTorch's OpInfo samples (`scripts/capturability.py`); on the emulator an op it does not cover "
+                 "is named in a NOTE as not known. On CUDA an op that fails the capture itself is named with "
+                 "CUDA's error. A descriptor whose capture fails fails here and the others are still captured "
+                 "and verified",
         catches="host syncs (`.item()`, `bool(t)`, `int(t)`), data-dependent shapes (`nonzero`, boolean-mask "
                 "indexing, `repeat_interleave` without `output_size`), device-to-host copies, CPU tensors on the "
                 "CUDA path; values made on the host inside `forward` and written into or moved to the graph's "
                 "device (`t[0] = float(n)`, `torch.tensor(data, device=...)`, `torch.arange(n).to(x.device)`), "
-                "which the emulator tells by where they were made. Not flagged, because a real capture holds "
-                "them: `t[mask] = 0.0` (a `masked_fill_`), `torch.tensor([], device=...)` (a copy of nothing), "
-                "a 0-dim CPU tensor as an operand",
+                "which the emulator tells by where they were made; ops whose CUDA code syncs or copies from "
+                "pageable memory (`torch.linalg.inv`'s error check, `cholesky`, `isin`, `linspace` "
+                "with tensor ends, `masked_fill` with a 0-dim device value); sparse tensors on the emulator. "
+                "Not flagged, because a real capture holds them: `t[mask] = 0.0` (a `masked_fill_`), indexing "
+                "with a boolean mask made on the host, `torch.tensor([], device=...)` (a copy of nothing), a "
+                "0-dim CPU tensor as an operand",
         applies="never",
     ),
     Check(

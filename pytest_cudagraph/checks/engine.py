@@ -13,7 +13,7 @@ import torch
 
 from .. import faults
 from ..errors import EagerFailure
-from ..guard import host_methods_watched
+from ..guard import capturability_table, host_methods_watched
 from ..manager import GraphManager
 from ..manager.layout import MakeInputsError, not_a_module
 from ..manager.pieces import EagerSpec
@@ -281,6 +281,7 @@ def _verify(
             with ctx.preserved_state():
                 _run(ctx, report, selected, checks, progress=progress, meter=meter)
             _tell_unseen_writes(ctx, report, checks)
+            _tell_not_known(ctx, report)
         report.real_batches = ctx.real_batches_run
         report.costs = meter.costs
         report.peak_memory, report.memory_kind = peak_memory(manager.device)
@@ -338,6 +339,20 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
             f"forward writes {names} where no op shows it to torch's dispatcher (a Triton kernel or an "
             "extension called directly); found by its fingerprint after a first eager pass, it is copied and put "
             "back from then on, but what that first pass wrote there stays")
+
+
+def _tell_not_known(ctx: VerifyContext, report: VerifyReport) -> None:
+    """Ops whose capture on a GPU the emulator cannot vouch for: said, never passed in silence."""
+    unknown = ctx.manager.not_known_ops
+    if not unknown:
+        return
+    table = capturability_table()
+    shown = ", ".join(f"{op} (in {path or 'the top-level module'})" for op, path in list(unknown.items())[:8])
+    more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+    report.notes.append(
+        f"capture_safety: whether a CUDA graph capture holds {len(unknown)} op(s) is not known to the emulator: "
+        f"{shown}{more}. Its table of what CUDA captures ({table.source if table else 'none'}) has not seen them "
+        "with these kinds of arguments; verify on a GPU to be sure")
 
 
 def _tell_unseen_writes(ctx: VerifyContext, report: VerifyReport, checks: list[Check]) -> None:

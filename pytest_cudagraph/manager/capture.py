@@ -157,6 +157,12 @@ class CapturePart(RuntimePart):
     observer: ForwardObserver
 
     # -- the sequence ---------------------------------------------------
+    @property
+    def not_known_ops(self) -> dict[str, str]:
+        """Ops the emulator's guard met that the capturability table does not cover (op -> the
+        submodule that ran it first): whether a CUDA capture holds them is not known."""
+        return dict(self._tracker.not_known)
+
     def capture(self, descriptors: Iterable[BatchDescriptor] | None = None, *, keep_going: bool = False) -> None:
         """Capture every descriptor of the plan (or those given), largest first.
 

@@ -1,0 +1,226 @@
+"""The table of what a CUDA capture holds, learned on a GPU, and the emulator that asks it.
+
+The emulator must refuse what CUDA refuses, op by op (its CPU refuses nothing), name what the
+table does not cover, replay in-place shape changes as a graph does, and refuse sparse tensors
+with a finding instead of an internal error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from examples.buggy.common import D, token_inputs
+from pytest_cudagraph import guard, verify
+from pytest_cudagraph.capturability import DEPENDS, HELD, REFUSED, Table, load_table, pattern
+
+SIZES = (1, 2, 4)
+
+
+def _verify(module: nn.Module, device: torch.device, backend: str, **kwargs: Any) -> Any:
+    torch.manual_seed(0)
+    return verify(module.to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend,
+                  **kwargs)
+
+
+def test_the_shipped_table_loads_and_says_where_it_was_learned() -> None:
+    table = load_table()
+    assert table is not None, "pytest_cudagraph/data/capturability.json is missing"
+    assert table.torch_version and table.device and table.date and table.cases > 0
+    kinds = {v.kind for patterns in table.ops.values() for v in patterns.values()}
+    assert kinds <= {HELD, REFUSED, DEPENDS} and {HELD, REFUSED} <= kinds
+    assert Table.from_json(table.to_json()) == table
+
+
+def test_the_table_names_ops_this_torch_has() -> None:
+    table = load_table()
+    assert table is not None
+    missing = []
+    for name in table.ops:
+        namespace, _, rest = name.partition(".")
+        packet, _, overload = rest.rpartition(".")
+        found = getattr(getattr(torch.ops, namespace), packet, None)
+        if found is None or not hasattr(found, overload):
+            missing.append(name)
+    # Learned on another torch: a few private ops may come and go, the bulk must not.
+    assert len(missing) <= len(table.ops) // 50, missing
+
+
+def test_the_table_is_in_step_with_the_guards_own_rules() -> None:
+    """Where the guard refuses an op whatever its arguments (a sync, a data-dependent shape), the
+    table, learned independently on a GPU, saw CUDA refuse it too for some device pattern."""
+    table = load_table()
+    assert table is not None
+    seen = [op for op in guard._DATA_DEPENDENT if str(op) in table.ops]
+    assert len(seen) >= 3
+    for op in seen:
+        kinds = {v.kind for p, v in table.ops[str(op)].items() if "h" not in p}
+        assert kinds & {REFUSED, DEPENDS}, (op, table.ops[str(op)])
+
+
+def test_the_pattern_tells_a_boolean_mask_a_host_tensor_a_0_dim_value_and_numbers() -> None:
+    x, mask = torch.ones(3), torch.ones(3, dtype=torch.bool)
+    assert pattern((x, [mask], torch.tensor(1.0)), {"accumulate": False}) == "Tb0s"
+    assert pattern((x, [mask]), {}, lambda t: t is mask) == "Th"
+
+
+def test_a_verdict_carries_over_numbers_but_not_other_tensor_kinds() -> None:
+    from pytest_cudagraph.capturability import Verdict
+
+    table = Table("t", "d", "now", 1, {"aten.x.default": {"TTs": Verdict(HELD, "")},
+                                      "aten.y.default": {"T": Verdict(HELD, ""), "T0": Verdict(REFUSED, "r")}})
+    assert table.verdict("aten.x.default", "TT") == Verdict(HELD, "")  # another count of numbers
+    assert table.verdict("aten.x.default", "TbT") is None  # a boolean mask it never saw
+    assert table.verdict("aten.x.default", "Ts") == Verdict(HELD, "")  # one answer, its kinds all seen
+    assert table.verdict("aten.x.default", "0s") is None  # a 0-dim value it never saw
+    assert table.verdict("aten.y.default", "T0s").kind == REFUSED
+    assert table.verdict("aten.y.default", "0") is None  # seen kinds, but no one answer
+    assert table.verdict("aten.y.default", "Tb") is None
+    assert table.verdict("aten.z.default", "T") is None
+
+
+def test_the_emulator_refuses_what_the_table_says_cuda_refuses_and_passes_its_twin() -> None:
+    from examples.buggy.device_solver import InvertsInForward, InvertsWithoutCheck
+
+    report = _verify(InvertsInForward(), torch.device("cpu"), "emulate", checks=["capture_safety"])
+    told = [o for o in report.failures if o.check == "capture_safety"]
+    assert told and len(told) == len(SIZES)
+    assert all("aten._linalg_check_errors.default (a CUDA graph capture refuses it" in o.message
+               and "learned on" in o.message for o in told)
+    assert _verify(InvertsWithoutCheck(), torch.device("cpu"), "emulate").ok
+
+
+def test_without_the_table_the_emulator_misses_it() -> None:
+    """What the table adds: the CPU runs the host check without complaint."""
+    from examples.buggy.device_solver import InvertsInForward
+
+    with guard.no_capturability_table():
+        assert _verify(InvertsInForward(), torch.device("cpu"), "emulate", checks=["capture_safety"]).ok
+
+
+class WritesThroughHostMask(nn.Linear):
+    """``out[mask] = 0`` with a mask made on the host: torch finds its rows on the host, and CUDA
+    captures the write (seen in the table); a mask computed on the device would need a sync."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        mask = torch.tensor([i % 2 == 0 for i in range(out.shape[1])])
+        out[:, mask] = out[:, :1].expand(-1, D // 2)
+        return out
+
+
+class WritesThroughDeviceMask(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        out[out > 0] = 0.5 * x.sum()  # a boolean mask on the device: nonzero, a sync
+        return out
+
+
+def test_a_write_through_a_host_boolean_mask_is_held_and_one_through_a_device_mask_refused() -> None:
+    cpu = torch.device("cpu")
+    held = _verify(WritesThroughHostMask(D, D), cpu, "emulate", checks=["capture_safety"])
+    assert held.ok, held.format()
+    refused = _verify(WritesThroughDeviceMask(D, D), cpu, "emulate", checks=["capture_safety"])
+    assert refused.failures and all("index_put_" in o.message for o in refused.failures)
+
+
+class Lin(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_an_op_the_table_does_not_cover_is_named_not_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = Table("2.0", "a test GPU", "today", 1, {})
+    monkeypatch.setattr(guard, "capturability_table", lambda: empty)
+    monkeypatch.setattr("pytest_cudagraph.checks.engine.capturability_table", lambda: empty)
+    report = _verify(Lin(D, D), torch.device("cpu"), "emulate")
+    assert report.ok  # not known is no failure
+    notes = [n for n in report.notes if "is not known to the emulator" in n]
+    assert len(notes) == 1 and "aten.addmm.default" in notes[0] and "a test GPU" in notes[0]
+    assert "NOTE capture_safety: whether a CUDA graph capture holds" in report.format()
+
+
+def test_a_covered_module_gets_no_not_known_note() -> None:
+    report = _verify(Lin(D, D), torch.device("cpu"), "emulate")
+    assert report.ok and not [n for n in report.notes if "not known" in n]
+
+
+# -- in-place shape changes, replayed as a graph replays them ---------------------------------
+class TransposesInPlace(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x) * 2
+        h.transpose_(0, 1)
+        h = h * 1.5
+        h.t_()
+        return h + 1
+
+
+class SqueezesInPlace(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x) * 2
+        h.unsqueeze_(0)
+        h = h + 1
+        h.squeeze_(0)
+        return h * 3
+
+
+class ResizesInPlace(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x) + 0
+        h.resize_(h.shape[0] * D)
+        h = h * 2
+        return h.view(-1, D)
+
+
+class StridesInPlace(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x) + 0
+        h.as_strided_((h.shape[1], h.shape[0]), (1, D))
+        return h * 2
+
+
+@pytest.mark.parametrize("cls", [TransposesInPlace, SqueezesInPlace, ResizesInPlace, StridesInPlace])
+def test_in_place_shape_changes_replay_as_a_graph_replays_them(cls: type[nn.Linear], backend: str,
+                                                                device: torch.device) -> None:
+    report = _verify(cls(D, D), device, backend)
+    assert report.ok, report.format()
+
+
+class SparseMix(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = super().forward(x).relu().to_sparse()
+        return torch.sparse.mm(s, self.weight)
+
+
+def test_a_sparse_tensor_is_a_finding_on_the_emulator_never_an_internal_error() -> None:
+    with guard.no_capturability_table():  # the emulator's own refusal, not the table's
+        report = _verify(SparseMix(D, D), torch.device("cpu"), "emulate")
+    told = [o for o in report.failures if o.check == "capture_safety"]
+    assert told and all("sparse tensor (torch.sparse_coo): the emulator records ops on strided tensors only"
+                        in o.message for o in told)
+    assert not any("could not run" in o.message or "storage" in o.message for o in report.failures)
+
+
+# -- CUDA: an op that fails the capture itself ---------------------------------------------------
+@pytest.mark.cuda
+def test_an_op_that_fails_a_cuda_capture_is_a_finding_that_names_it() -> None:
+    from examples.buggy.device_solver import InvertsInForward
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    with guard.no_capturability_table():  # the raw failure, not the table's foresight
+        report = _verify(InvertsInForward(), device, "cuda", checks=["capture_safety"])
+    told = [o for o in report.failures if o.check == "capture_safety"]
+    assert told and all("(a CUDA graph capture refuses it:" in o.message for o in told), report.format()
+    # With the table, the guard stops it before the device runs it, and says where that was learned.
+    report = _verify(InvertsInForward(), device, "cuda", checks=["capture_safety"])
+    assert report.failures and all("learned on" in o.message for o in report.failures), report.format()
+
+
+@pytest.mark.cuda
+def test_a_sparse_tensor_does_not_break_the_cuda_guard() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    report = _verify(SparseMix(D, D), device, "cuda")
+    assert not any("Cannot access storage" in o.message or "could not run" in o.message for o in report.outcomes)
