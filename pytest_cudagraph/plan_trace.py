@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
                    choices=[m.name for m in GraphMode], help="graph mode (default: FULL_AND_PIECEWISE, vLLM's)")
     p.add_argument("--decode-query-len", type=_positive, default=1, metavar="Q",
                    help="tokens a request of a uniform decode batch (1 + speculative tokens; default 1)")
+    p.add_argument("--decode-query-lens", type=_counts(1, "query lengths", "1,2,3,4"), default=None,
+                   metavar="1,2,...", help="dynamic speculative decoding: the query lengths uniform decode graphs "
+                   "are captured for, each at most Q (default: Q alone)")
     p.add_argument("--varlen-decode", action="store_true", help="decode graphs take 1..Q tokens a request")
     p.add_argument("--lora-cases", type=_counts(0, "counts", "0,1,4"), default=(0,), metavar="0,1,...",
                    help="active-adapter counts graphs are captured for (default 0: no LoRA)")
@@ -250,7 +253,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
     sizes = args.capture_sizes or DEFAULT_CAPTURE_SIZES
     config = CaptureConfig(capture_sizes=sizes, max_num_reqs=max_reqs, mode=args.mode,
                            decode_query_len=args.decode_query_len, varlen_decode=args.varlen_decode,
-                           lora_cases=args.lora_cases)
+                           lora_cases=args.lora_cases, decode_query_lens=args.decode_query_lens)
     plan = CapturePlan(config)
     before = analyse(plan, trace)
     out(f"trace {trace.path}: {trace.batches:,} batches, {len(trace.counts):,} distinct shapes, "
@@ -264,6 +267,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
     out(f"plan: {config.mode.name}, {len(config.capture_sizes)} capture sizes "
         f"{min(config.capture_sizes)}..{max(config.capture_sizes)}{' (default ladder)' if args.capture_sizes is None else ''}, "
         f"max_num_reqs {max_reqs}{defaults}, decode_query_len {config.decode_query_len}"
+        f"{'' if config.query_lens == (config.decode_query_len,) else f' (lengths {list(config.query_lens)})'}"
         f"{', varlen decode' if config.varlen_decode else ''}, {len(plan.descriptors)} graphs")
     out("")
     for line in (*_table(before), "", *_fallbacks(before), "", *_worst(before, args.top)):

@@ -71,12 +71,14 @@ def capture_configs(
     max_lora_case: int = 8,
     varlen: bool | None = None,
     ubatches: bool = True,
+    speculative: bool | None = None,
 ) -> st.SearchStrategy[CaptureConfig]:
     """Valid ``CaptureConfig``s: ``min_sizes``..``max_sizes`` distinct capture sizes up to
     ``max_size``, any of ``modes``, ``min_num_reqs``..``max_num_reqs`` requests, decode query
     length up to ``max_decode_query_len``; LoRA cases up to ``max_lora_case`` (``lora``: None
     draws whether to have them, True always has a case above 0, False never); varlen decode
-    likewise by ``varlen``; microbatch twins drawn when ``ubatches``."""
+    likewise by ``varlen``; microbatch twins drawn when ``ubatches``; several uniform decode query
+    lengths (dynamic speculative decoding: ``decode_query_lens``) likewise by ``speculative``."""
     _check_int("min_sizes", min_sizes, 1)
     _check_int("max_sizes", max_sizes, 1)
     _check_bounds("min_sizes", min_sizes, "max_sizes", max_sizes)
@@ -91,6 +93,8 @@ def capture_configs(
         raise ValueError(f"varlen must be True, False or None (draw it); got {varlen!r}")
     if lora is not None and not isinstance(lora, bool):
         raise ValueError(f"lora must be True, False or None (draw it); got {lora!r}")
+    if speculative is not None and not isinstance(speculative, bool):
+        raise ValueError(f"speculative must be True, False or None (draw it); got {speculative!r}")
     mode_list = _modes(modes)
 
     @st.composite
@@ -101,11 +105,17 @@ def capture_configs(
             positive = draw(st.lists(st.integers(1, max_lora_case), min_size=1, max_size=3, unique=True))
             lora_cases = tuple(([0] if draw(st.booleans()) else []) + positive)
         num_ubatches = draw(st.sampled_from([1, 2, 3])) if ubatches else 1
+        q = draw(st.integers(1, max_decode_query_len))
+        lens = None
+        if speculative or (speculative is None and draw(st.booleans())):
+            # The longest is always among them, as with a scheduler that may use every draft token.
+            lens = (*draw(st.lists(st.integers(1, q), max_size=q, unique=True)), q)
         return CaptureConfig(
             capture_sizes=sizes,
             max_num_reqs=draw(st.integers(min_num_reqs, max_num_reqs)),
             mode=draw(st.sampled_from(mode_list)),
-            decode_query_len=draw(st.integers(1, max_decode_query_len)),
+            decode_query_len=q,
+            decode_query_lens=lens,
             lora_cases=lora_cases,
             varlen_decode=draw(st.booleans()) if varlen is None else varlen,
             num_ubatches=num_ubatches,
@@ -123,7 +133,7 @@ def batches(
     max_extra_loras: int = 2,
 ) -> st.SearchStrategy[Batch]:
     """Valid real batches ``plan`` may see: uniform decode (every request
-    ``decode_query_len`` tokens), varlen decode (1..``decode_query_len`` each),
+    one of ``decode_query_lens`` tokens, or another length up to ``decode_query_len``), varlen decode (1..``decode_query_len`` each),
     mixed prefill/decode, and oversize (more tokens than the largest graph, by
     up to ``max_extra_tokens``); LoRA counts up to ``max_extra_loras`` past the
     largest case; microbatch counts the plan captures."""
@@ -137,6 +147,7 @@ def batches(
     _check_int("max_extra_loras", max_extra_loras, 0)
     cfg = plan.config
     q = cfg.decode_query_len
+    query_lens = cfg.query_lens
     largest = cfg.largest_capture_size
     max_loras = max(max(cfg.lora_cases), 1) + max_extra_loras
     ubatch_counts = sorted({1, cfg.num_ubatches})
@@ -147,9 +158,11 @@ def batches(
         loras = draw(st.integers(0, max_loras))
         ubatch = draw(st.sampled_from(ubatch_counts))
         if kind == "uniform_decode":
+            # Any length up to q: one the plan captures, or one it does not (served elsewhere or eagerly).
+            length = draw(st.sampled_from(query_lens) if draw(st.booleans()) else st.integers(1, q))
             reqs = draw(st.integers(1, cfg.max_num_reqs))
-            return Batch(num_tokens=reqs * q, num_reqs=reqs, uniform_token_count=q, num_active_loras=loras,
-                         max_query_len=q, num_ubatches=ubatch)
+            return Batch(num_tokens=reqs * length, num_reqs=reqs, uniform_token_count=length,
+                         num_active_loras=loras, max_query_len=length, num_ubatches=ubatch)
         if kind == "varlen_decode":
             lens = draw(st.lists(st.integers(1, q), min_size=1, max_size=cfg.max_num_reqs))
             uniform = lens[0] if len(set(lens)) == 1 else None

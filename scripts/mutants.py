@@ -497,6 +497,19 @@ MUTANTS: list[Mutant] = [
            "an in-place transpose_ is replayed as a step: replay fails on shapes"),
     Mutant("emulate-steps-not-frozen", EM, "            step.swap(lambda value: frozen if value is t else value)",
            "            pass", CAPTURABILITY, "steps before an in-place shape change read the tensor as it ends"),
+    # -- issue #28: a uniform decode graph for every query length -------------------------------------
+    Mutant("plan-one-query-length", CP, "                for q in cfg.query_lens:",
+           "                for q in (cfg.decode_query_len,):", ("tests/test_plan_reference.py",),
+           "decode_query_lens are ignored: shorter decode batches get no graph of their own"),
+    Mutant("config-lengths-unbounded", "pytest_cudagraph/plan/config.py",
+           "            above = [q for q in lens if q > decode_query_len]", "            above = []",
+           ("tests/test_plan_validation.py",), "a query length above decode_query_len is accepted"),
+    Mutant("suite-capture-path-unnamed", S, "        cause = _capture_path(ctx, inputs, batch, state0)",
+           '        cause = ""', (pair("PlannedPerRequestCount"),),
+           "a module that computes something else under capture is blamed on the padded batch size"),
+    Mutant("layout-probe-beyond-requests", L, "if t <= max_tokens and r <= max_reqs and t > r]",
+           "if t <= max_tokens and t > r]", ("tests/test_manager_rows.py",),
+           "the output probe runs the module with more requests than the plan holds (a device assert on a GPU)"),
 ]
 
 

@@ -21,14 +21,16 @@ from examples.buggy.input_mutation import CopiesInput, MutatesInput
 from examples.buggy.output_alias import ReturnsStatsBuffer, ReturnsStatsCopy
 from examples.buggy.padding_leak import MaskByMultiply, MaskBySelect, PoolsPaddedRows
 from examples.buggy.python_state import BufferCounter, PythonCounter
+from examples.buggy.query_len import PlannedPerGraph, PlannedPerRequestCount
 from examples.buggy.rebound_buffer import RebindsBuffer, UpdatesBufferInPlace
 from examples.buggy.reseed import DrawsNoise, ReseedsInForward
 from examples.buggy.side_output import ReturnsHidden, StoresHidden
 from examples.buggy.stale_cache import IdentityMemo, NoMemo
 from examples.buggy.uninitialized import SplitKIntoEmpty, SplitKIntoWritten
 from examples.buggy.unregistered_state import RegisteredState, UnregisteredState
+from examples.speculative import spec_inputs
 
-__all__ = ["PAIRS", "D", "IdentityMemo", "NoMemo", "Pair", "PythonCounter", "id_inputs", "token_inputs"]
+__all__ = ["PAIRS", "D", "IdentityMemo", "NoMemo", "Pair", "PythonCounter", "id_inputs", "spec_inputs", "token_inputs"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Pair:
         return INPUTS[self.inputs](device)
 
 
-INPUTS = {"token_inputs": token_inputs, "id_inputs": id_inputs}
+INPUTS = {"token_inputs": token_inputs, "id_inputs": id_inputs, "spec_inputs": spec_inputs}
 
 
 PAIRS = [
@@ -57,6 +59,10 @@ PAIRS = [
          r"aten\._linalg_check_errors\.default \(a CUDA graph capture refuses it"),
     Pair("replay_matches_eager", PythonCounter, BufferCounter, r"Python state changes on every forward \(calls:"),
     Pair("fresh_inputs", IdentityMemo, NoMemo, r"with fresh inputs after capture, replay differs from eager"),
+    # Speculative decoding: metadata planned per request count, shared by graphs of several query lengths.
+    Pair("real_batches", PlannedPerRequestCount, PlannedPerGraph, r"the module computes something else when it is "
+         r"captured: on the unpadded batch itself, eager on its capture path",
+         {"mode": "FULL_DECODE_ONLY", "decode_query_len": 4, "decode_query_lens": (1, 2, 3, 4)}, "spec_inputs"),
     Pair("real_batches", BatchStatistics, TokenStatistics,
          r"real rows (are off systematically|differ from eager on the unpadded batch by)"),
     # Integer rows of padding: ids a router counts (hash-routed expert loads).

@@ -72,6 +72,31 @@ def test_every_property_holds_and_dispatch_equals_brute_force(config: CaptureCon
         assert check_dispatch(plan, batch) == brute_force(plan, batch)
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=capture_configs(modes=["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"], varlen=False, speculative=True),
+       data=st.data())
+def test_a_speculative_decode_batch_is_served_by_the_graph_of_its_own_length_or_says_why_not(
+        config: CaptureConfig, data: st.DataObject) -> None:
+    from pytest_cudagraph.plan.trace import fallback_reason
+
+    plan = CapturePlan(config)
+    for _ in range(10):
+        batch = data.draw(batches(plan, kinds=("uniform_decode",)), label="batch")
+        desc = plan.dispatch_batch(batch)
+        if desc.uniform_token_count is not None:
+            assert desc.uniform_token_count == batch.uniform_token_count
+            continue
+        # Not its own length's graph: none of the graphs dispatch may try for its tokens serves it.
+        loras = plan.effective_loras(batch.num_active_loras)
+        assert not any(
+            d.uniform_token_count == batch.uniform_token_count and d.is_compatible(
+                num_reqs=batch.num_reqs, num_tokens=batch.num_tokens, uniform_token_count=batch.uniform_token_count,
+                num_active_loras=loras, max_query_len=batch.max_query_len, num_ubatches=batch.num_ubatches)
+            for d in plan.candidates(batch.num_tokens, batch.num_active_loras))
+        if desc.mode is NONE:
+            assert fallback_reason(plan, batch)
+
+
 @given(config=capture_configs(max_sizes=4, max_size=16), batch=invalid_batches(max_tokens=16))
 def test_invalid_batches_raise_value_error(config: CaptureConfig, batch: Batch) -> None:
     plan = CapturePlan(config)
@@ -216,7 +241,8 @@ BROKEN: list[tuple[str, str, Any, dict[str, Any]]] = [
     ("off_by_one", "soundness", OffByOne, {}),
     ("lora_clamp_removed", "lora", NoLoraClamp, {"lora": True}),
     ("uniform_decode_served_to_mixed", "uniform_decode", uniform_to_mixed, {"varlen": False}),
-    ("varlen_decode_served_to_prefill", "varlen_decode", varlen_to_prefill, {"varlen": True}),
+    # Query lengths are no part of varlen decode (a varlen graph takes 1..q a request): not drawn.
+    ("varlen_decode_served_to_prefill", "varlen_decode", varlen_to_prefill, {"varlen": True, "speculative": False}),
     ("piecewise_before_full", "minimal_padding", piecewise_first, {}),
     ("over_pads", "minimal_padding", over_pads, {}),
     ("over_pads_odd_counts", "monotonicity", over_pads_odd, {}),
@@ -307,6 +333,7 @@ def test_unknown_property_names_are_rejected() -> None:
         (lambda: capture_configs(modes=["FAST"]), r"mode must be a GraphMode or one of"),
         (lambda: capture_configs(varlen="yes"), r"varlen must be True, False or None"),
         (lambda: capture_configs(lora=1), r"lora must be True, False or None"),
+        (lambda: capture_configs(speculative="yes"), r"speculative must be True, False or None"),
         (lambda: batches("plan"), r"batches needs a CapturePlan; got str"),  # type: ignore[arg-type]
         (lambda: batches(CapturePlan(CaptureConfig(capture_sizes=[1], max_num_reqs=1)), kinds=["prefill"]),
          r"kinds must be a non-empty subset of"),
@@ -333,7 +360,8 @@ def test_batches_draw_every_kind_validly(data: st.DataObject) -> None:
         batch = data.draw(batches(plan, kinds=[kind]))
         assert invalid_reason(batch) is None
         if kind == "uniform_decode":
-            assert batch.uniform_token_count == 2 and batch.num_tokens == 2 * batch.num_reqs
+            u = batch.uniform_token_count
+            assert u is not None and 1 <= u <= 2 and batch.num_tokens == u * batch.num_reqs
         if kind == "varlen_decode":
             assert batch.max_query_len is not None and batch.max_query_len <= 2
         if kind == "oversize":

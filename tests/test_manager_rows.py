@@ -106,3 +106,29 @@ def test_probes_must_agree_with_the_largest_batch() -> None:
                                          r"num_tokens = 16"):
         GraphManager(nn.Linear(D, D), grows_one_row_too_many,
                      CaptureConfig(capture_sizes=(16,), max_num_reqs=4, mode="FULL"), backend="emulate")
+
+
+def test_the_output_probe_never_runs_the_module_beyond_the_plans_bounds() -> None:
+    """A module need not run beyond max_num_reqs (a slot table of that many rows): on a GPU an
+    index out of range is a device-side assert that ends the CUDA context, not an exception."""
+    from pytest_cudagraph import verify
+
+    seen: list[tuple[int, int]] = []
+
+    class Slots(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("slots", torch.randn(4, 8))
+
+        def forward(self, x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+            seen.append((x.shape[0], starts.shape[0]))
+            return x * 2 + 0 * self.slots[starts].sum()  # a request's slot: out of range beyond 4 requests
+
+    def make_inputs(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.randn(num_tokens, 8), "starts": torch.arange(num_reqs)}
+
+    # Room for 11 tokens, not for 5 requests.
+    report = verify(Slots(), make_inputs, capture_sizes=(1, 2, 4, 8, 16), max_num_reqs=4, backend="emulate")
+    assert report.ok, report.format()
+    # Batches larger than every graph run eagerly (an engine's are), but never more requests than it holds.
+    assert seen and max(r for _, r in seen) <= 4, sorted(set(seen))

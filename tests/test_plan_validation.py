@@ -66,6 +66,11 @@ INVALID_CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("ubatch-min-zero", "ubatch_min_tokens", {"ubatch_min_tokens": 0}),
     ("ubatch-min-bool", "ubatch_min_tokens", {"ubatch_min_tokens": True}),
     ("ubatch-min-float", "ubatch_min_tokens", {"ubatch_min_tokens": 1.5}),
+    ("dqls-empty", "decode_query_lens", {"decode_query_lens": ()}),
+    ("dqls-zero", "decode_query_lens", {"decode_query_lens": (0, 1)}),
+    ("dqls-above-dql", "decode_query_lens", {"decode_query_len": 2, "decode_query_lens": (1, 3)}),
+    ("dqls-float", "decode_query_lens", {"decode_query_lens": (1.0,)}),
+    ("dqls-str", "decode_query_lens", {"decode_query_lens": "12"}),
 ]
 
 
@@ -324,3 +329,15 @@ def test_many_distinct_batches_stay_correct() -> None:
         else:
             assert got == BatchDescriptor(GraphMode.NONE, n, num_reqs=1)
     assert plan.dispatch(num_reqs=1, num_tokens=3) == BatchDescriptor(GraphMode.FULL, 4, num_reqs=4)
+
+
+def test_query_lengths_default_to_decode_query_len_and_follow_it() -> None:
+    config = CaptureConfig(**BASE, decode_query_len=3)
+    assert config.decode_query_lens == (3,)
+    assert config.replace(decode_query_len=5).decode_query_lens == (5,)
+    spec = CaptureConfig(**BASE, decode_query_len=4, decode_query_lens=[4, 1, 2, 2])
+    assert spec.decode_query_lens == (1, 2, 4)  # sorted, repeats dropped
+    assert spec.replace(decode_query_len=6).decode_query_lens == (1, 2, 4)  # given lengths stay
+    assert spec.to_dict()["decode_query_lens"] == [1, 2, 4]
+    with pytest.raises(ValueError, match=r"between 1 and decode_query_len \(4, .*got 5\. Raise decode_query_len to 5"):
+        CaptureConfig(**BASE, decode_query_len=4, decode_query_lens=(1, 5))

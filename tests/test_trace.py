@@ -411,3 +411,33 @@ def test_no_ladder_when_no_batch_can_be_graphed_and_a_bom_is_no_field(tmp_path: 
     broken.write_bytes(gzip.compress(b'{"num_tokens": 1, "num_reqs": 1}\n' * 50)[:-12] + b"garbage!")
     with pytest.raises(TraceError, match="cannot be read"):
         read_trace(broken)
+
+
+SPEC_TRACE = Path(__file__).resolve().parents[1] / "examples" / "speculative_trace.csv"
+
+
+def test_the_plan_command_takes_several_decode_query_lengths(capsys: pytest.CaptureFixture[str]) -> None:
+    base = [str(SPEC_TRACE), "--capture-sizes", "1,2,4,8", "--max-num-reqs", "4", "--decode-query-len", "4"]
+    assert main(base) == 0
+    one = capsys.readouterr().out
+    assert main([*base, "--decode-query-lens", "1,2,3,4"]) == 0
+    several = capsys.readouterr().out
+    assert "(lengths [1, 2, 3, 4]), 14 graphs" in several and "6 graphs" in one
+
+    def full(out: str) -> int:
+        return int(next(line for line in out.splitlines() if line.strip().startswith("FULL")).split()[1])
+
+    # Decode batches of shorter lengths now replay their own FULL graphs instead of PIECEWISE ones.
+    assert full(several) > full(one)
+    assert main([*base, "--decode-query-lens", "1,5"]) == 2
+    assert "decode_query_lens must hold query lengths between 1 and decode_query_len (4" in capsys.readouterr().err
+
+
+def test_a_decode_batch_of_a_length_not_captured_says_which_lengths_are() -> None:
+    plan = CapturePlan(CaptureConfig(capture_sizes=(2, 4), max_num_reqs=2, mode="FULL_DECODE_ONLY",
+                                     decode_query_len=4, decode_query_lens=(2, 4)))
+    reason = fallback_reason(plan, Batch(num_tokens=3, num_reqs=1, uniform_token_count=3, max_query_len=3))
+    assert reason == ("a uniform decode batch of 3 tokens a request, a length the plan captures no decode graph "
+                      "for (decode_query_lens [2, 4])")
+    # A length it captures is served by its own graph.
+    assert plan.dispatch_batch(Batch(num_tokens=4, num_reqs=2, uniform_token_count=2, max_query_len=2)).is_graphed

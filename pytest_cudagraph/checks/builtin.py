@@ -80,7 +80,9 @@ BUILTIN = CheckRegistry([
                  "`batch_invariant=True`); both figures are reported",
         catches="computations that depend on the padded batch size: statistics over the whole batch, padded "
                 "rows included; a Python branch on the token count, or a scale computed from it, down to a few "
-                "percent on bf16 logits; outputs cut wrongly",
+                "percent on bf16 logits; outputs cut wrongly; a module that computes something else when it is "
+                "captured (attention metadata planned per request count and shared by decode graphs of several "
+                "query lengths), named as such when eager on its capture path differs from eager as users run it",
         applies="no real batch dispatches to the descriptor; the module draws random numbers, told by its use "
                 "of a generator (the `rng` check covers them)",
     ),

@@ -19,7 +19,7 @@ from ..guard import ModuleTracker, Violation, find_violations
 from ..manager.capture import MODULE_INTERNALS
 from ..plan import Batch, BatchDescriptor, GraphMode
 from .compare import Difference, first_difference, leaves
-from .context import VerifyContext, clone_tree, python_values
+from .context import Snapshot, VerifyContext, clone_tree, python_values
 from .divergence import locate_divergence
 from .floor import Verdict, across_shapes
 from .report import Finding, Outcome
@@ -376,9 +376,31 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=True) \
             if diff is not None and diff.index is not None else (None, None)
         finding = _finding(diff, batch, submodule, segment) if diff is not None else Finding(real_batch=batch.shape())
-        return Outcome("real_batches", desc, False, f"{verdict.why}{_batch_norm_hint(ctx)}{_python_hint(ctx)}",
+        cause = _capture_path(ctx, inputs, batch, state0)
+        why = f"{cause}. What the check saw: {verdict.why}" if cause else verdict.why
+        return Outcome("real_batches", desc, False, f"{why}{_batch_norm_hint(ctx)}{_python_hint(ctx)}",
                        finding, figures={**totals, **verdict.figures})
     return Outcome("real_batches", desc, True, figures=totals)
+
+
+def _capture_path(ctx: VerifyContext, inputs: dict[str, Any], batch: Batch, state0: Snapshot) -> str:
+    """Why real rows differ when the module computes something else under capture: on the unpadded
+    batch itself, eager on its capture path against eager as users run it, beyond the tolerance
+    (``""`` when they agree: then the padding, not the path, is the likelier cause)."""
+    runs = []
+    for captured_path in (True, False):
+        ctx.restore(state0)
+        ctx.seed_all(ctx.seed)
+        runs.append(ctx.eager_real(clone_tree(inputs), batch, captured_path=captured_path))
+    ctx.restore(state0)
+    diff = first_difference(runs[0], runs[1], rtol=ctx.rtol, atol=ctx.atol)
+    if diff is None:
+        return ""
+    return ("the module computes something else when it is captured: on the unpadded batch itself, eager on its "
+            "capture path (torch.cuda.is_current_stream_capturing() answering True) differs from eager as users "
+            f"run it ({_where(diff)}), and a graph replays what its capture computed. Look for a branch on "
+            "capturing, or state kept for captures (metadata planned per request count or per token count, "
+            "shared by graphs of several query lengths)")
 
 
 def _python_hint(ctx: VerifyContext) -> str:

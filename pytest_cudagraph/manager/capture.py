@@ -36,7 +36,7 @@ from ..guard import CaptureGuard, ModuleTracker, Violation, find_violations, hos
 from ..observe import ForwardObserver, restoring
 from ..plan import BatchDescriptor, GraphMode
 from . import tree
-from .layout import PROBES, CountKind, MakeInputsError, call_make_inputs
+from .layout import CountKind, MakeInputsError, call_make_inputs, forward_probes
 from .pieces import EagerPieceError, EagerSpec, capture_in_pieces, piece_of, resolve_eager_submodules
 from .runtime import Entry, OutCut, RuntimePart
 
@@ -592,11 +592,14 @@ class CapturePart(RuntimePart):
         (a flattened ``2 * T``) cannot be cut to the real batch: ValueError.
         """
         outputs = []
+        probes = forward_probes(self.plan.config.largest_capture_size, self.plan.config.max_num_reqs)
+        if probes is None:
+            return None
         try:
             # make_inputs outside the observed forwards: what it draws is not the module's randomness.
-            made = [self.eager_kwargs(call_make_inputs(self._make_inputs, t, r), t) for t, r in PROBES]
+            made = [self.eager_kwargs(call_make_inputs(self._make_inputs, t, r), t) for t, r in probes]
             with restoring(self.observer):
-                for (num_tokens, num_reqs), kwargs in zip(PROBES, made, strict=True):
+                for (num_tokens, num_reqs), kwargs in zip(probes, made, strict=True):
                     marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
                     with torch.no_grad(), running(marker):
                         outputs.append(tree.flatten_with_paths(self.module(**kwargs)))
@@ -605,7 +608,7 @@ class CapturePart(RuntimePart):
         first, second = outputs
         if [p for p, _ in first] != [p for p, _ in second]:
             return None
-        (t1, r1), (t2, r2) = PROBES
+        (t1, r1), (t2, r2) = probes
         kinds: list[OutCut] = []
         for (path, a), (_, b) in zip(first, second, strict=True):
             if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or (a.dim() == 0 and b.dim() == 0):

@@ -24,8 +24,17 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["PROBES", "BatchDim", "InputSpec", "MakeInputsError", "call_make_inputs", "infer_layout",
-           "not_a_module", "padded_inputs"]
+__all__ = [
+    "PROBES",
+    "BatchDim",
+    "InputSpec",
+    "MakeInputsError",
+    "call_make_inputs",
+    "forward_probes",
+    "infer_layout",
+    "not_a_module",
+    "padded_inputs",
+]
 
 # "multi": several dimensions follow the batch (see InputSpec.dims); code
 # that slices rows of "tokens" and "reqs" inputs leaves it alone.
@@ -39,6 +48,26 @@ BatchDim = tuple[int, CountKind, int]
 # Two probe shapes: different token and request counts, none equal to another,
 # so ``tokens + c``, ``reqs + c`` and "fixed" cannot be confused.
 PROBES = ((7, 3), (11, 5))
+
+# Shapes the output probe may run the module at, in order of preference: the two
+# above first, then smaller ones for small plans.
+_FORWARD_PROBES = ((7, 3), (11, 5), (5, 2), (6, 4), (5, 4), (3, 2), (4, 3), (3, 1), (2, 1), (5, 3))
+
+
+def forward_probes(max_tokens: int, max_reqs: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """Two batch shapes, within the plan's bounds, at which the module's outputs tell a per-token
+    dimension from a per-request one: different token counts, different request counts, never as
+    many tokens as requests, and not in proportion. None when the plan is too small to hold two.
+
+    Within the bounds because a module need not run beyond them (a slot table of ``max_num_reqs``
+    rows), and on a GPU an index out of range is a device-side assert that ends the process's
+    CUDA context, not an exception to catch."""
+    fit = [(t, r) for t, r in _FORWARD_PROBES if t <= max_tokens and r <= max_reqs and t > r]
+    for i, (t1, r1) in enumerate(fit):
+        for t2, r2 in fit[i + 1:]:
+            if t1 != t2 and r1 != r2 and t1 * r2 != t2 * r1:
+                return (t1, r1), (t2, r2)
+    return None
 
 _COUNT_NAME = {"tokens": "num_tokens", "reqs": "num_reqs"}
 

@@ -129,20 +129,24 @@ class CapturePlan:
                     unique=False,
                 )
             elif uniform:
-                # Uniform decode: every request has exactly decode_query_len
-                # tokens, so the size is rounded up to a whole number of them.
-                tokens = _round_up(num_tokens, cfg.decode_query_len)
-                reqs = tokens // cfg.decode_query_len
-                if (
-                    tokens <= max_decode_tokens
-                    and tokens <= cfg.max_capture_size  # type: ignore[operator]
-                    and reqs <= cfg.max_num_reqs
-                ):
+                # Uniform decode: every request has exactly q tokens, so the
+                # size is rounded up to a whole number of them; one graph per
+                # query length the scheduler may use (dynamic speculative
+                # decoding), each bounded as the longest is.
+                for q in cfg.query_lens:
+                    tokens = _round_up(num_tokens, q)
+                    reqs = tokens // q
+                    if (
+                        tokens > max_decode_tokens
+                        or tokens > cfg.max_capture_size  # type: ignore[operator]
+                        or reqs > cfg.max_num_reqs
+                    ):
+                        continue
                     desc = BatchDescriptor(
                         mode=decode_mode,
                         num_tokens=tokens,
                         num_reqs=reqs,
-                        uniform_token_count=cfg.decode_query_len,
+                        uniform_token_count=q,
                         num_active_loras=loras,
                     )
                     add(desc, unique=True)

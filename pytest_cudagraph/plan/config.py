@@ -77,6 +77,12 @@ class CaptureConfig:
     decode graphs that take any mix of 1..``decode_query_len`` tokens per
     request instead of exactly ``decode_query_len``; ``max_capture_size``
     bounds uniform decode graphs (default: the largest capture size).
+    ``decode_query_lens`` are the query lengths uniform decode graphs are
+    captured for under dynamic speculative decoding (the scheduler picks fewer
+    draft tokens for larger batches): each between 1 and ``decode_query_len``,
+    default ``(decode_query_len,)``; graphs of one token count and several
+    lengths share that count's dispatch range, and a batch is served by the
+    graph of its own ``uniform_token_count``.
     ``num_ubatches`` > 1 adds, for each FULL graph of at least
     ``ubatch_min_tokens`` tokens whose tokens split evenly over its requests, a
     twin captured for a batch split into that many microbatches (vLLM's DBO).
@@ -91,6 +97,8 @@ class CaptureConfig:
     max_capture_size: int | None = None
     num_ubatches: int = 1
     ubatch_min_tokens: int = 1
+    #: None as given means ``(decode_query_len,)``; stored resolved, smallest first.
+    decode_query_lens: tuple[int, ...] | None = None
     _sorted_sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __init__(
@@ -105,6 +113,7 @@ class CaptureConfig:
         max_capture_size: int | None = None,
         num_ubatches: int = 1,
         ubatch_min_tokens: int = 1,
+        decode_query_lens: Iterable[int] | None = None,
     ) -> None:
         sizes = _int_tuple("capture_sizes", capture_sizes, minimum=1, maximum=MAX_CAPTURE_TOKENS)
         if not sizes:
@@ -142,6 +151,20 @@ class CaptureConfig:
         _check_at_most("num_ubatches", num_ubatches, MAX_CAPTURE_TOKENS, "microbatches of one batch")
         if not _is_int(ubatch_min_tokens) or ubatch_min_tokens < 1:
             raise ValueError(f"ubatch_min_tokens must be an integer >= 1; got {ubatch_min_tokens!r}")
+        if decode_query_lens is None:
+            lens: tuple[int, ...] = (decode_query_len,)
+        else:
+            lens = _int_tuple("decode_query_lens", decode_query_lens, minimum=1, maximum=MAX_CAPTURE_TOKENS)
+            if not lens:
+                raise ValueError(f"decode_query_lens must name at least one query length, e.g. "
+                                 f"({decode_query_len},); leave it out for decode_query_len alone")
+            above = [q for q in lens if q > decode_query_len]
+            if above:
+                raise ValueError(
+                    f"decode_query_lens must hold query lengths between 1 and decode_query_len ({decode_query_len}, "
+                    f"the longest: 1 + the most speculative tokens); got {above[0]}. Raise decode_query_len to "
+                    f"{max(lens)}, or drop {above[0]}")
+            lens = tuple(sorted(lens))
         set_ = object.__setattr__
         set_(self, "capture_sizes", sizes)
         set_(self, "max_num_reqs", max_num_reqs)
@@ -152,12 +175,18 @@ class CaptureConfig:
         set_(self, "max_capture_size", max_capture_size)
         set_(self, "num_ubatches", num_ubatches)
         set_(self, "ubatch_min_tokens", ubatch_min_tokens)
+        set_(self, "decode_query_lens", lens)
         set_(self, "_sorted_sizes", tuple(sorted(sizes)))
 
     @property
     def sorted_capture_sizes(self) -> tuple[int, ...]:
         """Capture sizes, smallest first."""
         return self._sorted_sizes
+
+    @property
+    def query_lens(self) -> tuple[int, ...]:
+        """``decode_query_lens`` as resolved: the uniform decode query lengths, smallest first."""
+        return self.decode_query_lens or (self.decode_query_len,)
 
     @property
     def largest_capture_size(self) -> int:
@@ -191,6 +220,10 @@ class CaptureConfig:
         if "capture_sizes" in changes and "max_capture_size" not in changes:
             # The bound followed the old sizes; let it follow the new ones.
             current["max_capture_size"] = None
+        if ("decode_query_len" in changes and "decode_query_lens" not in changes
+                and current["decode_query_lens"] == (self.decode_query_len,)):
+            # The lengths were the default, decode_query_len alone: they follow it.
+            current["decode_query_lens"] = None
         current.update(changes)
         return CaptureConfig(**current)  # type: ignore[arg-type]
 

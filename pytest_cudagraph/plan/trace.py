@@ -271,8 +271,11 @@ def fallback_reason(plan: CapturePlan, batch: Batch) -> str:
         return "the plan captures no graphs (mode NONE)"
     q = cfg.decode_query_len
     decode = (batch.max_query_len is not None and batch.max_query_len <= q) if cfg.varlen_decode \
-        else batch.uniform_token_count == q
+        else batch.uniform_token_count in cfg.query_lens
     if cfg.mode is GraphMode.FULL_DECODE_ONLY and not decode:
+        if not cfg.varlen_decode and batch.uniform_token_count is not None:
+            return (f"a uniform decode batch of {batch.uniform_token_count} tokens a request, a length the plan "
+                    f"captures no decode graph for (decode_query_lens {list(cfg.query_lens)})")
         return "a mixed batch: FULL_DECODE_ONLY runs mixed batches eagerly"
     loras = plan.effective_loras(batch.num_active_loras)
     same_case = [d for d in plan.descriptors if d.num_active_loras == loras]
@@ -285,8 +288,12 @@ def fallback_reason(plan: CapturePlan, batch: Batch) -> str:
     reasons = []
     for desc in candidates:
         if desc.uniform_token_count is not None and desc.uniform_token_count != batch.uniform_token_count:
-            reasons.append(f"not a uniform decode batch of {desc.uniform_token_count} tokens a request, which is "
-                           f"all the {desc.mode.name} decode graphs serve")
+            lens = cfg.query_lens
+            served = (f"{desc.uniform_token_count} tokens a request, which is all the {desc.mode.name} decode "
+                      "graphs serve") if len(lens) == 1 else (
+                      f"{' or '.join(map(str, lens))} tokens a request (decode_query_lens), which is all the "
+                      f"{desc.mode.name} decode graphs serve, each the batches of its own length")
+            reasons.append(f"not a uniform decode batch of {served}")
         elif desc.max_query_len is not None and (batch.max_query_len is None
                                                  or batch.max_query_len > desc.max_query_len):
             reasons.append(f"a request of more than {desc.max_query_len} tokens (or an unknown max_query_len: a "
@@ -519,8 +526,10 @@ def suggest(config: CaptureConfig, trace: Trace | Mapping[Batch, int], max_graph
     if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
         raise ValueError(f"max_graphs must be an integer >= 1; got {max_graphs!r}")
     q = config.decode_query_len
+    # With several query lengths no one step makes every decode graph exact: sizes stay as observed
+    # (each uniform batch's token count is already a multiple of its own length).
     rounded = config.mode.separate_routine() and bool(config.mode.decode_mode()) and not config.varlen_decode \
-        and q > 1
+        and q > 1 and config.query_lens == (q,)
     step = q if rounded else 1
 
     def size_of(tokens: int) -> int:
