@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .plan import CaptureConfig, CapturePlan, GraphMode
-from .plan.trace import Analysis, Trace, TraceError, analyse, read_trace, suggest
+from .plan.trace import Analysis, Trace, TraceError, analyse, assumed, read_trace, suggest
 from .units import format_bytes
 
 __all__ = ["DEFAULT_CAPTURE_SIZES", "main"]
@@ -222,7 +222,7 @@ def _plot(path: Path, before: Analysis, after: Analysis | None, title: str) -> N
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("cudagraph-plan: error: --plot needs matplotlib: pip install 'pytest-cudagraph[plot]'") from None
+        raise SystemExit("cudagraph-plan: error: --plot needs matplotlib: pip install matplotlib") from None
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for analysis, label in ((before, "current"), (after, "suggested")):
         if analysis is None:
@@ -246,6 +246,12 @@ def _plot(path: Path, before: Analysis, after: Analysis | None, title: str) -> N
 # -- main ---------------------------------------------------------------------------
 
 
+def _writable(path: Path, option: str) -> None:
+    """A usage error, not a traceback, when an output's folder does not exist."""
+    if not path.parent.is_dir():
+        raise ValueError(f"{option} {path}: the folder {path.parent} does not exist; create it first")
+
+
 def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, Any]:
     """Everything ``main`` does but parsing and exiting: prints with ``out`` and returns the JSON document."""
     trace: Trace = read_trace(args.trace, skip_bad=args.skip_bad_lines)
@@ -263,6 +269,10 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
         out(f"  skipped {len(trace.skipped):,} bad line(s): {shown}{' ...' if len(trace.skipped) > 5 else ''}")
     if trace.ignored_fields:
         out(f"  ignored fields: {', '.join(trace.ignored_fields)}")
+    if trace.missing_fields:
+        out(f"  fields not found: {', '.join(trace.missing_fields)}; assumed:")
+        for line in assumed(config, trace.missing_fields):
+            out(f"    {line}")
     defaults = " (the trace's most)" if args.max_num_reqs is None else ""
     out(f"plan: {config.mode.name}, {len(config.capture_sizes)} capture sizes "
         f"{min(config.capture_sizes)}..{max(config.capture_sizes)}{' (default ladder)' if args.capture_sizes is None else ''}, "
@@ -327,10 +337,15 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
                                   for m, ld in by_mode.items()},
         })
     if args.plot is not None:
+        _writable(args.plot, "--plot")
         _plot(args.plot, before, after, f"{Path(trace.path).name}: {config.mode.name}")
         out(f"\nplot written to {args.plot}")
     if args.json is not None:
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        _writable(args.json, "--json")
+        try:
+            args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        except OSError as exc:
+            raise ValueError(f"cannot write {args.json} (--json): {exc.strerror or exc}") from None
         out(f"JSON written to {args.json}")
     return doc
 

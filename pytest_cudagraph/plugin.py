@@ -263,7 +263,11 @@ _THREADS_KEY = pytest.StashKey["str | None"]()
 
 def pytest_report_header(config: pytest.Config) -> str:
     run = _state(config).settings
-    line = pytest_report.header_line(run, settings.concrete_backend(run.backend))
+    # "auto" is resolved (torch.cuda.is_available()) only where torch is wanted anyway: a run
+    # that verifies, names its devices, or has imported torch; a suite that never uses the plugin
+    # pays no torch import for its header.
+    wanted = "torch" in sys.modules or run.verify or run.devices is not None
+    line = pytest_report.header_line(run, settings.concrete_backend(run.backend) if wanted else None)
     threads = config.stash.get(_THREADS_KEY, None)
     return f"{line}, {threads}" if threads else line
 
@@ -295,16 +299,37 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("_cudagraph_slice", labels, indirect=True, ids=labels)
 
 
+_TORCH_READY_KEY = pytest.StashKey[bool]()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     # torch's intra-op threads: the cores divided among xdist workers, unless
     # the user chose (OMP_NUM_THREADS, MKL_NUM_THREADS, PYTEST_CUDAGRAPH_THREADS).
+    # Planned now for the header; applied (with the worker's device) once torch
+    # is there: a suite that never imports torch never pays for its import.
+    from .threads import thread_plan
+
+    session.config.stash[_THREADS_KEY] = thread_plan(session.config)[1]
+    # --cudagraph-devices asks for GPUs: checked here, where a bad one can stop the run.
+    if "torch" in sys.modules or _state(session.config).settings.devices is not None:
+        _torch_ready(session.config)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if "torch" in sys.modules:  # the tests' modules imported it: set it up before any test runs
+        _torch_ready(session.config)
+
+
+def _torch_ready(config: pytest.Config) -> None:
+    """Once a process: torch's threads, and each xdist worker's own GPU (gw<N> -> the N-th of
+    --cudagraph-devices, or of every visible device), so that "cuda" means that GPU for the
+    fixtures and the tests alike."""
+    if config.stash.get(_TORCH_READY_KEY, False):
+        return
+    config.stash[_TORCH_READY_KEY] = True
     from .threads import apply_threads
 
-    session.config.stash[_THREADS_KEY] = apply_threads(session.config)
-    # Each xdist worker takes its own GPU (gw<N> -> the N-th of
-    # --cudagraph-devices, or of every visible device), before any test runs,
-    # so that "cuda" means that GPU for the fixtures and the tests alike.
-    config = session.config
+    apply_threads(config)
     run = _state(config).settings
     worker = config.workerinput["workerid"] if hasattr(config, "workerinput") else None
     if (worker is None and run.devices is None) or run.backend == "emulate":
@@ -354,6 +379,10 @@ def _needs_cuda(item: pytest.Item) -> bool:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    # A test that imports torch only in its body, or only through this plugin's fixtures.
+    if not item.config.stash.get(_TORCH_READY_KEY, False) and (
+            "torch" in sys.modules or any(n.startswith("cudagraph") for n in getattr(item, "fixturenames", ()))):
+        _torch_ready(item.config)
     marker_error = item.stash.get(settings.MARKER_ERROR_KEY, None)
     if marker_error is not None:
         pytest.fail(marker_error, pytrace=False)

@@ -75,19 +75,25 @@ def worker_count(config: Any = None, env: Mapping[str, str] | None = None) -> in
     return 1
 
 
-def apply_threads(config: Any = None) -> str | None:
-    """Set torch's intra-op threads as ``plan_threads`` says, for the plugin
-    to call when a session that runs tests starts; a line for the header
-    (``"threads=1 (2 cores, 2 workers)"``), or None when the user chose.
-
-    Imports torch: call it only when tests will run (never for ``--help``).
-    """
+def thread_plan(config: Any = None) -> tuple[int | None, str | None]:
+    """The threads ``plan_threads`` gives this process, and a line for the header
+    (``"threads=1 (2 cores, 2 workers)"``); (None, None) when the user chose. No torch."""
     cores, workers = available_cores(), worker_count(config)
     threads = plan_threads(cores=cores, workers=workers, env=os.environ)
+    if threads is None:
+        return None, None
+    return threads, f"threads={threads} ({cores} core{'s' if cores != 1 else ''}, {workers} worker{'s' if workers != 1 else ''})"
+
+
+def apply_threads(config: Any = None) -> str | None:
+    """Set torch's intra-op threads as ``plan_threads`` says; the header line, or None when the
+    user chose. Imports torch: the plugin calls it once torch is there anyway (a suite that never
+    imports torch never pays for it)."""
+    threads, line = thread_plan(config)
     if threads is None:
         return None
     import torch
 
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    return f"threads={threads} ({cores} core{'s' if cores != 1 else ''}, {workers} worker{'s' if workers != 1 else ''})"
+    return line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -758,3 +759,23 @@ def test_report_accepts_an_absolute_path(inner: pytest.Pytester, tmp_path: Path)
     inner.makepyfile(test_rep=REPORT_TESTS)
     inner.runpytest("-k", "twice", f"--cudagraph-report={tmp_path / 'abs.json'}")
     assert json.loads((tmp_path / "abs.json").read_text())["tests"]
+
+
+def test_a_suite_that_does_not_use_the_plugin_never_imports_torch(pytester: pytest.Pytester,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading the plugin costs a suite that does not use it no torch import: not at start, not at
+    collection, not on an xdist worker, not for --help."""
+    isolate_plugins(monkeypatch)
+    pytester.makepyfile(test_plain="""
+        import sys
+
+        def test_torch_is_not_loaded():
+            assert "torch" not in sys.modules
+    """)
+    assert pytester.runpytest_subprocess("-p", "no:cacheprovider").ret == 0
+    assert pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "xdist", "-n", "2").ret == 0
+    done = subprocess.run([sys.executable, "-c", "import sys, pytest; pytest.main(['--help']); "
+                           "print('TORCH', 'torch' in sys.modules)"], capture_output=True, text=True,
+                          cwd=pytester.path, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+                                                  "PYTEST_PLUGINS": "pytest_cudagraph.plugin"})
+    assert "--cudagraph-verify" in done.stdout and done.stdout.strip().endswith("TORCH False"), done.stdout[-300:]

@@ -441,3 +441,22 @@ def test_a_decode_batch_of_a_length_not_captured_says_which_lengths_are() -> Non
                       "for (decode_query_lens [2, 4])")
     # A length it captures is served by its own graph.
     assert plan.dispatch_batch(Batch(num_tokens=4, num_reqs=2, uniform_token_count=2, max_query_len=2)).is_graphed
+
+
+def test_the_plan_command_says_which_fields_it_did_not_find_and_what_it_assumed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_tokens,num_reqs\n4,4\n8,8\n3,1\n")
+    assert main([str(trace), "--capture-sizes", "1,2,4,8"]) == 0
+    out = capsys.readouterr().out
+    assert "fields not found: uniform_token_count, max_query_len, num_active_loras; assumed:" in out
+    assert ("uniform_token_count: no batch is known to be a uniform decode batch; the FULL uniform decode graphs "
+            "serve none of them, and PIECEWISE graphs serve them as mixed batches") in out
+    assert read_trace(SPEC_TRACE).missing_fields == ("num_active_loras",)
+
+
+def test_an_output_into_a_missing_folder_is_a_message_with_exit_2(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(SPEC_TRACE), "--json", str(tmp_path / "nope" / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {tmp_path / 'nope' / 'p.json'}: the folder {tmp_path / 'nope'} does not exist" in err

@@ -71,7 +71,7 @@ def _plot(rows: list[Mapping[str, Any]], path: Path) -> Path | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:  # optional: pip install pytest-cudagraph[plot]
+    except ImportError:  # optional: matplotlib (the plot extra)
         return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
     # One line per test: parametrised tests of one module are separate series.

@@ -89,6 +89,7 @@ class Trace:
     counts: Mapping[Batch, int]
     skipped: tuple[BadLine, ...] = ()
     ignored_fields: tuple[str, ...] = ()  # columns or keys the trace has that a batch does not use
+    missing_fields: tuple[str, ...] = ()  # optional fields no line of the trace has (their default assumed)
 
     @property
     def batches(self) -> int:
@@ -211,7 +212,8 @@ def read_trace(path: str | Path, *, skip_bad: bool = False) -> Trace:
     Each line is one batch: ``num_tokens`` and ``num_reqs``, and optionally
     ``uniform_token_count``, ``max_query_len`` (empty or null: unknown, so
     possibly a prefill) and ``num_active_loras`` (default 0). Other fields
-    are ignored and listed in ``Trace.ignored_fields``. A ``.gz`` file is read
+    are ignored and listed in ``Trace.ignored_fields``; optional ones no line
+    has are listed in ``Trace.missing_fields``. A ``.gz`` file is read
     through gzip. A line that is not a batch raises ``TraceError`` naming every
     such line; ``skip_bad=True`` leaves them out instead, in ``Trace.skipped``.
     """
@@ -223,6 +225,7 @@ def read_trace(path: str | Path, *, skip_bad: bool = False) -> Trace:
     checked: dict[tuple[Any, ...], str | None] = {}
     bad: list[BadLine] = []
     ignored: set[str] = set()
+    present: set[str] = set()
     known = set(_FIELDS)
     try:
         kind = _format_of(p)
@@ -244,6 +247,7 @@ def read_trace(path: str | Path, *, skip_bad: bool = False) -> Trace:
                 if values not in checked:  # a trace repeats few shapes many times: check each once
                     checked[values] = _batch_reason(values)
                     ignored.update(k for k in row if k not in known)
+                    present.update(k for k, v in row.items() if v not in (None, ""))
                 reason = checked[values]
                 if reason is not None:
                     bad.append(BadLine(number, reason))
@@ -258,10 +262,32 @@ def read_trace(path: str | Path, *, skip_bad: bool = False) -> Trace:
         raise TraceError(name, "holds no batch" + (" that could be read" if bad else ""), bad)
     shapes = {Batch(num_tokens=t, num_reqs=r, uniform_token_count=u, max_query_len=q, num_active_loras=loras): n
               for (t, r, u, q, loras), n in counts.items()}
-    return Trace(name, shapes, tuple(bad), tuple(sorted(ignored)))
+    return Trace(name, shapes, tuple(bad), tuple(sorted(ignored)),
+                 tuple(f for f in OPTIONAL_FIELDS if f not in present))
 
 
 # -- dispatching a trace ----------------------------------------------------------
+
+
+def assumed(config: CaptureConfig, missing: Iterable[str]) -> list[str]:
+    """What a trace without some optional fields is taken to mean under ``config``, a line a field."""
+    mode = config.mode
+    separate = mode.separate_routine() and bool(mode.decode_mode())
+    mixed = mode.mixed_mode()
+    served = f"{mixed.name} graphs serve them as mixed batches" if mixed else "they run eagerly (no mixed graphs)"
+    lines = []
+    for name in missing:
+        if name == "uniform_token_count":
+            lines.append("uniform_token_count: no batch is known to be a uniform decode batch; " + (
+                f"the {mode.decode_mode().name} uniform decode graphs serve none of them, and {served}"
+                if separate and not config.varlen_decode else "this plan has no uniform decode graphs to miss"))
+        elif name == "max_query_len":
+            lines.append("max_query_len: every request may hold a prefill; " + (
+                f"the varlen decode graphs serve none of them, and {served}" if separate and config.varlen_decode
+                else "this plan has no varlen decode graphs to miss"))
+        elif name == "num_active_loras":
+            lines.append("num_active_loras: no adapter is active (0) in any batch")
+    return lines
 
 
 def fallback_reason(plan: CapturePlan, batch: Batch) -> str:
