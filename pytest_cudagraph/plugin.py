@@ -42,7 +42,9 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("cudagraph", "CUDA-graph verification (pytest-cudagraph)")
+    environment = "".join(f"\n  {name}: {what}" for name, what in ENVIRONMENT)
+    group = parser.getgroup("cudagraph", f"CUDA-graph verification (pytest-cudagraph). Environment:{environment}\n"
+                                         "Options")
     group.addoption(
         "--cudagraph-verify",
         action="store_true",
@@ -259,6 +261,16 @@ def _state(config: pytest.Config) -> pytest_report.RunState:
 
 
 _THREADS_KEY = pytest.StashKey["str | None"]()
+
+#: The environment variables the plugin reads, shown in --help (their homes import torch; these
+#: names are held equal to theirs by a test).
+ENVIRONMENT = (
+    ("PYTEST_CUDAGRAPH_THREADS", "torch intra-op threads of a test process (0: leave torch alone; default: the "
+                                 "cores shared among xdist workers, unless OMP_NUM_THREADS or MKL_NUM_THREADS is set)"),
+    ("PYTEST_CUDAGRAPH_CAPTURE", "checked or fast: the mode of every capture, over the default"),
+    ("PYTEST_CUDAGRAPH_MEMORY_CHECK", "0 skips the graph-memory estimate made before capturing"),
+    ("PYTEST_CUDAGRAPH_ISOLATED", "set by --cudagraph-isolate in its child processes (not for users to set)"),
+)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

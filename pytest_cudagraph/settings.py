@@ -232,7 +232,7 @@ def worker_device_index(worker: str | None, devices: tuple[int, ...] | None, cou
 def _ini_bool(config: pytest.Config, name: str) -> bool:
     try:
         return bool(config.getini(name))
-    except ValueError as exc:
+    except (ValueError, pytest.UsageError) as exc:  # pytest 9 raises UsageError, without the key
         raise pytest.UsageError(f"ini option {name}: expected true or false; {exc}") from None
 
 

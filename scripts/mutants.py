@@ -510,6 +510,9 @@ MUTANTS: list[Mutant] = [
     Mutant("layout-probe-beyond-requests", L, "if t <= max_tokens and r <= max_reqs and t > r]",
            "if t <= max_tokens and t > r]", ("tests/test_manager_rows.py",),
            "the output probe runs the module with more requests than the plan holds (a device assert on a GPU)"),
+    Mutant("settings-ini-bool-keyless", "pytest_cudagraph/settings.py",
+           "    except (ValueError, pytest.UsageError) as exc:  # pytest 9 raises UsageError, without the key",
+           "    except ValueError as exc:", ("tests/test_usage_errors.py",), "a bad ini boolean does not name its key"),
 ]
 
 

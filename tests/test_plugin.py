@@ -111,7 +111,9 @@ def test_help_shows_every_option_and_ini_twin(pytester: pytest.Pytester) -> None
     assert result.ret == 0
     result.stdout.fnmatch_lines(
         [
-            "CUDA-graph verification (pytest-cudagraph):",
+            "CUDA-graph verification (pytest-cudagraph). Environment:",
+            "  PYTEST_CUDAGRAPH_THREADS: *",
+            "Options:",
             "*--cudagraph-verify*",
             "*--cudagraph-backend=auto|cuda|emulate*",
             "*--cudagraph-sizes=1,2,4,...*",
@@ -779,3 +781,24 @@ def test_a_suite_that_does_not_use_the_plugin_never_imports_torch(pytester: pyte
                           cwd=pytester.path, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
                                                   "PYTEST_PLUGINS": "pytest_cudagraph.plugin"})
     assert "--cudagraph-verify" in done.stdout and done.stdout.strip().endswith("TORCH False"), done.stdout[-300:]
+
+
+def test_every_environment_variable_the_plugin_reads_is_in_help() -> None:
+    import re
+    from pathlib import Path
+
+    from pytest_cudagraph.backends.base import CAPTURE_ENV
+    from pytest_cudagraph.isolate import CHILD_ENV
+    from pytest_cudagraph.manager.estimate import CHECK_ENV
+    from pytest_cudagraph.plugin import ENVIRONMENT
+    from pytest_cudagraph.threads import THREADS_ENV
+
+    listed = {name for name, _ in ENVIRONMENT}
+    assert listed == {CAPTURE_ENV, CHILD_ENV, CHECK_ENV, THREADS_ENV}
+    package = Path(__file__).resolve().parents[1] / "pytest_cudagraph"
+    named = {m for p in package.rglob("*.py") for m in re.findall(r'"(PYTEST_CUDAGRAPH_[A-Z_]+)"', p.read_text())}
+    assert named <= listed, named - listed
+    done = subprocess.run([sys.executable, "-m", "pytest", "--help"], capture_output=True, text=True,
+                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+                               "PYTEST_PLUGINS": "pytest_cudagraph.plugin"})
+    assert all(f"  {name}: " in done.stdout for name in listed), done.stdout[-2000:]

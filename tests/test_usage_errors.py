@@ -307,3 +307,13 @@ def test_report_path_is_tried_not_guessed_from_permissions(inner: pytest.Pyteste
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: --cudagraph-report: cannot write /proc/cudagraph-nowhere/out.json *"])
     assert not (inner.path / "ran").exists()
+
+
+@pytest.mark.parametrize("key", ["cudagraph_verify", "cudagraph_isolate", "cudagraph_nonfinite_padding"])
+def test_a_bad_ini_boolean_names_its_key(inner: pytest.Pytester, key: str) -> None:
+    inner.makepyfile(NEVER_RUNS)
+    inner.makeini(f"[pytest]\n{key} = maybe\n")
+    result = inner.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: ini option {key}: expected true or false; *maybe*"])
+    assert not (inner.path / "ran").exists()
