@@ -79,6 +79,8 @@ class Table:
     cases: int
     #: overload name (``aten.linalg_inv_ex.default``) -> pattern -> verdict.
     ops: dict[str, dict[str, Verdict]] = field(repr=False)
+    #: What the guard derives per op from this table, memoised (see guard.CaptureGuard._decisive).
+    memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def source(self) -> str:

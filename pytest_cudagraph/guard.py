@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .capturability import REFUSED, Table, Verdict, load_table, pattern
+from .capturability import HELD, REFUSED, Table, Verdict, load_table, pattern
 from .observe import ForwardObserver
 
 __all__ = ["CaptureGuard", "GuardDispatchMode", "ModuleTracker", "Violation", "find_violations"]
@@ -309,6 +309,27 @@ def capturability_table() -> Table | None:
     return None if _TABLE_OFF else load_table()
 
 
+# Packets some rule of check_op looks at beyond the op itself (its arguments' devices, a boolean
+# index, an output_size, a written value).
+_RULED = frozenset(getattr(f, "overloadpacket", f) for f in _DATA_DEPENDENT) | {
+    aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_, aten.repeat_interleave, aten.lift_fresh,
+    aten.copy_, aten.where, aten._to_copy}
+
+
+def _decisive(table: Table, func: Any) -> bool:
+    """Whether the table's exact verdict can change what the rules say of ``func`` on a device: it
+    refuses some pattern, or knows one with a host tensor or a boolean mask, or a rule looks at
+    the op's arguments. Otherwise the pattern is not worth building on the capture's hot path:
+    an exact held verdict and the rules agree (the rules refuse only host tensors, masks and the
+    ops above). Memoised on the table."""
+    found = table.memo.get(func)
+    if found is None:
+        entry = table.ops.get(str(func), {})
+        found = table.memo[func] = getattr(func, "overloadpacket", None) in _RULED or any(
+            v.kind != HELD or "h" in p or "b" in p for p, v in entry.items())
+    return bool(found)
+
+
 def _on_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
@@ -441,7 +462,7 @@ class CaptureGuard:
             if _storage_key(value) in self.host_made:
                 return  # `t[mask] = 0.0` with a number made on the host: masked_fill_ on a GPU
         table = capturability_table()
-        if table is not None:
+        if table is not None and (self.by_provenance or _decisive(table, func)):
             learned = self._learned(table, func, args, kwargs, exact=True)
             if learned is not None:
                 # What a GPU did with this op and these kinds of arguments outranks the rules below,
