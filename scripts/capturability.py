@@ -218,17 +218,23 @@ def _cuda_case(fn: Any, sample: Any, variant: str, stream: torch.cuda.Stream) ->
         _recover(stream)
         return case
     if variant == "function":
-        try:
-            _refill(sample, 1)
-            graph.replay()
-            torch.cuda.synchronize()
-            got = _copy_out(out)
-            with torch.no_grad():
-                want = _copy_out(_call(fn, sample))
-            case["replay_ok"] = _same(got, want)
-        except Exception as exc:
-            case["replay_error"] = _first_line(exc)
+        case.update(_replayed(fn, sample, graph.replay, lambda: out, torch.cuda.synchronize))
     return case
+
+
+def _replayed(fn: Any, sample: Any, replay: Any, output: Any, synchronize: Any = None) -> dict[str, Any]:
+    """Replay on refilled inputs against eager on them: ``{"replay_ok": ...}`` or the error."""
+    try:
+        _refill(sample, 1)
+        replay()
+        if synchronize is not None:
+            synchronize()
+        got = _copy_out(output())
+        with torch.no_grad():
+            want = _copy_out(_call(fn, sample))
+        return {"replay_ok": _same(got, want)}
+    except Exception as exc:
+        return {"replay_error": _first_line(exc)}
 
 
 def _cpu_ops(fn: Any, sample: Any) -> list[tuple[str, str]] | None:
@@ -480,15 +486,7 @@ def _emulated_case(fn: Any, sample: Any, variant: str, use_table: bool, host: An
     case["captured"] = True
     case["not_known"] = sorted(tracker.not_known)
     if variant == "function":
-        try:
-            _refill(sample, 1)
-            graph.replay()
-            got = _copy_out(graph.output)
-            with torch.no_grad():
-                want = _copy_out(_call(fn, sample))
-            case["replay_ok"] = _same(got, want)
-        except Exception as exc:
-            case["replay_error"] = _first_line(exc)
+        case.update(_replayed(fn, sample, graph.replay, lambda: graph.output))
     return case
 
 
@@ -556,7 +554,6 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         _, _, start, stop, out, samples = sys.argv
-        os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "0")
         _worker(int(start), int(stop), Path(out), int(samples))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
