@@ -14,10 +14,11 @@ not known rather than passing it in silence.
 
 A pattern is one letter per tensor or Python number among the op's
 arguments, in order: ``T`` a tensor, ``0`` a 0-dim tensor, ``b`` a boolean
-tensor, ``s`` a Python number, ``h`` a host tensor (on a GPU a CPU tensor, on the
-emulator one made on the host inside the forward). It is what tells
-``masked_fill(mask, 0.5)`` from ``masked_fill(mask, tensor(0.5))`` and a
-boolean-mask ``index_put`` from an integer-index one.
+tensor, ``e`` an empty tensor, ``s`` a Python number, ``h`` a host tensor (on a
+GPU a CPU tensor, on the emulator one made on the host inside the forward). It
+is what tells ``masked_fill(mask, 0.5)`` from ``masked_fill(mask, tensor(0.5))``,
+a boolean-mask ``index_put`` from an integer-index one, and an empty matrix
+(for which CUDA's solvers return before they read anything back) from a full one.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def pattern(args: Any, kwargs: Any, is_host: Callable[[torch.Tensor], bool] | No
         if isinstance(value, torch.Tensor):
             if is_host is not None and is_host(value):
                 letters.append("h")
+            elif value.numel() == 0:
+                letters.append("e")
             elif value.dtype == torch.bool:
                 letters.append("b")
             else:
@@ -91,6 +94,17 @@ class Table:
         """The verdict for ``op`` called with arguments of pattern ``letters``; None when not known:
         the op was never seen, or seen only with other tensor arguments and not one answer for all.
         ``exact``: only a verdict learned for this very pattern."""
+        found = self._verdict(op, letters, exact)
+        if found is None and not exact and "e" in letters:
+            # An empty tensor does less than a full one: what a capture holds with full tensors it
+            # holds with empty ones. Not the other way: CUDA's solvers refuse a full matrix and
+            # return early on an empty one.
+            full = self._verdict(op, letters.replace("e", "T"), exact)
+            if full is not None and full.kind == HELD:
+                return full
+        return found
+
+    def _verdict(self, op: str, letters: str, exact: bool) -> Verdict | None:
         entry = self.ops.get(op)
         if entry is None:
             if exact:

@@ -86,6 +86,11 @@ _DATA_TO_DEVICE_REASON = (
     "host-to-device copy: Python data is copied into a new device tensor, which a graph cannot record; "
     "build it on the device (torch.full/torch.arange with device=) or keep it in a registered buffer"
 )
+_LIST_INDEX_REASON = (
+    "host-to-device copy: torch turns a Python list index into a host tensor and copies it to the device "
+    "below every dispatcher, which a graph cannot record; index with a tensor kept on the device (a "
+    "registered buffer), or with slices"
+)
 _MOVE_REASON = (
     "host-to-device copy: a tensor made on the host in forward is moved to the device, which a graph "
     "cannot record; create it there (e.g. torch.arange(n, device=x.device)) or register it as a buffer"
@@ -946,6 +951,28 @@ def _cuda(guard: CaptureGuard, func: Any, args: Any, kwargs: Any) -> Any:
     return func(*args, **kwargs)
 
 
+def _list_index(index: Any) -> bool:
+    """Whether ``t[index]`` indexes with a Python list of numbers (``t[[0, 2]]``, ``t[:, [1, 3]]``),
+    which torch makes a tensor of in C++, on the host, and copies to ``t``'s device. (A list that
+    holds slices or tensors is read as a tuple of indices: no copy.)"""
+    def numbers(value: Any) -> bool:
+        if isinstance(value, list):
+            return all(numbers(v) for v in value)
+        return isinstance(value, (bool, int))
+
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(part, list) and part and numbers(part) for part in parts)
+
+
+def _indexed(guard: CaptureGuard, func: Any, args: Any, kwargs: Any) -> Any:
+    """``t[[0, 2]]`` and ``t[[0, 2]] = v`` on a graph tensor: learned on the H200 from OpInfo's
+    ``__getitem__`` samples, which CUDA refused while its dispatch mode saw no op at all."""
+    if len(args) > 1 and not guard.is_host(args[0]) and _list_index(args[1]):
+        guard.report(f"Tensor.{func.__name__} with a Python list index", _LIST_INDEX_REASON)
+        return _call_quietly(guard, func, args, kwargs)
+    return func(*args, **kwargs)
+
+
 def _moved(guard: CaptureGuard, label: str, func: Any, args: Any, kwargs: Any) -> Any:
     guard.report(label, _MOVE_REASON)
     out = _call_quietly(guard, func, args, kwargs)
@@ -968,4 +995,6 @@ _HOST_VALUE_CALLS: dict[Any, Callable[[CaptureGuard, Any, Any, Any], Any]] = {
     torch.Tensor.new_tensor: _new_tensor,
     torch.Tensor.to: _to,
     torch.Tensor.cuda: _cuda,
+    torch.Tensor.__getitem__: _indexed,
+    torch.Tensor.__setitem__: _indexed,
 }

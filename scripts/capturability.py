@@ -30,6 +30,7 @@ import datetime
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -385,6 +386,10 @@ def learn(out: Path, jobs: int, samples: int, limit_s: float) -> None:
 _CAPTURE_ERRORS = ("captur", "CUDA error", "cusolver", "cublas", "CUBLAS", "CUSOLVER")
 
 
+# A verdict learned from samples that disagreed names its counts ("refused by 10 of 20 samples").
+_MIXED = re.compile(r"refused by \d+ of \d+ samples")
+
+
 def _is_capture_error(error: str) -> bool:
     return any(marker in error for marker in _CAPTURE_ERRORS)
 
@@ -406,6 +411,8 @@ def table(cases_path: Path, out: Path) -> Table:
     held: dict[tuple[str, str], int] = Counter()
     refused: dict[tuple[str, str], list[str]] = defaultdict(list)
     learned = 0
+    # Every op a GPU ran in some capture, held or not.
+    gpu_ops = {op for case in cases for op, _ in case.get("ops") or ()}
     for case in cases:
         if "captured" not in case or case.get("reseeds"):
             continue
@@ -421,7 +428,12 @@ def table(cases_path: Path, out: Path) -> Table:
         elif case.get("failed_op") and _is_capture_error(case["error"]):
             op, letters = case["failed_op"]
             refused[(op, letters)].append(case["error"])
-            # The ops before it in the capture held up to there.
+            # The ops before it in the capture held up to there. What the CPU runs instead of
+            # CUDA's kernels (ctc_loss's own CPU op where CUDA takes cuDNN's path and copies the
+            # lengths to the host) is refused with the call that was refused, where no GPU ran it.
+            for op, letters in case.get("cpu_ops") or ():
+                if op not in gpu_ops:
+                    refused[(op, letters)].append(case["error"])
     ops: dict[str, dict[str, Verdict]] = defaultdict(dict)
     for key in set(held) | set(refused):
         op, letters = key
@@ -522,6 +534,9 @@ def agree(cases_path: Path, use_table: bool, show: int) -> None:
                     counts["capture agrees"] += 1
                 else:
                     side = "CUDA refuses, the emulator captures" if emu["captured"] else "the emulator refuses"
+                    if _MIXED.search(emu.get("error", "")):
+                        # CUDA itself answered both ways for this op and pattern (values decide).
+                        counts["capture differs where CUDA's samples of the pattern differ"] += 1
                     disagree.append(f"capture: {name}: {side}: {cuda.get('error') or emu.get('error')}")
                 if emu.get("not_known"):
                     counts["not known named"] += 1
@@ -539,6 +554,9 @@ def agree(cases_path: Path, use_table: bool, show: int) -> None:
           f"({100 * counts['capture agrees'] / max(n, 1):.1f} %); replay agrees: {counts['replay agrees']} of {r} "
           f"({100 * counts['replay agrees'] / max(r, 1):.1f} %); captured with an op named not known: "
           f"{counts['not known named']}")
+    mixed = counts["capture differs where CUDA's samples of the pattern differ"]
+    print(f"of the {n - counts['capture agrees']} capture disagreements, {mixed} are cases of an op and pattern that "
+          "CUDA captured for some samples and refused for others (the table keeps the answer of most; values decide)")
     if counts["reseeding samples left out"]:
         print(f"left out: {counts['reseeding samples left out']} samples that call torch.manual_seed inside the "
               "call (OpInfo's wrapper for random ops, in cases learned before the wrapper was set aside)")

@@ -18,6 +18,7 @@ from examples.buggy.expert_load import HashRoutedLoad, MaskedHashRoutedLoad, id_
 from examples.buggy.host_sync import HostSync, HostSyncFixed
 from examples.buggy.host_value import CountsOnDevice, WritesPythonCount
 from examples.buggy.input_mutation import CopiesInput, MutatesInput
+from examples.buggy.list_index import PermutesWithBuffer, PermutesWithList
 from examples.buggy.output_alias import ReturnsStatsBuffer, ReturnsStatsCopy
 from examples.buggy.padding_leak import MaskByMultiply, MaskBySelect, PoolsPaddedRows
 from examples.buggy.python_state import BufferCounter, PythonCounter
@@ -57,6 +58,9 @@ PAIRS = [
     # An op whose CUDA kernel code syncs: known on the CPU from the table learned on a GPU.
     Pair("capture_safety", InvertsInForward, InvertsWithoutCheck,
          r"aten\._linalg_check_errors\.default \(a CUDA graph capture refuses it"),
+    # A Python list index: copied to the device below every dispatcher (learned on the H200).
+    Pair("capture_safety", PermutesWithList, PermutesWithBuffer,
+         r"Tensor\.__getitem__ with a Python list index \(host-to-device copy"),
     Pair("replay_matches_eager", PythonCounter, BufferCounter, r"Python state changes on every forward \(calls:"),
     Pair("fresh_inputs", IdentityMemo, NoMemo, r"with fresh inputs after capture, replay differs from eager"),
     # Speculative decoding: metadata planned per request count, shared by graphs of several query lengths.

@@ -67,6 +67,32 @@ def test_the_pattern_tells_a_boolean_mask_a_host_tensor_a_0_dim_value_and_number
     assert pattern((x, [mask]), {}, lambda t: t is mask) == "Th"
 
 
+def test_the_pattern_tells_an_empty_tensor() -> None:
+    assert pattern((torch.ones(0, 0), torch.ones(3), torch.ones(0, dtype=torch.bool)), {}) == "eTe"
+    empty = torch.ones(0)
+    assert pattern((empty,), {}, lambda t: t is empty) == "h"  # where it lives comes first
+
+
+def test_an_empty_tensor_takes_a_full_ones_held_verdict_but_never_its_refusal() -> None:
+    from pytest_cudagraph.capturability import Verdict
+
+    table = Table("t", "d", "now", 1, {"aten.solve.default": {"T": Verdict(REFUSED, "sync")},
+                                      "aten.add.Tensor": {"TT": Verdict(HELD, "")}})
+    assert table.verdict("aten.add.Tensor", "eT") == Verdict(HELD, "")  # less work than a full one
+    assert table.verdict("aten.solve.default", "e") is None  # CUDA's solvers return early on an empty one
+    assert table.verdict("aten.add.Tensor", "eT", exact=True) is None
+
+
+def test_the_shipped_table_holds_an_empty_matrix_where_it_refuses_a_full_one() -> None:
+    """Learned on the GPU: an empty matrix needs no error check read back to the host."""
+    table = load_table()
+    assert table is not None
+    both = [op for op, patterns in table.ops.items()
+            if patterns.get("T", None) is not None and patterns["T"].kind == REFUSED
+            and patterns.get("e", None) is not None and patterns["e"].kind == HELD]
+    assert len(both) >= 3, both
+
+
 def test_a_verdict_carries_over_numbers_but_not_other_tensor_kinds() -> None:
     from pytest_cudagraph.capturability import Verdict
 
