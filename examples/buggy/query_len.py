@@ -10,7 +10,7 @@ Eager, which plans every call afresh, is right, so the bug lives in the graphs a
 users run it. The plugin prints (trimmed):
 
     FAIL real_batches           FULL-T6-R2-U3
-         the module computes something else when it is captured: on the unpadded batch itself, eager on its capture path (torch.cuda.is_current_stream_capturing() answering True) differs from eager as users run it (the output: values differ), and a graph replays what its capture computed. Look for a branch on capturing, or state kept for captures (metadata planned per request count or per token count, shared by graphs of several query lengths). What the check saw: real rows are off systematically: ...
+         the module computes something else when it is captured: on the unpadded batch itself, eager on its capture path (torch.cuda.is_current_stream_capturing() answering True) differs from eager as users run it (the output: values differ), and the graph agrees with the capture path. Look for a branch on capturing, or state kept for captures (metadata planned per request count or per token count, shared by graphs of several query lengths). What the check saw: real rows are off systematically: ...
 
     (CPU emulator, `verify(...)` with capture sizes 1, 2, 4, 8, FULL_DECODE_ONLY, decode_query_lens
     (1, 2, 3, 4); 4 of its 10 graphs fail: those that share a request count with a graph captured
