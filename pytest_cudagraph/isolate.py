@@ -348,6 +348,53 @@ def _basetemp(config: pytest.Config) -> Path | None:
         return None
 
 
+#: Beyond pytest-timeout's own limit, the time its handler in the child gets to report first.
+_TIMEOUT_GRACE_S = 30.0
+
+
+def child_timeout(item: pytest.Item) -> float | None:
+    """Seconds the child of ``item`` may run: ``--cudagraph-isolate-timeout`` (or its ini), else
+    pytest-timeout's timeout for the test (its marker, ``--timeout``, ini ``timeout``) plus
+    ``_TIMEOUT_GRACE_S``, else None (no limit)."""
+    own = item.config.stash[pytest_report.STATE_KEY].settings.isolate_timeout
+    if own is not None:
+        return own
+    seconds: Any = None
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        seconds = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    if seconds is None and item.config.pluginmanager.hasplugin("timeout"):
+        seconds = item.config.getoption("timeout", default=None)
+        if seconds is None:
+            try:
+                seconds = item.config.getini("timeout")
+            except ValueError:
+                seconds = None
+    try:
+        value = float(seconds) if seconds not in (None, "") else 0.0
+    except (TypeError, ValueError):
+        return None
+    return value + _TIMEOUT_GRACE_S if value > 0 else None
+
+
+def _run_child(command: list[str], cwd: Any, env: Mapping[str, str],
+               limit: float | None) -> tuple[int, str, str, bool]:
+    """Run the child in a session of its own; past ``limit`` seconds kill its whole process group
+    (a distributed test's ranks too). Returns the exit code, its output and whether it hung."""
+    with subprocess.Popen(command, cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=limit)
+            return child.returncode, stdout, stderr, False
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except OSError:
+                child.kill()
+            stdout, stderr = child.communicate()
+            return child.returncode, stdout, stderr, True
+
+
 def run_in_child(item: pytest.Item) -> None:
     """Run ``item`` in a child process and log its reports as this process's."""
     config = item.config
@@ -359,19 +406,21 @@ def run_in_child(item: pytest.Item) -> None:
     try:
         env = {**os.environ, CHILD_ENV: str(path), "PYTEST_ADDOPTS": ""}
         command = [sys.executable, "-m", "pytest", *child_args(item, _basetemp(config))]
-        done = subprocess.run(command, cwd=config.invocation_params.dir, env=env, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, errors="replace", check=False)
+        limit = child_timeout(item)
+        returncode, stdout, stderr, hung = _run_child(command, config.invocation_params.dir, env, limit)
         reports = [r for r in _read_reports(config, path) if r.when in ("setup", "call", "teardown")]
     finally:
         path.unlink(missing_ok=True)
+    missing = _missing_phase(reports)
     for report in reports:
         report.nodeid = item.nodeid  # the same test, whatever the child called it
         ihook.pytest_runtest_logreport(report=report)
-    missing = _missing_phase(reports)
     if missing is not None:
-        lines = [f"the child process running the test {_exit_text(done.returncode)} without a report of "
-                 f"its {missing} phase", f"command: {shlex.join(command)}"]
-        for stream, text in (("stdout", done.stdout), ("stderr", done.stderr)):
+        ended = (f"was still running after {limit:g} s (--cudagraph-isolate-timeout, or pytest-timeout's "
+                 f"timeout plus {_TIMEOUT_GRACE_S:g} s) and was killed, with its process group, hung in"
+                 if hung else f"{_exit_text(returncode)} without a report of")
+        lines = [f"the child process running the test {ended} its {missing} phase", f"command: {shlex.join(command)}"]
+        for stream, text in (("stdout", stdout), ("stderr", stderr)):
             tail = _tail(text)
             if tail:
                 lines += ["", f"last lines of the child's {stream}:", *tail]

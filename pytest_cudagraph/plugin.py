@@ -138,6 +138,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "ini: cudagraph_isolate",
     )
     group.addoption(
+        "--cudagraph-isolate-timeout",
+        action="store",
+        default=None,
+        dest="cudagraph_isolate_timeout",
+        metavar="SECONDS",
+        help="with --cudagraph-isolate: a child still running after SECONDS is killed (with its process "
+        "group) and its test fails, naming the phase it hung in. Default: pytest-timeout's timeout for the "
+        "test (its marker, --timeout or ini timeout) plus 30 s, where pytest-timeout is installed; else "
+        "none. ini: cudagraph_isolate_timeout",
+    )
+    group.addoption(
+        "--cudagraph-checks",
+        action="store",
+        default=None,
+        dest="cudagraph_checks",
+        metavar="NAME,-NAME",
+        help="the checks every verification runs: names select (real_batches,capture_safety), names with a "
+        "leading '-' deselect from the default checks (-determinism). A marker's or a call's checks= wins. "
+        "ini: cudagraph_checks",
+    )
+    group.addoption(
         "--cudagraph-nonfinite-padding",
         action="store_true",
         default=None,
@@ -162,6 +183,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   default="")
     parser.addini("cudagraph_isolate", "each plugin test in a child process (as --cudagraph-isolate)",
                   type="bool", default=False)
+    parser.addini("cudagraph_isolate_timeout", "seconds before an isolated child is killed (as "
+                  "--cudagraph-isolate-timeout)", default="")
+    parser.addini("cudagraph_checks", "checks to select (name) or deselect (-name) (as --cudagraph-checks)",
+                  default="")
     parser.addini("cudagraph_nonfinite_padding", "pad with NaN and inf too (as --cudagraph-nonfinite-padding)",
                   type="bool", default=False)
 

@@ -120,6 +120,10 @@ class Settings:
     trace_shapes: tuple[Batch, ...] | None = field(default=None, repr=False, compare=False)
     #: Each test that uses the plugin runs in a child process of its own.
     isolate: bool = False
+    #: Seconds an isolated child may run (None: pytest-timeout's, if any, else no limit).
+    isolate_timeout: float | None = None
+    #: ``checks=`` for verifications whose marker and call give none (names; ``-name`` deselects).
+    checks: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -133,6 +137,8 @@ class Settings:
             "world_size": self.world_size,
             "trace": str(self.trace) if self.trace is not None else None,
             "isolate": self.isolate,
+            "isolate_timeout": self.isolate_timeout,
+            "checks": list(self.checks) if self.checks is not None else None,
         }
 
 
@@ -175,6 +181,31 @@ def parse_sizes(value: object, source: str) -> tuple[int, ...]:
 
 
 SPLITS = ("test", "descriptor")
+
+_CHECK_NAME = re.compile(r"-?[a-z][a-z0-9_]*")
+
+
+def parse_checks(value: object, source: str) -> tuple[str, ...]:
+    """Check names from 'real_batches,-determinism' (commas and/or spaces); UsageError naming
+    ``source`` otherwise. Whether each names a check is known once torch is loaded: ``verify``
+    says so, with the list of checks."""
+    expected = ("expected check names separated by commas, a leading '-' to deselect one, such as "
+                "capture_safety,real_batches or -determinism")
+    items = [p for p in re.split(r"[,\s]+", value.strip()) if p] if isinstance(value, str) else None
+    if not items or not all(_CHECK_NAME.fullmatch(p) for p in items):
+        raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
+    return tuple(items)
+
+
+def parse_seconds(value: object, source: str) -> float:
+    """A positive number of seconds; UsageError naming ``source`` otherwise."""
+    try:
+        seconds = float(str(value).strip())
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise pytest.UsageError(f"{source}: expected a positive number of seconds, such as 600; got {value!r}")
+    return seconds
 
 
 def parse_devices(value: object, source: str) -> tuple[int, ...]:
@@ -249,7 +280,7 @@ def _option_or_ini(config: pytest.Config, name: str, parse: Callable[[object, st
     """``--cudagraph-NAME``, else ini ``cudagraph_NAME``, parsed; None when neither is set."""
     option = config.getoption(f"cudagraph_{name}", default=None)
     if option is not None:
-        return parse(option, f"--cudagraph-{name}")
+        return parse(option, f"--cudagraph-{name.replace('_', '-')}")
     ini = _ini_str(config, f"cudagraph_{name}")
     if ini is not None:
         return parse(ini, f"ini option cudagraph_{name}")
@@ -278,6 +309,8 @@ def session_settings(config: pytest.Config) -> Settings:
     return Settings(verify=verify, backend=backend, sizes=sizes, report=_path(config, "cudagraph_report"),
                     bench_report=_path(config, "cudagraph_bench_report"), devices=devices, split=split,
                     nonfinite_padding=nonfinite, world_size=world_size, trace=trace, isolate=isolate,
+                    isolate_timeout=_option_or_ini(config, "isolate_timeout", parse_seconds),
+                    checks=_option_or_ini(config, "checks", parse_checks),
                     trace_shapes=read_trace_shapes(trace, config) if trace is not None else None)
 
 
@@ -479,6 +512,8 @@ def verify_keywords(
     keywords["backend"] = test.backend
     keywords["exhaustive"] = test.verify
     keywords["nonfinite_padding"] = test.nonfinite_padding
+    if run.checks is not None and "checks" not in keywords:
+        keywords["checks"] = list(run.checks)
     if run.trace_shapes is not None and "batches" not in keywords:
         keywords["batches"] = run.trace_shapes
     if test.sizes is not None:

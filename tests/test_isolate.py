@@ -208,3 +208,67 @@ def test_exitfirst_stops_the_parent_after_a_failed_child(inner: pytest.Pytester)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*first-failure*"])
     result.stdout.no_fnmatch_line("*ran after -x*")
+
+
+HANGS = """
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+@pytest.mark.cudagraph
+def test_hangs():
+    # A grandchild in the same process group (a rank), which the kill must take too.
+    with open("grandchild.pid", "w") as out:
+        out.write(str(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]).pid))
+    time.sleep(60)
+
+
+@pytest.mark.cudagraph
+@pytest.mark.timeout(0.5)
+def test_marked():
+    pass
+"""
+
+
+def test_a_hung_child_is_killed_with_its_group_and_named_with_its_phase(inner: pytest.Pytester) -> None:
+    import os
+
+    inner.makepyfile(test_hangs=HANGS)
+    inner.makeini("[pytest]\nmarkers =\n    timeout: pytest-timeout's\n")
+    result = inner.runpytest("--cudagraph-isolate", "--cudagraph-isolate-timeout=4", "-p", "no:randomly",
+                             "test_hangs.py::test_hangs")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*the child process running the test was still running after 4 s*"
+                                 "was killed, with its process group, hung in its call phase*"])
+    grandchild = int((inner.path / "grandchild.pid").read_text())
+    for _ in range(50):
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        import time
+
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the grandchild outlived the kill")
+
+
+def test_the_child_timeout_follows_the_option_else_pytest_timeouts_marker(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_hangs=HANGS)
+    inner.makeini("[pytest]\nmarkers =\n    timeout: pytest-timeout's\n")
+    items, _ = inner.inline_genitems("-p", "no:randomly")
+    marked = next(i for i in items if i.name == "test_marked")
+    plain = next(i for i in items if i.name == "test_hangs")
+    assert isolate.child_timeout(marked) == 0.5 + isolate._TIMEOUT_GRACE_S
+    assert isolate.child_timeout(plain) is None
+    items, _ = inner.inline_genitems("-p", "no:randomly", "--cudagraph-isolate-timeout=7")
+    assert {isolate.child_timeout(i) for i in items} == {7.0}
+    inner.makeini("[pytest]\ncudagraph_isolate_timeout = 9\nmarkers =\n    timeout: pytest-timeout's\n")
+    items, _ = inner.inline_genitems("-p", "no:randomly")
+    assert {isolate.child_timeout(i) for i in items} == {9.0}
+    result = inner.runpytest("--cudagraph-isolate-timeout=soon")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--cudagraph-isolate-timeout: expected a positive number of seconds*'soon'*"])

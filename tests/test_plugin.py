@@ -323,7 +323,8 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
     inner.makeini(
         "[pytest]\ncudagraph_verify = true\ncudagraph_backend = emulate\n"
         "cudagraph_sizes = 4 2 1\ncudagraph_report = out/cg.json\ncudagraph_split = test\ncudagraph_devices = 0\n"
-        "cudagraph_world_size = 2\ncudagraph_trace = traces/t.csv\n"
+        "cudagraph_world_size = 2\ncudagraph_trace = traces/t.csv\ncudagraph_isolate_timeout = 90\n"
+        "cudagraph_checks = -rng\n"
     )
     # Batches the plan of 1, 2, 4 tokens serves: each descriptor gets one.
     (inner.path / "traces").mkdir()
@@ -347,7 +348,8 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
     data = json.loads(path.read_text())
     assert data["settings"] == {"verify": True, "backend": "emulate", "sizes": [1, 2, 4], "report": str(path),
                                 "devices": [0], "split": "test", "nonfinite_padding": False, "world_size": 2,
-                                "trace": str(inner.path / "traces" / "t.csv"), "isolate": False}
+                                "trace": str(inner.path / "traces" / "t.csv"), "isolate": False,
+                                "isolate_timeout": 90.0, "checks": ["-rng"]}
     # the options beat their ini twins
     result = inner.runpytest("--cudagraph-sizes=1,2", "--cudagraph-report=other.json")
     result.assert_outcomes(failed=1)  # 2 descriptors planned now, not 3
@@ -478,7 +480,7 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     assert data["outcomes"] == {"passed": 2, "failed": 1}
     assert data["settings"] == {"verify": False, "backend": "auto", "sizes": None, "report": str(path),
                                 "devices": None, "split": "test", "nonfinite_padding": False, "world_size": None,
-                                "trace": None, "isolate": False}
+                                "trace": None, "isolate": False, "isolate_timeout": None, "checks": None}
     # every test that used the plugin: test_not_verifying made a manager, and verified nothing
     assert set(data["tests"]) == {"test_rep.py::test_twice", "test_rep.py::test_buggy",
                                   "test_rep.py::test_not_verifying"}
@@ -802,3 +804,59 @@ def test_every_environment_variable_the_plugin_reads_is_in_help() -> None:
                           env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
                                "PYTEST_PLUGINS": "pytest_cudagraph.plugin"})
     assert all(f"  {name}: " in done.stdout for name in listed), done.stdout[-2000:]
+
+
+# -- --cudagraph-checks ------------------------------------------------------------------
+CHOSEN_CHECKS = """
+import pytest
+
+from cgmods import Tiny, make_inputs
+
+
+@pytest.mark.cudagraph(capture_sizes=[1, 2])
+def test_by_option(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs)
+
+
+@pytest.mark.cudagraph(capture_sizes=[1, 2], checks=["capture_safety", "state"])
+def test_by_marker(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs)
+"""
+
+
+def _checks_run(data: dict[str, Any], test: str) -> list[list[str]]:
+    (nodeid,) = [n for n in data["tests"] if n.endswith(f"::{test}")]
+    return [v["report"]["checks"] for v in data["tests"][nodeid]["verifications"]]
+
+
+def test_checks_option_and_ini_select_and_deselect_and_the_marker_wins(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_chosen=CHOSEN_CHECKS)
+    result = inner.runpytest("--cudagraph-checks=-determinism,-rng", "--cudagraph-report=report.json")
+    result.assert_outcomes(passed=2)
+    data = _report(inner)
+    (by_option,) = _checks_run(data, "test_by_option")
+    assert "determinism" not in by_option and "rng" not in by_option and "real_batches" in by_option
+    assert _checks_run(data, "test_by_marker") == [["capture_safety", "state"]]
+    assert data["settings"]["checks"] == ["-determinism", "-rng"]
+    inner.makeini("[pytest]\ncudagraph_checks = real_batches, capture_safety\n")
+    result = inner.runpytest("--cudagraph-report=report.json")
+    result.assert_outcomes(passed=2)
+    assert _checks_run(_report(inner), "test_by_option") == [["capture_safety", "real_batches"]]
+
+
+def test_bad_checks_option_is_a_usage_error_and_an_unknown_check_fails_its_test(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_chosen=CHOSEN_CHECKS)
+    result = inner.runpytest("--cudagraph-checks=real batches!")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --cudagraph-checks: expected check names separated by commas*"])
+    result = inner.runpytest("--cudagraph-checks=real_batchez", "-k", "by_option")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*unknown check(s) ?'real_batchez'?; the checks are capture_safety, *"])
+
+
+def test_every_option_has_its_ini_twin(pytester: pytest.Pytester) -> None:
+    config = pytester.parseconfig()
+    options = [o.dest for o in config._parser.getgroup("cudagraph").options]
+    assert len(options) >= 12
+    missing = [name for name in options if name not in config._parser._inidict]
+    assert not missing, missing

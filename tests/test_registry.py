@@ -206,3 +206,15 @@ def test_a_hook_that_returns_no_checks_is_told(pytester):
     result = pytester.runpytest()
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*pytest_cudagraph_checks returned 'engine_invariant'; it returns a list of*"])
+
+
+def test_a_leading_minus_deselects_a_check() -> None:
+    from pytest_cudagraph.checks.builtin import BUILTIN
+
+    default = BUILTIN.select(None)
+    assert BUILTIN.select("-determinism") == tuple(c for c in default if c != "determinism")
+    assert BUILTIN.select(["real_batches", "state", "-state"]) == ("real_batches",)
+    with pytest.raises(ValueError, match="at least one"):
+        BUILTIN.select("real_batches,-real_batches")
+    with pytest.raises(ValueError, match=r"unknown check\(s\) \['determinizm'\]"):
+        BUILTIN.select("-determinizm")

@@ -192,21 +192,29 @@ class CheckRegistry:
         return tuple(c.name for c in self)
 
     def select(self, checks: Iterable[str] | str | None) -> tuple[str, ...]:
-        """The names ``checks=`` chooses, in run order; None: every default check. ValueError on a bad name."""
+        """The names ``checks=`` chooses, in run order; None: every default check. A name with a
+        leading ``-`` deselects it (``"-determinism"``: every default check but that one;
+        ``"real_batches,-real_batches"``: none, an error). ValueError on a bad name."""
         if checks is None:
             return tuple(c.name for c in self if c.default)
         if isinstance(checks, str):
             checks = [c.strip() for c in checks.split(",") if c.strip()]
-        chosen = list(checks)
+        given = list(checks)
         known = self.names()
-        bad = [c for c in chosen if not isinstance(c, str)]
+        bad = [c for c in given if not isinstance(c, str)]
         if bad:
             raise ValueError(f"checks must be check names (strings); got {bad[0]!r}")
-        unknown = [c for c in chosen if c not in self._checks]
+        dropped = [c[1:] for c in given if c.startswith("-")]
+        chosen = [c for c in given if not c.startswith("-")]
+        unknown = [c for c in (*chosen, *dropped) if c not in self._checks]
         if unknown:
-            raise ValueError(f"unknown check(s) {unknown}; the checks are {', '.join(known)}")
+            raise ValueError(f"unknown check(s) {unknown}; the checks are {', '.join(known)} (a leading '-' "
+                             "deselects one)")
+        if not chosen and dropped:
+            chosen = [c.name for c in self if c.default]
+        chosen = [c for c in chosen if c not in dropped]
         if not chosen:
-            raise ValueError(f"checks must name at least one of {', '.join(known)}")
+            raise ValueError(f"checks must name at least one of {', '.join(known)}; got {given!r}")
         return tuple(c for c in known if c in chosen)
 
     def markdown_table(self) -> str:
