@@ -159,6 +159,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "ini: cudagraph_checks",
     )
     group.addoption(
+        "--cudagraph-compare",
+        action="store",
+        default=None,
+        dest="cudagraph_compare",
+        metavar="BASELINE.json",
+        help="compare this run with the JSON report of an earlier one (--cudagraph-report): the terminal "
+        "summary lists what newly fails, what newly passes and which figures (capture time, peak and graph "
+        "memory, check time) moved by 10 %% or more. ini: cudagraph_compare",
+    )
+    group.addoption(
+        "--cudagraph-compare-fail",
+        action="store_true",
+        default=None,
+        dest="cudagraph_compare_fail",
+        help="with --cudagraph-compare: fail the run (exit status 1) when a check or a test fails that did not "
+        "fail in the baseline. ini: cudagraph_compare_fail",
+    )
+    group.addoption(
         "--cudagraph-nonfinite-padding",
         action="store_true",
         default=None,
@@ -187,6 +205,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   "--cudagraph-isolate-timeout)", default="")
     parser.addini("cudagraph_checks", "checks to select (name) or deselect (-name) (as --cudagraph-checks)",
                   default="")
+    parser.addini("cudagraph_compare", "a JSON report to compare the run with, relative to the ini file (as "
+                  "--cudagraph-compare)", default="")
+    parser.addini("cudagraph_compare_fail", "fail on a new failure (as --cudagraph-compare-fail)", type="bool",
+                  default=False)
     parser.addini("cudagraph_nonfinite_padding", "pad with NaN and inf too (as --cudagraph-nonfinite-padding)",
                   type="bool", default=False)
 
@@ -462,6 +484,9 @@ def pytest_runtest_makereport(
     records = state.take_pending(item.nodeid)
     if records:
         setattr(report, pytest_report.REPORT_ATTR, records)
+        # As record_property does: junit XML writes the item's properties (<properties>) with the
+        # test's last report.
+        item.user_properties.extend(pytest_report.junit_properties(records))
     rows = state.take_bench_rows()  # they travel like the records: from xdist workers too
     if rows:
         setattr(report, pytest_report.BENCH_ATTR, rows)
@@ -476,10 +501,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
     if hasattr(config, "workerinput"):  # an xdist worker: the controller writes the report
         return
     state = _state(config)
-    if state.settings.report is not None:
+    run = state.settings
+    if run.report is not None or run.compare is not None:
         complete = (int(exitstatus) != pytest.ExitCode.INTERRUPTED
                     and not session.shouldstop and not session.shouldfail)
-        pytest_report.write_report(state, state.settings.report, int(exitstatus), complete=complete)
+        document = pytest_report.report_document(state, int(exitstatus), complete=complete, root=config.rootpath)
+        if run.compare is not None:
+            from .compare_report import compare, load_baseline
+
+            state.comparison = compare(load_baseline(run.compare, "--cudagraph-compare"), document,
+                                       str(run.compare))
+            if run.compare_fail and state.comparison.new_failures and session.exitstatus == pytest.ExitCode.OK:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+                document["exitstatus"] = int(session.exitstatus)
+                document["passed"] = False
+        if run.report is not None:
+            pytest_report.write_report(state, run.report, int(session.exitstatus), complete=complete,
+                                       document=document)
     bench_report = state.settings.bench_report
     if bench_report is not None:
         state.bench_results.extend(state.take_bench_rows())  # rows made outside a test's phases
@@ -519,6 +557,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         else:  # xdist's controller
             after = "; its worker ended after its report, and a fresh one ran the tests after it"
         terminalreporter.line(f"cudagraph: {nodeid} lost the CUDA context of its process{after}")
+    if state.comparison is not None:
+        for line in state.comparison.lines():
+            terminalreporter.line(line)
+        if state.settings.compare_fail and state.comparison.new_failures:
+            terminalreporter.line("cudagraph: the run fails on its new failure(s) (--cudagraph-compare-fail)")
     if state.written is not None:
         terminalreporter.line(f"cudagraph: JSON report written to {state.written}")
     for path in state.bench_written:

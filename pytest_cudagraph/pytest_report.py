@@ -32,18 +32,22 @@ from typing import Any
 
 import pytest
 
+from .run_info import commit_info, machine_info, now_utc
 from .settings import Settings
 from .units import format_bytes, format_seconds
 
 __all__ = [
     "BENCH_ATTR",
     "REPORT_ATTR",
+    "REPORT_SCHEMA",
+    "REPORT_VERSION",
     "STATE_KEY",
     "USED_ATTR",
     "RunState",
     "atomic_write_text",
     "header_line",
     "incomplete_document",
+    "junit_properties",
     "make_record",
     "report_document",
     "summary_line",
@@ -58,8 +62,11 @@ USED_ATTR = "cudagraph_used"
 #: Attribute of a ``TestReport`` holding the ``cudagraph_benchmark`` rows made in that phase.
 BENCH_ATTR = "cudagraph_bench_rows"
 #: Format version of the JSON report (2: ``complete``, ``exitstatus``, ``passed`` and
-#: ``outcomes`` at the top level; every test that used the plugin is listed).
-REPORT_VERSION = 2
+#: ``outcomes`` at the top level; every test that used the plugin is listed. 3: ``started``,
+#: ``finished``, ``machine`` and ``commit``; a skipped check's ``passed`` is null and every
+#: check has a ``status``). The schema: ``data/report.schema.json`` (``REPORT_SCHEMA``).
+REPORT_VERSION = 3
+REPORT_SCHEMA = Path(__file__).parent / "data" / "report.schema.json"
 #: Outcome of a test whose pytest-xdist worker crashed while running it.
 CRASHED = "crashed"
 _PHASES = ("setup", "call", "teardown")
@@ -94,6 +101,10 @@ class RunState:
     lost_here: str | None = None
     #: tests not run in this process because its CUDA context was lost before them
     not_run: list[str] = field(default_factory=list)
+    #: when the session started (UTC, ISO 8601)
+    started: str = field(default_factory=now_utc)
+    #: what --cudagraph-compare found against its baseline (None: no comparison)
+    comparison: Any = None
 
     def add_pending(self, nodeid: str, record: dict[str, Any]) -> None:
         self.pending.setdefault(nodeid, []).append(record)
@@ -157,6 +168,27 @@ def _jsonable(value: Any) -> Any:
     if isinstance(name, str) and kind.__module__.startswith("pytest_cudagraph"):
         return name
     return repr(value)
+
+
+def junit_properties(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, Any]]:
+    """A test's figures as user properties (junit XML writes them as ``<property>``): descriptors
+    verified, checks passed, failed and skipped, and the peak memory, over its verifications."""
+    verified = passed = failed = skipped = 0
+    peak: int | None = None
+    for record in records:
+        report = record.get("report") or {}
+        verified += len(report.get("descriptors") or ())
+        for outcome in report.get("outcomes") or ():
+            status = outcome.get("status")
+            passed += status == "passed"
+            failed += status == "failed"
+            skipped += status == "skipped"
+        value = report.get("peak_memory_bytes")
+        if isinstance(value, int):
+            peak = max(peak or 0, value)
+    return [("cudagraph_descriptors_verified", verified), ("cudagraph_checks_passed", passed),
+            ("cudagraph_checks_failed", failed), ("cudagraph_checks_skipped", skipped),
+            ("cudagraph_peak_memory_bytes", peak if peak is not None else "")]
 
 
 def make_record(report_dict: Mapping[str, Any], keywords: Mapping[str, Any]) -> dict[str, Any]:
@@ -285,7 +317,8 @@ def _tests(state: RunState) -> dict[str, dict[str, Any]]:
     return tests
 
 
-def report_document(state: RunState, exitstatus: int, *, complete: bool = True) -> dict[str, Any]:
+def report_document(state: RunState, exitstatus: int, *, complete: bool = True,
+                    root: Path | None = None) -> dict[str, Any]:
     """The JSON report at the end of the session.
 
     ``complete``: the session ran to its end (False when it was interrupted:
@@ -295,7 +328,8 @@ def report_document(state: RunState, exitstatus: int, *, complete: bool = True) 
     ('unfinished': no outcome);
     ``tests``: every test that used the plugin (one of its fixtures or the
     ``cudagraph`` marker) or whose xdist worker crashed, keyed by nodeid, with
-    its outcome (None: it never finished) and its ``cudagraph_verify`` records.
+    its outcome (None: it never finished) and its ``cudagraph_verify`` records;
+    ``machine`` and ``commit`` (of ``root``, the rootdir): where the run happened.
     """
     tests = _tests(state)
     counts: dict[str, int] = {}
@@ -309,6 +343,10 @@ def report_document(state: RunState, exitstatus: int, *, complete: bool = True) 
         "passed": complete and int(exitstatus) == 0
         and all(entry["outcome"] in ("passed", "skipped") for entry in tests.values()),
         "outcomes": counts,
+        "started": state.started,
+        "finished": now_utc(),
+        "machine": machine_info(),
+        "commit": commit_info(root or Path.cwd()),
         "settings": state.settings.to_dict(),
         "tests": tests,
     }
@@ -323,6 +361,7 @@ def incomplete_document(state: RunState) -> dict[str, Any]:
         "passed": False,
         "note": "a pytest-cudagraph run writing this report started and has not finished "
         f"(pid {os.getpid()}); if none is running, that run was killed",
+        "started": state.started,
         "settings": state.settings.to_dict(),
         "tests": {},
     }
@@ -359,8 +398,10 @@ def write_incomplete_report(state: RunState, path: Path) -> Path:
     return atomic_write_text(path, json.dumps(incomplete_document(state), indent=2) + "\n")
 
 
-def write_report(state: RunState, path: Path, exitstatus: int = 0, *, complete: bool = True) -> Path:
-    document = report_document(state, exitstatus, complete=complete)
+def write_report(state: RunState, path: Path, exitstatus: int = 0, *, complete: bool = True,
+                 root: Path | None = None, document: dict[str, Any] | None = None) -> Path:
+    document = document if document is not None else report_document(state, exitstatus, complete=complete,
+                                                                      root=root)
     atomic_write_text(path, json.dumps(document, indent=2) + "\n")
     state.written = path
     return path

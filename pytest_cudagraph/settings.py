@@ -124,6 +124,10 @@ class Settings:
     isolate_timeout: float | None = None
     #: ``checks=`` for verifications whose marker and call give none (names; ``-name`` deselects).
     checks: tuple[str, ...] | None = None
+    #: A JSON report of an earlier run to compare this one with (--cudagraph-compare).
+    compare: Path | None = None
+    #: Fail the run when the comparison finds a new failure.
+    compare_fail: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -139,6 +143,8 @@ class Settings:
             "isolate": self.isolate,
             "isolate_timeout": self.isolate_timeout,
             "checks": list(self.checks) if self.checks is not None else None,
+            "compare": str(self.compare) if self.compare is not None else None,
+            "compare_fail": self.compare_fail,
         }
 
 
@@ -310,8 +316,15 @@ def session_settings(config: pytest.Config) -> Settings:
                     bench_report=_path(config, "cudagraph_bench_report"), devices=devices, split=split,
                     nonfinite_padding=nonfinite, world_size=world_size, trace=trace, isolate=isolate,
                     isolate_timeout=_option_or_ini(config, "isolate_timeout", parse_seconds),
-                    checks=_option_or_ini(config, "checks", parse_checks),
+                    checks=_option_or_ini(config, "checks", parse_checks), compare=_path(config, "cudagraph_compare"),
+                    compare_fail=_flag(config, "cudagraph_compare_fail"),
                     trace_shapes=read_trace_shapes(trace, config) if trace is not None else None)
+
+
+def _flag(config: pytest.Config, name: str) -> bool:
+    """A store_true option (None when not given), else its ini twin."""
+    option = config.getoption(name, default=None)
+    return bool(option) if option is not None else _ini_bool(config, name)
 
 
 def read_trace_shapes(path: Path, config: pytest.Config) -> tuple[Batch, ...]:
@@ -382,6 +395,10 @@ def check_session(run: Settings, config: pytest.Config) -> None:
         check_report_path(run.report, _source(config, "cudagraph_report"))
     if run.bench_report is not None:
         check_report_path(run.bench_report, _source(config, "cudagraph_bench_report"))
+    if run.compare is not None:
+        from .compare_report import load_baseline
+
+        load_baseline(run.compare, _source(config, "cudagraph_compare"))
     if run.backend == "cuda":
         import torch
 

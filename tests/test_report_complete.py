@@ -64,7 +64,7 @@ def test_good(cudagraph_verify):
     out = inner.path / "out"
     inner.runpytest("--cudagraph-report=out/report.json").assert_outcomes(passed=1)
     data = _load(out / "report.json")
-    assert data["version"] == pytest_report.REPORT_VERSION == 2
+    assert data["version"] == pytest_report.REPORT_VERSION == 3
     assert (data["complete"], data["exitstatus"], data["passed"]) == (True, 0, True)
     assert data["outcomes"] == {"passed": 1}
     assert list(data["tests"]) == ["test_ok.py::test_good"]

@@ -97,7 +97,9 @@ class Outcome:
         return {
             "check": self.check,
             "descriptor": descriptor_dict(self.descriptor),
-            "passed": self.passed,
+            # A skipped check neither passed nor failed: "passed" is null then, "status" says which.
+            "status": "skipped" if self.skipped else "passed" if self.passed else "failed",
+            "passed": None if self.skipped else self.passed,
             "skipped": self.skipped,
             "message": self.message,
             "finding": _jsonable(asdict(self.finding)) if self.finding is not None else None,
