@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import json
 import re
 import subprocess
 import sys
@@ -71,6 +72,40 @@ def _runner_checks_table() -> list[str]:
     from pytest_cudagraph.runner import RUNNER_CHECKS
 
     return RUNNER_CHECKS.markdown_table().splitlines()
+
+
+def _report_fields() -> list[str]:
+    """docs/reports.md's table of the JSON report's fields, from the schema the package ships."""
+    sys.path.insert(0, str(ROOT))
+    from pytest_cudagraph.pytest_report import REPORT_SCHEMA
+
+    schema = json.loads(REPORT_SCHEMA.read_text())
+    rows = ["| field | type | what it holds |", "|---|---|---|"]
+
+    def kind(node: dict) -> str:
+        if "const" in node:
+            return f"`{node['const']}`"
+        if "enum" in node:
+            return " or ".join("null" if v is None else f"`{v}`" for v in node["enum"])
+        found = node.get("type", "")
+        return " or ".join(found) if isinstance(found, list) else found
+
+    def walk(node: dict, path: str) -> None:
+        for name, child in node.get("properties", {}).items():
+            where = f"{path}.{name}" if path else name
+            text = str(child.get("description", "")).replace("|", "\\|")
+            rows.append(f"| `{where}` | {kind(child)} | {text} |")
+            nested = child.get("additionalProperties") if isinstance(child.get("additionalProperties"), dict) else None
+            items = child.get("items") if isinstance(child.get("items"), dict) else None
+            if nested and nested.get("properties"):
+                walk(nested, f"{where}.<key>")
+            elif items and items.get("properties") and name in ("verifications", "outcomes"):
+                walk(items, f"{where}[]")
+            elif child.get("properties") and name in ("machine", "commit", "report"):
+                walk(child, where)
+
+    walk(schema, "")
+    return rows
 
 
 # -- choosing lines ----------------------------------------------------------------------------
@@ -178,6 +213,7 @@ BLOCKS: dict[str, Block] = {
     # Markdown the code makes, not a run's output: no command, no caption.
     "checks-table": Block("docs/checks.md", (), lambda out: [], "", generate=_checks_table),
     "runner-checks-table": Block("docs/runners.md", (), lambda out: [], "", generate=_runner_checks_table),
+    "report-fields": Block("docs/reports.md", (), lambda out: [], "", generate=_report_fields),
 }
 
 

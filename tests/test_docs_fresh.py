@@ -90,3 +90,12 @@ def test_the_architecture_page_names_every_module() -> None:
                if p.name != "__init__.py" and not any(f"`{name}`" in page for name in
                                                       (p.name, p.relative_to(package).as_posix(), f"{p.parent.name}/"))]
     assert not unnamed, f"docs/architecture.md does not name {unnamed}"
+
+
+def test_every_option_is_in_the_usage_pages_table(pytester: pytest.Pytester) -> None:
+    """docs/usage.md's options table names every --cudagraph- option and its ini twin."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    config = pytester.parseconfig()
+    options = [o for o in config._parser.getgroup("cudagraph").options]
+    missing = [o.names()[0] for o in options if f"`{o.names()[0]}" not in page or f"`{o.dest}`" not in page]
+    assert len(options) >= 12 and not missing, missing
