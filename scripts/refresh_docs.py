@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import json
+import os
 import re
 import subprocess
 import sys
