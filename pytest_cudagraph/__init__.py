@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .errors import CaptureError
+from .options import VerifyOptions
 from .plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
 
 if TYPE_CHECKING:
     from .checks import CHECKS, VerifyReport, verify
+    from .checks.registry import Check
     from .context import current_descriptor
     from .distributed import verify_distributed
     from .manager import GraphManager
@@ -27,8 +29,10 @@ __all__ = [
     "CaptureConfig",
     "CaptureError",
     "CapturePlan",
+    "Check",
     "GraphManager",
     "GraphMode",
+    "VerifyOptions",
     "VerifyReport",
     "current_descriptor",
     "verify",
@@ -42,6 +46,7 @@ _LAZY = {
     "GraphManager": ("pytest_cudagraph.manager", "GraphManager"),
     "current_descriptor": ("pytest_cudagraph.context", "current_descriptor"),
     "verify": ("pytest_cudagraph.checks", "verify"),
+    "Check": ("pytest_cudagraph.checks.registry", "Check"),
     "VerifyReport": ("pytest_cudagraph.checks", "VerifyReport"),
     "CHECKS": ("pytest_cudagraph.checks", "CHECKS"),
     "verify_runner": ("pytest_cudagraph.runner", "verify_runner"),

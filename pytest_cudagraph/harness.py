@@ -15,6 +15,7 @@ from .checks import Check, VerifyReport, verify
 from .checks.registry import check_list
 from .manager import GraphManager
 from .manager.layout import not_a_module
+from .options import VerifyOptions
 from .plan import CaptureConfig
 from .pytest_report import make_record
 from .settings import (
@@ -35,8 +36,7 @@ MANAGER_KEYWORDS: tuple[str, ...] = ("backend", "device", "pad_values", "output_
                                      "eager_submodules", "batch_dims")
 
 #: ``verify_runner``'s keywords besides the runner, the module and make_inputs.
-RUNNER_KEYWORDS: tuple[str, ...] = ("capture_sizes", "max_num_reqs", "max_tokens", "checks", "extra_checks",
-                                    "scratch_state", "rtol", "atol", "batch_invariant", "seed", "device")
+RUNNER_KEYWORDS: tuple[str, ...] = ("capture_sizes", "max_num_reqs", "max_tokens", *VerifyOptions.runner_field_names())
 
 _NO_SIZES = (
     "needs capture_sizes: pass capture_sizes=..., set @pytest.mark.cudagraph(capture_sizes=...), "

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from .options import BACKENDS, RUN_SETTINGS, VerifyOptions
 from .plan.batch import Batch
 from .plan.config import CaptureConfig
 from .plan.modes import GraphMode
@@ -42,7 +43,6 @@ __all__ = [
     "verify_keywords",
 ]
 
-BACKENDS: tuple[str, ...] = ("auto", "cuda", "emulate")
 
 
 def _shown_default(value: object) -> str:
@@ -57,34 +57,17 @@ def _shown_default(value: object) -> str:
 
 #: ``CaptureConfig``'s keywords: the part of the marker's that sets the plan.
 CONFIG_KEYWORDS: tuple[str, ...] = CaptureConfig.field_names()
-#: The marker's keywords and the defaults it shows: ``verify()``'s keyword
-#: arguments except ``module``, ``make_inputs`` and ``exhaustive`` (the last
-#: is a run setting: ``--cudagraph-verify``). The config's come from
-#: ``CaptureConfig``; ``capture_sizes=None`` means "from --cudagraph-sizes /
-#: ini cudagraph_sizes". A test keeps this list in step with ``verify``'s
-#: signature.
+#: The marker's keywords and the defaults it shows: ``CaptureConfig``'s fields
+#: (the plan), then ``VerifyOptions``'s (how it runs) except the run's own
+#: settings (``exhaustive``: ``--cudagraph-verify``). ``capture_sizes=None``
+#: means "from --cudagraph-sizes / ini cudagraph_sizes".
 _MARKER_DEFAULTS: tuple[tuple[str, str], ...] = (
     *((name, _shown_default(CaptureConfig.defaults().get(name, MISSING))) for name in CONFIG_KEYWORDS),
-    ("backend", "None"),
-    ("device", "None"),
-    ("checks", "None"),
-    ("extra_checks", "None"),
-    ("rtol", "None"),
-    ("atol", "None"),
-    ("batch_invariant", "False"),
-    ("pad_values", "None"),
-    ("scratch_state", "None"),
-    ("eager_submodules", "None"),
-    ("descriptors", "None"),
-    ("seed", "0"),
-    ("nonfinite_padding", "False"),
-    ("batch_dims", "None"),
-    ("progress", "None"),
-    ("batches", "None"),
+    *((name, _shown_default(value)) for name, value in VerifyOptions.defaults().items() if name not in RUN_SETTINGS),
 )
 MARKER_KEYWORDS: tuple[str, ...] = tuple(name for name, _ in _MARKER_DEFAULTS)
-#: Keywords the ``cudagraph_verify`` fixture takes: the marker's and ``exhaustive``.
-VERIFY_KEYWORDS: tuple[str, ...] = (*MARKER_KEYWORDS, "exhaustive")
+#: Keywords the ``cudagraph_verify`` fixture takes: the marker's and the run's (``exhaustive``).
+VERIFY_KEYWORDS: tuple[str, ...] = (*MARKER_KEYWORDS, *RUN_SETTINGS)
 #: On an xdist worker, a malformed marker's message: the test errors with it at
 #: set-up (a UsageError raised while a worker collects crashes the worker).
 MARKER_ERROR_KEY = pytest.StashKey[str]()

@@ -149,7 +149,7 @@ def test_marker_keywords_are_exactly_verifys_keywords() -> None:
     params = inspect.signature(verify).parameters
     keyword_only = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     # verify's own keywords, then CaptureConfig's (its **config_keywords); a config object is not a marker's.
-    own = [n for n in keyword_only if n not in ("exhaustive", "config")]
+    own = [n for n in keyword_only if n not in ("exhaustive", "config", "options")]
     fields = CaptureConfig.field_names()
     assert cg_settings.MARKER_KEYWORDS == (*fields, *own)
     assert set(cg_settings.VERIFY_KEYWORDS) == {*fields, *own, "exhaustive"}
@@ -968,3 +968,28 @@ def test_compare_names_new_failures_and_new_passes_and_can_fail_the_run(inner: p
         result = inner.runpytest(f"--cudagraph-compare={bad}")
         assert result.ret == pytest.ExitCode.USAGE_ERROR
         result.stderr.fnmatch_lines([f"ERROR: --cudagraph-compare: *{why}*"])
+
+
+def test_one_options_object_is_the_source_of_every_keyword_list() -> None:
+    """A new verification keyword is one field of VerifyOptions: verify's signature, the marker's, the
+    fixture's and verify_runner's keywords all follow from its fields."""
+    from pytest_cudagraph import VerifyOptions, verify_runner
+    from pytest_cudagraph.harness import RUNNER_KEYWORDS
+
+    fields = VerifyOptions.field_names()
+    params = inspect.signature(verify).parameters
+    assert [n for n in params if n in fields] == list(fields)
+    assert set(cg_settings.VERIFY_KEYWORDS) == {*CaptureConfig.field_names(), *fields}
+    runner = [n for n, p in inspect.signature(verify_runner).parameters.items()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert set(runner) == set(RUNNER_KEYWORDS)
+    assert set(VerifyOptions.runner_field_names()) <= set(fields)
+    with pytest.raises(ValueError, match="rtol must be a number >= 0"):
+        VerifyOptions(rtol=-1)
+    with pytest.raises(ValueError, match="backend must be one of auto, cuda, emulate"):
+        verify(torch.nn.Linear(2, 2), lambda t, r: {"input": torch.randn(t, 2)}, capture_sizes=[1], backend="gpu")
+    # options and keywords: the keywords win.
+    options = VerifyOptions(checks=["capture_safety"], exhaustive=False)
+    report = verify(torch.nn.Linear(2, 2), lambda t, r: {"input": torch.randn(t, 2)}, capture_sizes=[1, 2],
+                    options=options, checks=["state"], backend="emulate")
+    assert report.checks == ("state",) and not report.exhaustive

@@ -14,6 +14,7 @@ from ..guard import as_captured
 from ..manager import GraphManager, tree
 from ..manager.layout import call_make_inputs
 from ..observe import ForwardObserver, fingerprint, poisoned, restoring
+from ..options import VerifyOptions
 from ..plan import Batch, BatchDescriptor, GraphMode
 from ..plan.properties import exact_batch
 from .compare import Difference, first_difference
@@ -271,29 +272,18 @@ class ModuleState:
 class VerifyContext(ModuleState):
     """Helpers shared by the checks; one per ``verify`` call."""
 
-    def __init__(
-        self,
-        manager: GraphManager,
-        *,
-        rtol: float | None,
-        atol: float | None,
-        batch_invariant: bool,
-        seed: int,
-        exhaustive: bool,
-        scratch_state: Mapping[str, ScratchRegion],
-        nonfinite_padding: bool = False,
-        plan_dispatch: bool = False,
-        dispatch_here: bool = True,
-        batches: Sequence[Batch] | None = None,
-    ) -> None:
-        super().__init__(manager.module, scratch_state, seed, manager.observer)
+    def __init__(self, manager: GraphManager, options: VerifyOptions, *, plan_dispatch: bool = False,
+                 dispatch_here: bool = True) -> None:
+        super().__init__(manager.module, options.scratch_state or {}, options.seed, manager.observer)
         self.manager = manager
-        self.rtol = rtol
-        self.atol = atol
-        self.batch_invariant = batch_invariant
-        self.exhaustive = exhaustive
+        self.options = options
+        self.rtol = options.rtol
+        self.atol = options.atol
+        self.batch_invariant = options.batch_invariant
+        self.exhaustive = options.exhaustive
         #: padding_isolation also fills padded rows with NaN and inf.
-        self.nonfinite_padding = nonfinite_padding
+        self.nonfinite_padding = options.nonfinite_padding
+        batches = options.batches
         self.real_batches_run = 0
         #: Plain tensor attributes of the module tree right after capture,
         #: by dotted name (what a replay leaves there).

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -16,12 +18,11 @@ from ..errors import EagerFailure
 from ..guard import capturability_table, host_methods_watched
 from ..manager import GraphManager
 from ..manager.layout import MakeInputsError, not_a_module
-from ..manager.pieces import EagerSpec
-from ..plan import Batch, BatchDescriptor, CaptureConfig
-from ..plan.properties import invalid_reason
+from ..options import VerifyOptions
+from ..plan import BatchDescriptor, CaptureConfig
 from ..plan.selection import select_descriptors
 from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
-from .context import ScratchRegion, VerifyContext
+from .context import VerifyContext
 from .cost import Meter, peak_memory, start_peak
 from .registry import Check, CheckRegistry, check_list
 from .report import Finding, Outcome, VerifyReport
@@ -70,50 +71,25 @@ def _config(config: CaptureConfig | Mapping[str, Any] | None, keywords: Mapping[
     return CaptureConfig(**keywords)
 
 
-def _labels(descriptors: Iterable[str] | str | None) -> tuple[str, ...] | None:
-    if descriptors is None:
-        return None
-    if isinstance(descriptors, str):
-        return (descriptors,)  # one label, not its characters
-    labels = tuple(descriptors)
-    if not labels or not all(isinstance(label, str) for label in labels):
-        raise ValueError(f"descriptors must be descriptor labels such as 'FULL-T8-R4'; got {descriptors!r}")
-    return labels
-
-
 def verify(
     module: torch.nn.Module,
     make_inputs: Callable[[int, int], Mapping[str, Any]],
     *,
     config: CaptureConfig | Mapping[str, Any] | None = None,
-    backend: str | None = None,
-    device: torch.device | str | None = None,
-    checks: Iterable[str] | str | None = None,
-    extra_checks: Iterable[Check] | Check | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
-    batch_invariant: bool = False,
-    exhaustive: bool = True,
-    pad_values: Mapping[str, Any] | None = None,
-    scratch_state: Mapping[str, ScratchRegion] | None = None,
-    eager_submodules: EagerSpec = None,
-    descriptors: Iterable[str] | str | None = None,
-    seed: int = 0,
-    nonfinite_padding: bool = False,
-    batch_dims: Mapping[str, int] | None = None,
-    progress: bool | None = None,
-    batches: Iterable[Batch] | None = None,
-    **config_keywords: Any,
+    options: VerifyOptions | None = None,
+    **keywords: Any,
 ) -> VerifyReport:
     """Capture every descriptor of ``module`` and check each against eager.
 
     The capture plan is ``config`` (a ``CaptureConfig`` or a dict of its
     keywords), or ``CaptureConfig``'s keywords given here: ``capture_sizes``
     (required), ``max_num_reqs`` (default: the largest capture size),
-    ``mode``, ``decode_query_len``, ``lora_cases``, ... ``checks`` selects
-    checks by name (default: every default check); ``extra_checks`` adds
-    ``Check``s of your own (see ``pytest_cudagraph.checks.registry``), run
-    after the built-ins and selectable by name.
+    ``mode``, ``decode_query_len``, ``lora_cases``, ... How it runs is
+    ``options`` (a ``VerifyOptions``) or its keywords given here (they win over
+    ``options``'s): ``checks`` selects checks by name (default: every default
+    check; ``-name`` deselects one); ``extra_checks`` adds ``Check``s of your
+    own (see ``pytest_cudagraph.checks.registry``), run after the built-ins
+    and selectable by name.
     Returns a ``VerifyReport``; ``report.ok`` is False when a check failed, and
     ``report.format()`` names the check, the descriptor, the real batch, the
     output and first differing index, and the first divergent submodule.
@@ -138,28 +114,46 @@ def verify(
     """
     if not isinstance(module, torch.nn.Module):
         raise ValueError(not_a_module(module))
-    registry = registry_with(extra_checks)
-    names = registry.select(checks)
-    capture_config = _config(config, config_keywords)
-    given = _batches(batches)
-    for name, value in (("rtol", rtol), ("atol", atol)):
-        if value is not None and (not isinstance(value, (int, float)) or value < 0):
-            raise ValueError(f"{name} must be a number >= 0 or None (dtype default); got {value!r}")
+    if options is not None and not isinstance(options, VerifyOptions):
+        raise ValueError(f"options must be a pytest_cudagraph.VerifyOptions; got {type(options).__name__}")
+    names = set(VerifyOptions.field_names())
+    given = {k: v for k, v in keywords.items() if k in names and v is not None}
+    try:
+        opts = dataclasses.replace(options or VerifyOptions(), **given)
+    except TypeError as exc:  # a frozen dataclass's own words: keep them, without its frames
+        raise ValueError(str(exc)) from None
+    registry = registry_with(opts.extra_checks)
+    selected = [registry[n] for n in registry.select(opts.checks)]
+    capture_config = _config(config, {k: v for k, v in keywords.items() if k not in names})
     # Verification runs make_inputs and the module many times (probes,
     # warm-ups, captures, eager references): the random generators are put
     # back afterwards, and so are the module's buffers.
     rng_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     try:
         with _lost_context_told(), torch.random.fork_rng(devices=rng_devices):
-            return _verify(module, make_inputs, capture_config, [registry[n] for n in names], backend=backend,
-                           device=device, rtol=rtol, atol=atol,
-                           batch_invariant=batch_invariant, exhaustive=exhaustive, pad_values=pad_values,
-                           scratch_state=scratch_state, eager_submodules=eager_submodules,
-                           descriptors=_labels(descriptors), seed=seed, nonfinite_padding=bool(nonfinite_padding),
-                           batch_dims=batch_dims, progress=progress, batches=given)
+            return _verify(module, make_inputs, capture_config, selected, opts)
     except faults.ContextLost as lost:
         # Told from here, without the frames of the harness it went through.
         raise faults.ContextLost(lost.code, lost.error, lost.where) from None
+
+
+def _signature() -> inspect.Signature:
+    """``verify``'s signature as help() and IDEs show it: every option and config field by name."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [
+        inspect.Parameter("module", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.nn.Module"),
+        inspect.Parameter("make_inputs", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                          annotation="Callable[[int, int], Mapping[str, Any]]"),
+        inspect.Parameter("config", keyword, default=None, annotation="CaptureConfig | Mapping[str, Any] | None"),
+        inspect.Parameter("options", keyword, default=None, annotation="VerifyOptions | None"),
+        *(inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
+          for f in dataclasses.fields(VerifyOptions)),
+        inspect.Parameter("config_keywords", inspect.Parameter.VAR_KEYWORD),
+    ]
+    return inspect.Signature(params, return_annotation="VerifyReport")
+
+
+verify.__signature__ = _signature()  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -187,46 +181,14 @@ def _lost_context_told() -> Iterator[None]:
         raise faults.note_loss(lost) from None
 
 
-def _batches(batches: Iterable[Batch] | None) -> tuple[Batch, ...] | None:
-    """``batches`` checked: real batches dispatch answers (``invalid_reason``), without repeats."""
-    if batches is None:
-        return None
-    if isinstance(batches, (str, bytes, Batch)) or not isinstance(batches, Iterable):
-        raise ValueError(f"batches must be an iterable of pytest_cudagraph.plan.Batch (a trace's shapes: "
-                         f"read_trace(path).shapes); got {type(batches).__name__}")
-    found: dict[Batch, None] = {}
-    for batch in batches:
-        if not isinstance(batch, Batch):
-            raise ValueError(f"batches must hold pytest_cudagraph.plan.Batch objects; got {batch!r}")
-        reason = invalid_reason(batch)
-        if reason is not None or batch.num_tokens == 0:
-            raise ValueError(f"batches: {batch} is not a real batch: {reason or 'it holds no token'}")
-        found[batch] = None
-    return tuple(found)
-
-
 def _verify(
     module: torch.nn.Module,
     make_inputs: Callable[[int, int], Mapping[str, Any]],
     config: CaptureConfig,
     checks: list[Check],
-    *,
-    backend: str | None,
-    device: torch.device | str | None,
-    rtol: float | None,
-    atol: float | None,
-    batch_invariant: bool,
-    exhaustive: bool,
-    pad_values: Mapping[str, Any] | None,
-    scratch_state: Mapping[str, ScratchRegion] | None,
-    eager_submodules: EagerSpec,
-    descriptors: tuple[str, ...] | None,
-    seed: int,
-    nonfinite_padding: bool,
-    batch_dims: Mapping[str, int] | None,
-    progress: bool | None = None,
-    batches: tuple[Batch, ...] | None = None,
+    options: VerifyOptions,
 ) -> VerifyReport:
+    seed, exhaustive, descriptors, progress = options.seed, options.exhaustive, options.descriptors, options.progress
     torch.manual_seed(seed)
     # The module is verified as it will run: a module left in train mode
     # (batch statistics, dropout) is a different program from its eval twin,
@@ -235,9 +197,9 @@ def _verify(
     training = _training_mode(module)
     # Checked capture: verification is where an op that cannot be captured
     # should be named before the device sees it.
-    manager = GraphManager(module, make_inputs, config, backend=backend or "auto", device=device,
-                           pad_values=pad_values, checked_capture=True, eager_submodules=eager_submodules,
-                           batch_dims=batch_dims)
+    manager = GraphManager(module, make_inputs, config, backend=options.backend, device=options.device,
+                           pad_values=options.pad_values, checked_capture=True,
+                           eager_submodules=options.eager_submodules, batch_dims=options.batch_dims)
     selected = select_descriptors(manager.plan.capture_order, exhaustive=exhaustive)
     # The dispatch check concerns the whole plan: in a verification split by
     # descriptor it runs once, in the item of the plan's first descriptor.
@@ -262,10 +224,7 @@ def _verify(
         training=training,
         config=config.to_dict(),
     )
-    ctx = VerifyContext(manager, rtol=rtol, atol=atol, batch_invariant=batch_invariant, seed=seed,
-                        exhaustive=exhaustive, scratch_state=scratch_state or {},
-                        nonfinite_padding=nonfinite_padding, plan_dispatch=descriptors is not None,
-                        dispatch_here=dispatch_here, batches=batches)
+    ctx = VerifyContext(manager, options, plan_dispatch=descriptors is not None, dispatch_here=dispatch_here)
     meter = Meter(module, lambda: manager.replays)
     report.memory_at_start = start_peak(manager.device)
     try:

@@ -1,0 +1,140 @@
+"""``VerifyOptions``: how a verification runs, one frozen object built and validated in one place.
+
+``verify``'s keywords (besides the capture plan's, which ``CaptureConfig``
+holds), the ``cudagraph`` marker's keywords and signature, the fixtures'
+keywords, ``verify_runner``'s (the fields marked for runners) and the report's
+record of them all derive from the fields below: a new keyword is one field
+here. Pure Python: importing this module does not import torch (the plugin's
+settings read it when pytest starts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .plan.batch import Batch
+from .plan.properties import invalid_reason
+
+__all__ = ["BACKENDS", "RUN_SETTINGS", "VerifyOptions"]
+
+BACKENDS: tuple[str, ...] = ("auto", "cuda", "emulate")
+#: Fields the run sets (``--cudagraph-verify``), not a test's marker.
+RUN_SETTINGS: tuple[str, ...] = ("exhaustive",)
+
+
+#: The mark of a field ``verify_runner`` takes too.
+_RUNNER = {"runner": True}
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyOptions:
+    """How ``verify`` runs: everything but the module, its inputs and the capture plan."""
+
+    #: 'auto' (CUDA where available), 'cuda' or 'emulate'.
+    backend: str = "auto"
+    #: The device (default: the backend's: the current CUDA device, or the CPU).
+    device: Any = field(default=None, metadata=_RUNNER)
+    #: Check names to run (a leading '-' deselects one); default: every default check.
+    checks: Any = field(default=None, metadata=_RUNNER)
+    #: ``Check``s of your own, run after the built-ins and selectable by name.
+    extra_checks: Any = field(default=None, metadata=_RUNNER)
+    #: Tolerances (default: the dtype's, and the floor measured across shapes).
+    rtol: float | None = field(default=None, metadata=_RUNNER)
+    atol: float | None = field(default=None, metadata=_RUNNER)
+    #: Real rows must equal unpadded eager bit for bit.
+    batch_invariant: bool = field(default=False, metadata=_RUNNER)
+    #: Every descriptor (False: the smallest and largest of each mode).
+    exhaustive: bool = True
+    #: The value padded rows of each input hold.
+    pad_values: Mapping[str, Any] | None = None
+    #: State regions the module may leave changed.
+    scratch_state: Mapping[str, Any] | None = field(default=None, metadata=_RUNNER)
+    #: Submodules PIECEWISE graphs run eagerly, between graph segments.
+    eager_submodules: Any = None
+    #: Descriptor labels to verify (default: the selection).
+    descriptors: tuple[str, ...] | None = None
+    #: The seed every run starts from.
+    seed: int = field(default=0, metadata=_RUNNER)
+    #: padding_isolation also pads with NaN and inf.
+    nonfinite_padding: bool = False
+    #: Input name -> the dimension that follows the batch.
+    batch_dims: Mapping[str, int] | None = None
+    #: A progress bar per descriptor (None: on a terminal, when the checks are slow).
+    progress: bool | None = None
+    #: The real batches to run (a trace's shapes) in place of the sweep of every token count.
+    batches: tuple[Batch, ...] | None = None
+
+    def __post_init__(self) -> None:
+        # Normalised here, so that every consumer sees one form.
+        if not isinstance(self.backend, str) or self.backend.strip().lower() not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        object.__setattr__(self, "backend", self.backend.strip().lower())
+        for name in ("rtol", "atol"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"{name} must be a number >= 0 or None (dtype default); got {value!r}")
+        for name in ("batch_invariant", "exhaustive", "nonfinite_padding"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                if value in (0, 1):  # numpy and torch booleans, 0 and 1
+                    object.__setattr__(self, name, bool(value))
+                else:
+                    raise ValueError(f"{name} must be True or False; got {value!r}")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise ValueError(f"progress must be True, False or None; got {self.progress!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int; got {self.seed!r}")
+        object.__setattr__(self, "descriptors", _labels(self.descriptors))
+        object.__setattr__(self, "batches", _batches(self.batches))
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def runner_field_names(cls) -> tuple[str, ...]:
+        """The fields ``verify_runner`` takes too."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("runner"))
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def split(cls, keywords: Mapping[str, Any]) -> tuple[VerifyOptions, dict[str, Any]]:
+        """The options among ``keywords`` (None counts as not given), and the rest."""
+        names = set(cls.field_names())
+        mine = {k: v for k, v in keywords.items() if k in names and v is not None}
+        return cls(**mine), {k: v for k, v in keywords.items() if k not in names}
+
+
+def _labels(descriptors: Iterable[str] | str | None) -> tuple[str, ...] | None:
+    if descriptors is None:
+        return None
+    if isinstance(descriptors, str):
+        return (descriptors,)  # one label, not its characters
+    labels = tuple(descriptors)
+    if not labels or not all(isinstance(label, str) for label in labels):
+        raise ValueError(f"descriptors must be descriptor labels such as 'FULL-T8-R4'; got {descriptors!r}")
+    return labels
+
+
+def _batches(batches: Iterable[Batch] | None) -> tuple[Batch, ...] | None:
+    """``batches`` checked: real batches dispatch answers (``invalid_reason``), without repeats."""
+    if batches is None:
+        return None
+    if isinstance(batches, (str, bytes, Batch)) or not isinstance(batches, Iterable):
+        raise ValueError(f"batches must be an iterable of pytest_cudagraph.plan.Batch (a trace's shapes: "
+                         f"read_trace(path).shapes); got {type(batches).__name__}")
+    found: dict[Batch, None] = {}
+    for batch in batches:
+        if not isinstance(batch, Batch):
+            raise ValueError(f"batches must hold pytest_cudagraph.plan.Batch objects; got {batch!r}")
+        reason = invalid_reason(batch)
+        if reason is not None or batch.num_tokens == 0:
+            raise ValueError(f"batches: {batch} is not a real batch: {reason or 'it holds no token'}")
+        found[batch] = None
+    return tuple(found)
