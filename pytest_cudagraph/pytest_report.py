@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from .files import atomic_write_text
 from .run_info import commit_info, machine_info, now_utc
 from .settings import Settings
 from .units import format_bytes, format_seconds
@@ -365,32 +365,6 @@ def incomplete_document(state: RunState) -> dict[str, Any]:
         "settings": state.settings.to_dict(),
         "tests": {},
     }
-
-
-def atomic_write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``.
-
-    A reader sees the old file or the new one, never a torn one, and of two
-    runs writing one path the last to finish wins whole.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # as a plain write would (mkstemp makes it 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
 
 
 def write_incomplete_report(state: RunState, path: Path) -> Path:

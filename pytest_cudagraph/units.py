@@ -5,11 +5,13 @@ from __future__ import annotations
 __all__ = ["format_bytes", "format_seconds"]
 
 
-def format_bytes(n: int) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes with one decimal in the largest unit up to GiB it reaches (``1.5 MiB``, ``2048.0 GiB``);
+    whole bytes below a KiB (``512 B``). The one formatter of byte figures: reports, refusals, the planner."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
+        if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+    return f"{int(n)} B"
 
 
 def format_seconds(seconds: float) -> str:

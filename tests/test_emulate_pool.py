@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from pytest_cudagraph import CaptureConfig, CaptureError, GraphManager, GraphMode
-from pytest_cudagraph.backends.base import Backend, make_backend
+from pytest_cudagraph.backends.base import Backend
 from pytest_cudagraph.backends.emulate import BLOCK, EmulateBackend, EmulatedGraph
+from pytest_cudagraph.backends.factory import make_backend
 from pytest_cudagraph.guard import CaptureGuard, ModuleTracker
 from pytest_cudagraph.manager.pieces import SegmentedGraph, capture_in_pieces
 from tests import models

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from .base import BACKEND_NAMES, Backend, CapturedGraph, make_backend
+from .base import BACKEND_NAMES, Backend, CapturedGraph
+from .factory import make_backend
 
 __all__ = ["BACKEND_NAMES", "Backend", "CapturedGraph", "make_backend"]

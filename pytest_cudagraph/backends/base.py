@@ -11,7 +11,7 @@ import torch
 
 from ..guard import CaptureGuard
 
-__all__ = ["BACKEND_NAMES", "Backend", "CapturedGraph", "OpenCapture", "make_backend"]
+__all__ = ["BACKEND_NAMES", "Backend", "CapturedGraph", "OpenCapture"]
 
 BACKEND_NAMES = ("auto", "cuda", "emulate")
 
@@ -142,40 +142,3 @@ class Backend(ABC):
 #: The byte each poison fills graph memory with: large finite floats of opposite signs
 #: (0x5A5A5A5A is 1.5e16 as a float32), and integers that differ.
 POISON_BYTES = (0x5A, 0xA5)
-
-
-def make_backend(name: str, device: torch.device | str | None) -> Backend:
-    """Build the backend ``name`` ('auto', 'cuda' or 'emulate') for ``device``."""
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")
-    dev = torch.device(device) if device is not None else None
-    if name == "auto":
-        if dev is not None:
-            name = "cuda" if dev.type == "cuda" else "emulate"
-        else:
-            name = "cuda" if torch.cuda.is_available() else "emulate"
-    if name == "cuda":
-        from .cuda import CudaBackend
-
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "backend='cuda' needs a CUDA device, and torch.cuda.is_available() is False "
-                "here; use backend='emulate' (CPU) or 'auto'"
-            )
-        if dev is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        if dev.type != "cuda":
-            raise ValueError(f"backend='cuda' needs a cuda device; got device={str(dev)!r}")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        return CudaBackend(dev)
-    from .emulate import EmulateBackend
-
-    if dev is None:
-        dev = torch.device("cpu")
-    if dev.type != "cpu":
-        raise ValueError(
-            f"backend='emulate' runs on the CPU; got device={str(dev)!r}. "
-            "Use backend='cuda' for a GPU, or move the module to the CPU"
-        )
-    return EmulateBackend(dev)

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..pytest_report import atomic_write_text
+from ..files import atomic_write_text
 from ..units import format_bytes
 
 __all__ = ["write_bench_report"]

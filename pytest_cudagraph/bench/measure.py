@@ -8,7 +8,7 @@ from typing import Any
 
 from ..context import running
 from ..manager import GraphManager
-from ..manager.layout import call_make_inputs
+from ..manager.inputs import call_make_inputs
 from ..plan import Batch, BatchDescriptor
 from ..plan.properties import exact_batch
 from .timing import Timing, time_interleaved

@@ -35,7 +35,7 @@ from ..errors import CaptureError
 from ..guard import CaptureGuard, ModuleTracker, Violation, find_violations, host_methods_watched
 from ..observe import ForwardObserver, restoring
 from ..plan import BatchDescriptor, GraphMode
-from . import tree
+from . import estimate, tree
 from .layout import CountKind, MakeInputsError, call_make_inputs, forward_probes
 from .pieces import EagerPieceError, EagerSpec, capture_in_pieces, piece_of, resolve_eager_submodules
 from .runtime import Entry, OutCut, RuntimePart
@@ -196,14 +196,12 @@ class CapturePart(RuntimePart):
         self._capture_called = True
         if self.backend == "cuda":
             faults.watch_out_of_memory()  # an out-of-memory capture then says what it asked for
-        from .estimate import check_capture_memory, memory_check_enabled  # refuses what will not fit
-
         # The fast CUDA capture measures the largest graph's footprint during
         # its own warm-up (see _warm_up) and refuses there, before any capture;
         # every other capture runs a forward of its own for the estimate first.
         measured = self.backend == "cuda" and not self._backend.checked
         if not measured:
-            check_capture_memory(self, order)
+            estimate.check_capture_memory(self, order)  # refuses what will not fit
         started = time.perf_counter()
         self._tracker.refresh()
         self.observer.refresh()  # parameters or buffers replaced since the last capture are found again
@@ -231,7 +229,7 @@ class CapturePart(RuntimePart):
                 # warm-up that leaves state for the capture shows as it
                 # would in such an engine (a tensor memoised by identity).
                 staged = {} if self._backend.checked else self._warm_up(
-                    order, measure=measured and memory_check_enabled())
+                    order, measure=measured and estimate.memory_check_enabled())
                 for desc in self._progress(order):
                     try:
                         self._capture_one(desc, staged.get(desc))
@@ -368,11 +366,9 @@ class CapturePart(RuntimePart):
         capture: what ``check_capture_memory`` tells, without a forward of
         its own.
         """
-        from .estimate import WarmupMeter, check_measured_memory, measure_forward
-
         staged: dict[BatchDescriptor, _Staged | Exception] = {}
         largest = max(order, key=lambda d: d.num_tokens) if measure and order else None
-        meter = WarmupMeter(self.device) if largest is not None else None
+        meter = estimate.WarmupMeter(self.device) if largest is not None else None
 
         def warm() -> None:
             for desc in order:
@@ -398,9 +394,9 @@ class CapturePart(RuntimePart):
                 # Only when the allocator's reading would refuse: the largest
                 # warm-up again, under the storage counter, on its own sample.
                 return self._backend.warmup(
-                    lambda: measure_forward(self.module, self.stage_sample(largest)[1], marker=largest))
+                    lambda: estimate.measure_forward(self.module, self.stage_sample(largest)[1], marker=largest))
 
-            check_measured_memory(self, order, largest, meter, remeasure)
+            estimate.check_measured_memory(self, order, largest, meter, remeasure)
         return staged
 
     def _reloads(self, desc: BatchDescriptor) -> bool:

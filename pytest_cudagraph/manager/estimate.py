@@ -46,7 +46,8 @@ from torch.utils._pytree import tree_leaves
 from ..context import running
 from ..errors import CaptureError
 from ..plan import BatchDescriptor, GraphMode
-from .layout import call_make_inputs
+from ..units import format_bytes
+from .inputs import call_make_inputs
 
 if TYPE_CHECKING:
     from .capture import CapturePart
@@ -61,7 +62,6 @@ __all__ = [
     "check_input_memory",
     "check_measured_memory",
     "estimate_capture",
-    "format_bytes",
     "measure_forward",
     "memory_check_enabled",
 ]
@@ -72,14 +72,6 @@ DIRECT_TOKENS = 1024
 
 #: ``PYTEST_CUDAGRAPH_MEMORY_CHECK=0`` skips the estimate (and its forwards).
 CHECK_ENV = "PYTEST_CUDAGRAPH_MEMORY_CHECK"
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover - the loop returns
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ..backends.base import CapturedGraph, make_backend, resolve_checked
+from ..backends.base import CapturedGraph, resolve_checked
+from ..backends.factory import make_backend
 from ..guard import ModuleTracker
 from ..observe import ForwardObserver
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan

@@ -24,6 +24,9 @@ from typing import Any, Literal
 
 import torch
 
+from .estimate import check_input_memory
+from .inputs import MakeInputsError, call_make_inputs
+
 __all__ = [
     "PROBES",
     "BatchDim",
@@ -165,10 +168,6 @@ class InputSpec:
         return f"a {self.dtype} tensor of shape ({', '.join(parts)})"
 
 
-class MakeInputsError(ValueError):
-    """``make_inputs`` returned something unusable; the message names the call and the fix."""
-
-
 def not_a_module(module: object, where: str = "module") -> str:
     """The message for a ``module`` argument that is not a ``torch.nn.Module``."""
     name = getattr(module, "__qualname__", None) or type(module).__name__
@@ -178,26 +177,6 @@ def not_a_module(module: object, where: str = "module") -> str:
         "captured per module (its parameters and buffers are what replay reads); wrap the code in a "
         "Module: class Wrapped(torch.nn.Module): def forward(self, x): return f(x)"
     )
-
-
-def call_make_inputs(make_inputs: Callable[[int, int], Mapping[str, Any]], num_tokens: int, num_reqs: int) -> dict[str, Any]:
-    try:
-        inputs = make_inputs(num_tokens, num_reqs)
-    except MakeInputsError:  # already says which call and what to do
-        raise
-    except Exception as exc:  # the user's code: say which call failed
-        raise ValueError(
-            f"make_inputs(num_tokens={num_tokens}, num_reqs={num_reqs}) raised "
-            f"{type(exc).__name__}: {exc}. make_inputs must build inputs for any "
-            "1 <= num_reqs <= num_tokens (the manager probes small shapes to learn "
-            "which dimension follows which count)"
-        ) from exc
-    if not isinstance(inputs, Mapping) or not all(isinstance(k, str) for k in inputs):
-        raise ValueError(
-            f"make_inputs must return a dict of keyword inputs for module.forward; "
-            f"got {type(inputs).__name__}"
-        )
-    return dict(inputs)
 
 
 def _shapes_seen(shapes: list[tuple[int, ...]], max_tokens: int, max_reqs: int) -> str:
@@ -273,9 +252,8 @@ def infer_layout(
     """
     batch_dims = dict(batch_dims or {})
     probes = [call_make_inputs(make_inputs, t, r) for t, r in PROBES]
-    from .estimate import check_input_memory  # refuses static buffers that will not fit, before making them
-
-    check_input_memory(probes, PROBES, max_tokens=max_tokens, max_reqs=max_reqs, device=device)
+    check_input_memory(  # refuses static buffers that will not fit, before making them
+        probes, PROBES, max_tokens=max_tokens, max_reqs=max_reqs, device=device)
     full = call_make_inputs(make_inputs, max_tokens, max_reqs)
     names = list(full)
     for (t, r), probe in zip(PROBES, probes, strict=False):

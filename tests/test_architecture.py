@@ -1,0 +1,236 @@
+"""docs/architecture.md's layer table, held by the code's imports.
+
+The table lists the layers from the ground floor (plan, shared) up to the
+plugin. A module may import modules of its own layer and of the layers listed
+before it, never one listed after it; and no modules of the package import
+each other in a circle.
+
+Every import counts: at module level and inside functions (a lazy import is
+still a dependency, and a circle held together by one is still a circle).
+Imports under ``if TYPE_CHECKING:`` are ignored for both rules: they never run.
+Only imports of ``pytest_cudagraph`` modules are read. ``from . import x``
+counts as importing the module or subpackage ``x`` when there is one, and the
+package's ``__init__.py`` otherwise; ``from .plan import Batch`` imports
+``plan/__init__.py``. Importing ``a/b.py`` runs ``a/__init__.py`` first, but
+that implied import is not an edge (every package would otherwise be a circle
+with its own modules).
+
+How the table's second column maps to files: a backticked path with a folder
+(``plan/``, ``manager/graph_manager.py``) names that folder (all of it, when
+it ends in ``/``) or that file, and sets the folder for the bare names after
+it in the same row (``capture.py`` after ``manager/graph_manager.py`` is
+``manager/capture.py``); a bare name before any path is a top-level module.
+Every ``.py`` file of the package maps to exactly one layer; a package's
+``__init__.py`` belongs to its folder's layer, and the top-level
+``pytest_cudagraph/__init__.py`` (the public face, which loads the rest
+lazily) to the top layer.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "pytest_cudagraph"
+PAGE = ROOT / "docs" / "architecture.md"
+
+# Imports that run against the table in files this change could not edit,
+# as (importer, imported), paths relative to pytest_cudagraph/. Each entry
+# says why it is there; remove it when its import is fixed. The test fails on
+# any violation not listed here, and on an entry that no longer happens.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+
+
+def _layer_rows() -> list[tuple[str, list[str]]]:
+    """(layer, backticked names of its second column) per row of the layer table, bottom first."""
+    text = PAGE.read_text()
+    section = text.split("## The layers", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 3 or cells[0] in ("layer", "") or set(cells[0]) <= set("-: "):
+            continue
+        names = [n for n in re.findall(r"`([^`]+)`", cells[1]) if re.fullmatch(r"[\w/]+(\.py|/)", n)]
+        rows.append((cells[0], names))
+    return rows
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its path relative to pytest_cudagraph/ (posix)."""
+    return {p.relative_to(PACKAGE).as_posix(): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _layers() -> tuple[list[str], dict[str, str]]:
+    """The layers bottom first, and each module's layer; asserts the table maps every module once."""
+    rows = _layer_rows()
+    modules = _modules()
+    order = [layer for layer, _ in rows]
+    assert len(order) == len(set(order)), f"a layer is listed twice: {order}"
+    claims: dict[str, set[str]] = {}
+    stale = []
+    for layer, names in rows:
+        folder = ""
+        for name in names:
+            if name.endswith("/"):  # a whole folder: `plan/`
+                folder = name.rstrip("/")
+                inside = [m for m in modules if m.startswith(folder + "/")]
+                if not inside:
+                    stale.append(f"{layer}: `{name}`")
+                for m in inside:
+                    claims.setdefault(m, set()).add(layer)
+                continue
+            if "/" in name:  # `manager/graph_manager.py`: this file, and the folder of the bare names after it
+                folder, path = name.rsplit("/", 1)[0], name
+            else:
+                path = f"{folder}/{name}" if folder else name
+            if path not in modules:
+                stale.append(f"{layer}: `{name}` (read as {path})")
+            claims.setdefault(path, set()).add(layer)
+    assert not stale, f"docs/architecture.md names modules that do not exist: {stale}"
+    twice = {m: sorted(ls) for m, ls in claims.items() if len(ls) > 1}
+    assert not twice, f"docs/architecture.md puts modules in more than one layer: {twice}"
+    layer_of = {m: next(iter(ls)) for m, ls in claims.items()}
+    for module in modules:
+        if module == "__init__.py":
+            layer_of[module] = order[-1]
+        elif module.endswith("/__init__.py"):
+            folder = module.rsplit("/", 1)[0]
+            if module in layer_of:
+                continue
+            around = {layer_of[m] for m in modules if m.startswith(folder + "/") and m in layer_of}
+            assert len(around) == 1, f"{folder}/ spans layers {sorted(around)}: its __init__.py has no one layer"
+            layer_of[module] = around.pop()
+    missing = [m for m in modules if m not in layer_of]
+    assert not missing, f"docs/architecture.md's layer table has no row for {missing}"
+    return order, layer_of
+
+
+def _dotted(module: str) -> str:
+    parts = ["pytest_cudagraph", *module[: -len(".py")].split("/")]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth, except the bodies of ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _edges(module: str, source: str, modules: set[str]) -> set[str]:
+    """The package modules ``module`` (a path relative to pytest_cudagraph/) imports in ``source``."""
+    by_dotted = {_dotted(m): m for m in modules}
+
+    def known(dotted: str) -> str | None:
+        while dotted:  # the longest prefix that is a module: `import pytest_cudagraph.plan.config as c`
+            if dotted in by_dotted:
+                return by_dotted[dotted]
+            dotted = dotted.rpartition(".")[0]
+        return None
+
+    own = _dotted(module)
+    package = own if module.endswith("__init__.py") else own.rpartition(".")[0]
+    edges: set[str] = set()
+    for node in _import_nodes(ast.parse(source, filename=module)):
+        if isinstance(node, ast.Import):
+            targets = [known(a.name) for a in node.names if a.name.split(".")[0] == "pytest_cudagraph"]
+        else:
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                source_module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                source_module = node.module or ""
+            if source_module.split(".")[0] != "pytest_cudagraph":
+                continue
+            # `from . import faults` imports the module faults.py; `from .plan import Batch` plan/__init__.py
+            targets = [by_dotted.get(f"{source_module}.{a.name}") or known(source_module) for a in node.names]
+        edges.update(t for t in targets if t is not None and t != module)
+    return edges
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> the package modules it imports (paths relative to pytest_cudagraph/)."""
+    modules = _modules()
+    return {m: _edges(m, path.read_text(), set(modules)) for m, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]], limit: int = 50) -> list[list[str]]:
+    """Every circle of imports (each from its first module in sorted order), at most ``limit``."""
+    circles: list[list[str]] = []
+    nodes = sorted(graph)
+    for start in nodes:
+        # circles through start whose other modules sort after it: each circle found once
+        stack: list[tuple[str, list[str]]] = [(start, [start])]
+        while stack and len(circles) < limit:
+            v, path = stack.pop()
+            for w in sorted(graph.get(v, ()), reverse=True):
+                if w == start:
+                    circles.append([*path, start])
+                elif w > start and w not in path:
+                    stack.append((w, [*path, w]))
+    return sorted(circles)
+
+
+def test_every_module_has_one_layer() -> None:
+    order, layer_of = _layers()
+    assert order[:2] == ["plan", "shared"] and order[-1] == "plugin", order
+    assert set(layer_of) == set(_modules())
+
+
+def test_imports_run_down_the_layer_table() -> None:
+    """A module imports its own layer and the layers listed before it, never one listed after it."""
+    order, layer_of = _layers()
+    rank = {layer: i for i, layer in enumerate(order)}
+    upward = {}
+    for module, targets in sorted(_imports().items()):
+        for target in sorted(targets):
+            if rank[layer_of[target]] > rank[layer_of[module]]:
+                upward[(module, target)] = (f"{module} ({layer_of[module]}) imports {target} "
+                                            f"({layer_of[target]}), listed after it")
+    new = [line for key, line in upward.items() if key not in ALLOWED_UPWARD]
+    gone = [f"{a} -> {b}" for a, b in ALLOWED_UPWARD if (a, b) not in upward]
+    assert not new, "imports against docs/architecture.md's layer table:\n" + "\n".join(new)
+    assert not gone, "ALLOWED_UPWARD lists imports that no longer run upward; remove them: " + ", ".join(gone)
+
+
+def test_no_import_circles() -> None:
+    """No circle of imports among the package's modules, counting imports inside functions."""
+    circles = _cycles(_imports())
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_reader_sees_lazy_and_relative_imports() -> None:
+    """The import reader itself: function-level imports count, TYPE_CHECKING ones do not."""
+    modules = {"__init__.py", "faults.py", "plan/__init__.py", "plan/config.py", "manager/__init__.py",
+               "manager/capture.py", "manager/layout.py", "checks/__init__.py"}
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import torch\n"
+        "from .. import faults\n"
+        "from ..plan import CaptureConfig\n"
+        "import pytest_cudagraph.plan.config as config\n"
+        "if TYPE_CHECKING:\n"
+        "    from ..checks import VerifyReport\n"
+        "def f():\n"
+        "    from .layout import infer_layout\n"
+        "    from . import layout\n")
+    assert _edges("manager/capture.py", source, modules) == {
+        "faults.py", "plan/__init__.py", "plan/config.py", "manager/layout.py"}
+    assert _edges("manager/__init__.py", "from . import capture\nfrom .capture import X\n", modules) == {
+        "manager/capture.py"}
+    assert _cycles({"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "a"], ["a", "b", "c", "a"]]
