@@ -60,7 +60,7 @@ PAIRS = [
          r"aten\._linalg_check_errors\.default \(a CUDA graph capture refuses it"),
     # A Python list index: copied to the device below every dispatcher (learned on the H200).
     Pair("capture_safety", PermutesWithList, PermutesWithBuffer,
-         r"Tensor\.__getitem__ with a Python list index \(host-to-device copy"),
+         r"(Tensor\.__getitem__ with a Python list index|aten\.lift_fresh\.default) \(host-to-device copy"),
     Pair("replay_matches_eager", PythonCounter, BufferCounter, r"Python state changes on every forward \(calls:"),
     Pair("fresh_inputs", IdentityMemo, NoMemo, r"with fresh inputs after capture, replay differs from eager"),
     # Speculative decoding: metadata planned per request count, shared by graphs of several query lengths.
