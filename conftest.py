@@ -11,7 +11,7 @@ import os
 
 from hypothesis import settings
 
-from pytest_cudagraph.profiles import CI_PROFILE, register
+from pytest_cudagraph.plugin.profiles import CI_PROFILE, register
 
 register()
 if os.environ.get("CI", "").lower() == "true":

@@ -43,7 +43,7 @@ import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 entry = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
 ok = entry and "cudagraph = pytest_cudagraph.plugin" in zipfile.ZipFile(sys.argv[1]).read(entry[0]).decode()
-for needed in ("pytest_cudagraph/plugin.py", "pytest_cudagraph/strategies.py", "pytest_cudagraph/py.typed"):
+for needed in ("pytest_cudagraph/plugin/__init__.py", "pytest_cudagraph/strategies.py", "pytest_cudagraph/py.typed"):
     ok = ok and needed in names
 ok = ok and any(n.startswith("pytest_cudagraph/data/") and n.endswith(".json") for n in names)
 ok = ok and not any(n.startswith(("tests/", "examples/", "scripts/")) for n in names)

@@ -18,11 +18,23 @@ from typing import Any
 from .plan.batch import Batch
 from .plan.properties import invalid_reason
 
-__all__ = ["BACKENDS", "RUN_SETTINGS", "VerifyOptions"]
+__all__ = ["BACKENDS", "RUN_SETTINGS", "VerifyOptions", "concrete_backend"]
 
 BACKENDS: tuple[str, ...] = ("auto", "cuda", "emulate")
 #: Fields the run sets (``--cudagraph-verify``), not a test's marker.
 RUN_SETTINGS: tuple[str, ...] = ("exhaustive",)
+
+
+def concrete_backend(name: str) -> str:
+    """'auto' -> 'cuda' where ``torch.cuda.is_available()``, else 'emulate'; others unchanged.
+
+    Imports torch (on first call) only for 'auto'.
+    """
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "emulate"
 
 
 #: The mark of a field ``verify_runner`` takes too.

@@ -191,8 +191,8 @@ def _estimates(args: argparse.Namespace, configs: Sequence[CaptureConfig]) -> tu
     sys.path.insert(0, str(Path.cwd()))
     factory = _load(args.module, "--module")
     make_inputs = _load(args.make_inputs, "--make-inputs")
-    from .harness import default_device, follow_device
     from .manager import GraphManager
+    from .manager.devices import default_device, follow_device
     from .manager.estimate import estimate_capture
 
     module = factory()

@@ -121,7 +121,7 @@ RUNNER_TESTS = ("tests/test_runner.py",)
 DV = "pytest_cudagraph/distributed/verify.py"
 EM = "pytest_cudagraph/backends/emulate.py"
 FA = "pytest_cudagraph/faults.py"
-PL = "pytest_cudagraph/plugin.py"
+PL = "pytest_cudagraph/plugin/__init__.py"
 FAULT_TESTS = ("tests/test_faults.py",)
 TR = "pytest_cudagraph/plan/trace.py"
 CX = "pytest_cudagraph/checks/context.py"
@@ -136,7 +136,7 @@ FLOOR_TESTS = ("tests/test_floor.py",)
 SCALE_TESTS = "tests/test_scale.py"
 OBSERVE_TESTS = ("tests/test_observe.py",)
 DIAGNOSES = ("tests/test_diagnoses.py",)
-PR = "pytest_cudagraph/pytest_report.py"
+PR = "pytest_cudagraph/plugin/report.py"
 GD = "pytest_cudagraph/guard.py"
 CB = "pytest_cudagraph/capturability.py"
 CAPTURABILITY = ("tests/test_capturability.py",)
@@ -373,7 +373,7 @@ MUTANTS: list[Mutant] = [
     Mutant("faults-any-code-sticky", FA, "    if code not in STICKY_CODES:\n        return None",
            "    if code is None:\n        return None", FAULT_TESTS,
            "out of memory and an invalidated capture are told as a lost context"),
-    Mutant("faults-worker-not-ended", PL, "            os._exit(self.EXIT)", "            pass", FAULT_TESTS,
+    Mutant("faults-worker-not-ended", "pytest_cudagraph/plugin/workers.py", "            os._exit(self.EXIT)", "            pass", FAULT_TESTS,
            "an xdist worker whose context is lost runs the tests after it"),
     Mutant("faults-crash-counted-twice", PL, '            report.outcome = "passed"', "            pass",
            FAULT_TESTS, "the replaced worker is also reported as a crash of the test"),
@@ -490,19 +490,19 @@ MUTANTS: list[Mutant] = [
            "a write through a host boolean mask, which CUDA captures, is refused by the general rule"),
     Mutant("guard-not-known-silent", GD, "                self.tracker.not_known.setdefault(str(func), self.tracker.path)",
            "                pass", CAPTURABILITY, "an op the table does not cover passes in silence"),
-    Mutant("compare-new-failure-missed", "pytest_cudagraph/compare_report.py",
+    Mutant("compare-new-failure-missed", "pytest_cudagraph/plugin/compare_report.py",
            'if status == "failed" and was != "failed":', "if False:",
            ("tests/test_compare_report.py",
             "tests/test_plugin.py::test_compare_names_new_failures_and_new_passes_and_can_fail_the_run"),
            "--cudagraph-compare misses a check that newly fails"),
-    Mutant("compare-fail-ignored", "pytest_cudagraph/plugin.py",
+    Mutant("compare-fail-ignored", "pytest_cudagraph/plugin/__init__.py",
            "if run.compare_fail and state.comparison.new_failures and session.exitstatus == pytest.ExitCode.OK:",
            "if False:", ("tests/test_plugin.py::test_compare_names_new_failures_and_new_passes_and_can_fail_the_run",),
            "--cudagraph-compare-fail passes a run with a new failure"),
     Mutant("report-skipped-passes", "pytest_cudagraph/checks/report.py",
            '"passed": None if self.skipped else self.passed,', '"passed": self.passed,',
            ("tests/test_plugin.py::test_json_report_content",), "a skipped check reported as passed (issue #29)"),
-    Mutant("junit-failed-uncounted", "pytest_cudagraph/pytest_report.py", 'failed += status == "failed"',
+    Mutant("junit-failed-uncounted", "pytest_cudagraph/plugin/report.py", 'failed += status == "failed"',
            "failed += 0", ("tests/test_plugin.py::test_the_schema_holds_the_reports_fields_and_fails_a_report_without_them",),
            "junit XML says no check failed"),
     Mutant("registry-deselect-ignored", "pytest_cudagraph/checks/registry.py",
@@ -510,7 +510,7 @@ MUTANTS: list[Mutant] = [
            ("tests/test_registry.py::test_a_leading_minus_deselects_a_check",
             "tests/test_plugin.py::test_checks_option_and_ini_select_and_deselect_and_the_marker_wins"),
            "--cudagraph-checks=-determinism runs determinism all the same"),
-    Mutant("isolate-timeout-ignored", "pytest_cudagraph/isolate.py",
+    Mutant("isolate-timeout-ignored", "pytest_cudagraph/plugin/isolate.py",
            "stdout, stderr = child.communicate(timeout=limit)", "stdout, stderr = child.communicate(timeout=None)",
            ("tests/test_isolate.py::test_a_hung_child_is_killed_with_its_group_and_named_with_its_phase",),
            "a hung isolated child hangs the run"),
@@ -542,7 +542,7 @@ MUTANTS: list[Mutant] = [
     Mutant("layout-probe-beyond-requests", L, "if t <= max_tokens and r <= max_reqs and t > r]",
            "if t <= max_tokens and t > r]", ("tests/test_manager_rows.py",),
            "the output probe runs the module with more requests than the plan holds (a device assert on a GPU)"),
-    Mutant("settings-ini-bool-keyless", "pytest_cudagraph/settings.py",
+    Mutant("settings-ini-bool-keyless", "pytest_cudagraph/plugin/settings.py",
            "    except (ValueError, pytest.UsageError) as exc:  # pytest 9 raises UsageError, without the key",
            "    except ValueError as exc:", ("tests/test_usage_errors.py",), "a bad ini boolean does not name its key"),
 ]

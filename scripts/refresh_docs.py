@@ -77,7 +77,7 @@ def _runner_checks_table() -> list[str]:
 def _report_fields() -> list[str]:
     """docs/reports.md's table of the JSON report's fields, from the schema the package ships."""
     sys.path.insert(0, str(ROOT))
-    from pytest_cudagraph.pytest_report import REPORT_SCHEMA
+    from pytest_cudagraph.plugin.report import REPORT_SCHEMA
 
     schema = json.loads(REPORT_SCHEMA.read_text())
     rows = ["| field | type | what it holds |", "|---|---|---|"]

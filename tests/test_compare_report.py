@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_cudagraph.compare_report import MOVED, compare
+from pytest_cudagraph.plugin.compare_report import MOVED, compare
 
 
 def _doc(status: str, capture_s: float, peak: int, outcome: str = "passed") -> dict[str, Any]:

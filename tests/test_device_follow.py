@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_cudagraph.harness import follow_device
+from pytest_cudagraph.manager.devices import follow_device
 from tests.conftest import isolate_plugins
 
 # The README's short example, and a bug-free twin: CPU modules, CPU tensors, no device anywhere.

@@ -24,7 +24,7 @@ from pytest_cudagraph.plan.properties import (
     check_reachability,
     invalid_reason,
 )
-from pytest_cudagraph.profiles import CI_PROFILE, THOROUGH_PROFILE
+from pytest_cudagraph.plugin.profiles import CI_PROFILE, THOROUGH_PROFILE
 from pytest_cudagraph.strategies import batches, capture_configs, descriptors, invalid_batches
 
 FULL, PIECEWISE, NONE = GraphMode.FULL, GraphMode.PIECEWISE, GraphMode.NONE

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pytest_cudagraph import isolate
+from pytest_cudagraph.plugin import isolate
 from tests.conftest import isolate_plugins
 
 INNER = """
@@ -22,7 +22,7 @@ import signal
 import pytest
 import torch
 
-from pytest_cudagraph.isolate import CHILD_ENV
+from pytest_cudagraph.plugin.isolate import CHILD_ENV
 
 
 def _note(name):
@@ -124,7 +124,7 @@ def test_filter_args_drops_paths_and_unwanted_options(inner: pytest.Pytester) ->
 
 
 def test_child_reporter_round_trips_the_plugin_attributes(inner: pytest.Pytester, tmp_path: Path) -> None:
-    from pytest_cudagraph import pytest_report
+    from pytest_cudagraph.plugin import report as pytest_report
 
     config = inner.parseconfig()
     report = pytest.TestReport("t.py::test", ("t.py", 1, "test"), {}, "passed", None, "call")

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_cudagraph import settings as cg_settings
 from pytest_cudagraph.checks import CHECKS, verify
 from pytest_cudagraph.plan import CaptureConfig
-from pytest_cudagraph.settings import Settings, parse_backend, parse_sizes, resolve, verify_keywords
+from pytest_cudagraph.plugin import settings as cg_settings
+from pytest_cudagraph.plugin.settings import Settings, parse_backend, parse_sizes, resolve, verify_keywords
 from tests.conftest import isolate_plugins
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="what happens without a GPU")
@@ -87,7 +87,7 @@ def _report(pytester: pytest.Pytester, name: str = "report.json") -> dict[str, A
 def _valid(document: dict[str, Any]) -> None:
     """The report holds to the schema the package ships."""
     jsonschema = pytest.importorskip("jsonschema")
-    from pytest_cudagraph.pytest_report import REPORT_SCHEMA
+    from pytest_cudagraph.plugin.report import REPORT_SCHEMA
 
     jsonschema.validate(document, json.loads(REPORT_SCHEMA.read_text()))
 
@@ -107,7 +107,7 @@ def _verified(data: dict[str, Any], test: str) -> list[int]:
 # -- import time and --help ---------------------------------------------------
 def test_importing_the_plugin_does_not_import_torch() -> None:
     code = (
-        "import sys, pytest_cudagraph.plugin, pytest_cudagraph.settings, pytest_cudagraph.pytest_report; "
+        "import sys, pytest_cudagraph.plugin, pytest_cudagraph.plugin.settings, pytest_cudagraph.plugin.report; "
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -805,10 +805,10 @@ def test_every_environment_variable_the_plugin_reads_is_in_help() -> None:
     from pathlib import Path
 
     from pytest_cudagraph.backends.base import CAPTURE_ENV
-    from pytest_cudagraph.isolate import CHILD_ENV
     from pytest_cudagraph.manager.estimate import CHECK_ENV
     from pytest_cudagraph.plugin import ENVIRONMENT
-    from pytest_cudagraph.threads import THREADS_ENV
+    from pytest_cudagraph.plugin.isolate import CHILD_ENV
+    from pytest_cudagraph.plugin.threads import THREADS_ENV
 
     listed = {name for name, _ in ENVIRONMENT}
     assert listed == {CAPTURE_ENV, CHILD_ENV, CHECK_ENV, THREADS_ENV}
@@ -879,7 +879,7 @@ def test_every_option_has_its_ini_twin(pytester: pytest.Pytester) -> None:
 
 def test_the_schema_holds_the_reports_fields_and_fails_a_report_without_them(inner: pytest.Pytester) -> None:
     jsonschema = pytest.importorskip("jsonschema")
-    from pytest_cudagraph.pytest_report import REPORT_SCHEMA
+    from pytest_cudagraph.plugin.report import REPORT_SCHEMA
 
     inner.makepyfile(test_rep=REPORT_TESTS)
     inner.runpytest("--cudagraph-report=report.json", "--junitxml=junit.xml")
@@ -974,7 +974,7 @@ def test_one_options_object_is_the_source_of_every_keyword_list() -> None:
     """A new verification keyword is one field of VerifyOptions: verify's signature, the marker's, the
     fixture's and verify_runner's keywords all follow from its fields."""
     from pytest_cudagraph import VerifyOptions, verify_runner
-    from pytest_cudagraph.harness import RUNNER_KEYWORDS
+    from pytest_cudagraph.plugin.harness import RUNNER_KEYWORDS
 
     fields = VerifyOptions.field_names()
     params = inspect.signature(verify).parameters

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from pytest_cudagraph import pytest_report
-from pytest_cudagraph.settings import Settings
+from pytest_cudagraph.plugin import report as pytest_report
+from pytest_cudagraph.plugin.settings import Settings
 from tests.test_bench import BENCH_TEST
 from tests.test_plugin import CONFTEST, MODULES, inner  # noqa: F401  (the pytester fixture)
 

@@ -1,12 +1,12 @@
-"""Torch's intra-op threads per test process (pytest_cudagraph.threads)."""
+"""Torch's intra-op threads per test process (pytest_cudagraph.plugin.threads)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pytest_cudagraph import threads
-from pytest_cudagraph.threads import apply_threads, plan_threads, worker_count
+from pytest_cudagraph.plugin import threads
+from pytest_cudagraph.plugin.threads import apply_threads, plan_threads, worker_count
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pytest_cudagraph import GraphManager, verify
-from pytest_cudagraph.harness import inputs_on, move_to
+from pytest_cudagraph.manager.devices import inputs_on, move_to
 from pytest_cudagraph.manager.layout import MakeInputsError
 from tests.test_plugin import CONFTEST, CPU_ONLY, MODULES, inner  # noqa: F401  (the pytester fixture)
 

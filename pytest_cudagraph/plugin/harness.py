@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from .checks import Check, VerifyReport, verify
-from .checks.registry import check_list
-from .manager import GraphManager
-from .manager.layout import not_a_module
-from .options import VerifyOptions
-from .plan import CaptureConfig
-from .pytest_report import make_record
+from ..checks import Check, VerifyReport, verify
+from ..checks.registry import check_list
+from ..manager import GraphManager
+from ..manager.devices import default_device, follow_device, inputs_on, move_to
+from ..manager.layout import not_a_module
+from ..options import VerifyOptions
+from ..plan import CaptureConfig
+from .report import make_record
 from .settings import (
     CONFIG_KEYWORDS,
     VERIFY_KEYWORDS,
@@ -44,19 +45,6 @@ _NO_SIZES = (
 )
 
 
-def default_device(backend: str) -> torch.device:
-    """The device a backend runs on: the current CUDA device for 'cuda', the CPU for 'emulate'."""
-    backend = concrete_backend(backend)
-    if backend == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "backend 'cuda' was asked for (fixture keyword, marker, --cudagraph-backend or ini "
-                "cudagraph_backend), but torch.cuda.is_available() is False here; use 'emulate' or 'auto'"
-            )
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def device_for_test(backend: str) -> torch.device:
     """``default_device``, failing the test plainly (no traceback) where 'cuda' has no CUDA."""
     try:
@@ -64,50 +52,6 @@ def device_for_test(backend: str) -> torch.device:
     except ValueError as exc:
         pytest.fail(f"{exc}; a test that needs a GPU is marked @pytest.mark.cuda, which skips it where there is "
                     "none", pytrace=False)
-
-
-def move_to(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor in it (dict values, list and tuple items, recursively) on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, Mapping):
-        return {k: move_to(v, device) for k, v in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(move_to(v, device) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(move_to(v, device) for v in value)
-    return value
-
-
-def inputs_on(
-    make_inputs: Callable[[int, int], Mapping[str, Any]], device: torch.device
-) -> Callable[[int, int], Mapping[str, Any]]:
-    """``make_inputs`` whose tensors (dict values, and inside lists and tuples) are moved to ``device``."""
-
-    def moved(num_tokens: int, num_reqs: int) -> Mapping[str, Any]:
-        # The manager's call_make_inputs around this says what a failing call or a non-dict means.
-        inputs = make_inputs(num_tokens, num_reqs)
-        if not isinstance(inputs, Mapping):
-            return inputs
-        return {name: move_to(value, device) for name, value in inputs.items()}
-
-    return moved
-
-
-def follow_device(
-    module: torch.nn.Module,
-    make_inputs: Callable[[int, int], Mapping[str, Any]],
-    device: torch.device | str | None,
-) -> Callable[[int, int], Mapping[str, Any]]:
-    """On a CUDA device, the same test as on the CPU: the module moves there (in place,
-    ``module.to(device)``) when it has CPU parameters or buffers, and the tensors
-    ``make_inputs`` returns are moved there; elsewhere both are left as they are."""
-    if device is None or torch.device(device).type != "cuda":
-        return make_inputs
-    target = torch.device(device)
-    if any(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers())):
-        module.to(target)
-    return inputs_on(make_inputs, target)
 
 
 def _check_module(module: object, where: str) -> None:
@@ -269,7 +213,7 @@ class RunnerVerifier:
 
     def __call__(self, runner: Callable[..., Any], module: torch.nn.Module,
                  make_inputs: Callable[[int, int], Mapping[str, Any]], **call: Any) -> VerifyReport:
-        from .runner import verify_runner
+        from ..runner import verify_runner
 
         _check_module(module, "cudagraph_verify_runner")
         check_keywords(call, RUNNER_KEYWORDS, "cudagraph_verify_runner")
@@ -302,7 +246,7 @@ class DistributedVerifier:
 
     def __call__(self, build: Callable[[int, int], torch.nn.Module],
                  make_inputs: Callable[[int, int], Mapping[str, Any]], **call: Any) -> VerifyReport:
-        from .distributed import verify_distributed
+        from ..distributed import verify_distributed
         from .settings import rank_devices
 
         extra = ("world_size", "timeout", "replicated")

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from .units import format_bytes, format_seconds
+from ..units import format_bytes, format_seconds
 
 __all__ = ["MOVED", "Comparison", "compare", "load_baseline"]
 

@@ -18,7 +18,7 @@ import pytest
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from .checks.registry import Check
+    from ..checks.registry import Check
 
 
 @pytest.hookspec

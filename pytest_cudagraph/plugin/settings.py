@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 
 import pytest
 
-from .options import BACKENDS, RUN_SETTINGS, VerifyOptions
-from .plan.batch import Batch
-from .plan.config import CaptureConfig
-from .plan.modes import GraphMode
+from ..options import BACKENDS, RUN_SETTINGS, VerifyOptions, concrete_backend
+from ..plan.batch import Batch
+from ..plan.config import CaptureConfig
+from ..plan.modes import GraphMode
 
 __all__ = [
     "BACKENDS",
@@ -312,7 +312,7 @@ def _flag(config: pytest.Config, name: str) -> bool:
 
 def read_trace_shapes(path: Path, config: pytest.Config) -> tuple[Batch, ...]:
     """The distinct batch shapes of the trace at ``path``; a trace that cannot be read is a UsageError."""
-    from .plan.trace import TraceError, read_trace
+    from ..plan.trace import TraceError, read_trace
 
     source = "--cudagraph-trace" if config.getoption("cudagraph_trace", default=None) else "ini option cudagraph_trace"
     try:
@@ -398,18 +398,6 @@ def _source(config: pytest.Config, name: str) -> str:
     if config.getoption(name, default=None) is not None:
         return "--" + name.replace("_", "-")
     return f"ini option {name}"
-
-
-def concrete_backend(name: str) -> str:
-    """'auto' -> 'cuda' where ``torch.cuda.is_available()``, else 'emulate'; others unchanged.
-
-    Imports torch (on first call) only for 'auto'.
-    """
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "emulate"
 
 
 # -- the marker ------------------------------------------------------------
@@ -531,8 +519,8 @@ def split_labels(run: Settings, marker: Mapping[str, Any]) -> list[str] | None:
     the plan; None otherwise, and the test stays one item. Plan errors are
     left for the test to report.
     """
-    from .plan import CaptureConfig, CapturePlan
-    from .plan.selection import select_descriptors
+    from ..plan import CaptureConfig, CapturePlan
+    from ..plan.selection import select_descriptors
 
     keywords = verify_keywords(run, marker, None)
     if "capture_sizes" not in keywords:

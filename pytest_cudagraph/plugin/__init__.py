@@ -1,30 +1,31 @@
 """pytest plugin: markers, options, hooks and fixtures of pytest-cudagraph.
 
 Hooks, options and fixtures only; the work lives in ``settings`` (resolving
-the settings), ``pytest_report`` (run state, header, summary, JSON report) and
-``harness`` (what the fixtures do). torch is imported lazily, inside fixtures
+the settings), ``report`` (run state, header, summary, JSON report),
+``harness`` (what the fixtures do), ``workers`` (GPUs of xdist workers, and a
+lost CUDA context) and ``isolate`` (a test in a child process). torch is imported lazily, inside fixtures
 and hooks that run tests, so that ``pytest --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from . import pytest_report, settings
+from . import report as pytest_report
+from . import settings, workers
 
 if TYPE_CHECKING:
     import torch
 
-    from .bench.fixture import BenchmarkRunner
+    from ..bench.fixture import BenchmarkRunner
+    from ..plan.batch import Batch
+    from ..plan.properties import DispatchProperties
     from .harness import DistributedVerifier, ManagerFactory, RunnerVerifier, Verifier
-    from .plan.batch import Batch
-    from .plan.properties import DispatchProperties
 
 _CUDA_MARKER = "cuda: the test needs a CUDA device; it is skipped cleanly where none is available"
 _CUDAGRAPH_MARKER = (
@@ -243,37 +244,6 @@ _PLUGIN_FIXTURES = frozenset(
 )
 
 
-class _LostContext:
-    """What happens after a test takes its process's CUDA context down, under pytest-xdist."""
-
-    #: The exit status of a worker ended because its CUDA context was lost.
-    EXIT = 75
-
-    def __init__(self, config: pytest.Config) -> None:
-        self.config = config
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_logfinish(self, nodeid: str) -> Generator[None, None, None]:
-        yield
-        # A worker whose CUDA context a test took down ends once that test's
-        # reports are sent: the controller starts a fresh worker for the tests
-        # after it, and pytest_handlecrashitem keeps the test from counting twice.
-        if hasattr(self.config, "workerinput") and _state(self.config).lost_here == nodeid:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(self.EXIT)
-
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_handlecrashitem(self, crashitem: str, report: pytest.TestReport) -> None:
-        # The controller: the worker ended after its test lost the CUDA
-        # context. That is no crash of the test (its failure is reported
-        # already) nor of any other: xdist's report of it is logged as a passed teardown.
-        if crashitem in _state(self.config).lost:
-            report.outcome = "passed"
-            report.when = "teardown"
-            report.longrepr = None
-
-
 def _uses_plugin(item: pytest.Item) -> bool:
     fixtures = getattr(item, "fixturenames", ())
     return item.get_closest_marker("cudagraph") is not None or any(f in _PLUGIN_FIXTURES for f in fixtures)
@@ -292,7 +262,7 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.check_session(run, config)  # report paths writable; --cudagraph-backend=cuda has CUDA
     config.stash[pytest_report.STATE_KEY] = pytest_report.RunState(run)
     config.pluginmanager.register(_Collector(config), "cudagraph-collector")
-    config.pluginmanager.register(_LostContext(config), "cudagraph-lost-context")
+    config.pluginmanager.register(workers.LostContext(config), "cudagraph-lost-context")
     from . import isolate
 
     if isolate.in_child():  # a test run by --cudagraph-isolate: its reports go back to the parent
@@ -358,7 +328,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("_cudagraph_slice", labels, indirect=True, ids=labels)
 
 
-_TORCH_READY_KEY = pytest.StashKey[bool]()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -371,45 +340,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_THREADS_KEY] = thread_plan(session.config)[1]
     # --cudagraph-devices asks for GPUs: checked here, where a bad one can stop the run.
     if "torch" in sys.modules or _state(session.config).settings.devices is not None:
-        _torch_ready(session.config)
+        workers.torch_ready(session.config)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if "torch" in sys.modules:  # the tests' modules imported it: set it up before any test runs
-        _torch_ready(session.config)
-
-
-def _torch_ready(config: pytest.Config) -> None:
-    """Once a process: torch's threads, and each xdist worker's own GPU (gw<N> -> the N-th of
-    --cudagraph-devices, or of every visible device), so that "cuda" means that GPU for the
-    fixtures and the tests alike."""
-    if config.stash.get(_TORCH_READY_KEY, False):
-        return
-    config.stash[_TORCH_READY_KEY] = True
-    from .threads import apply_threads
-
-    apply_threads(config)
-    run = _state(config).settings
-    worker = config.workerinput["workerid"] if hasattr(config, "workerinput") else None
-    if (worker is None and run.devices is None) or run.backend == "emulate":
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        return
-    count = torch.cuda.device_count()
-    missing = [d for d in run.devices or () if d >= count]
-    if missing:  # checked once, where it can stop the run (a worker's error would crash it)
-        if worker is not None:
-            return
-        raise pytest.UsageError(
-            f"--cudagraph-devices names device(s) {missing}, but only {count} CUDA device(s) are visible"
-        )
-    if worker is None and getattr(config.option, "numprocesses", None):
-        return  # the xdist controller runs no test: its workers take the devices
-    index = settings.worker_device_index(worker, run.devices, count)
-    if index is not None:
-        torch.cuda.set_device(index)
+        workers.torch_ready(session.config)
 
 
 def _cuda_available() -> bool:
@@ -439,9 +375,9 @@ def _needs_cuda(item: pytest.Item) -> bool:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # A test that imports torch only in its body, or only through this plugin's fixtures.
-    if not item.config.stash.get(_TORCH_READY_KEY, False) and (
+    if not workers.is_torch_ready(item.config) and (
             "torch" in sys.modules or any(n.startswith("cudagraph") for n in getattr(item, "fixturenames", ()))):
-        _torch_ready(item.config)
+        workers.torch_ready(item.config)
     marker_error = item.stash.get(settings.MARKER_ERROR_KEY, None)
     if marker_error is not None:
         pytest.fail(marker_error, pytrace=False)
@@ -463,7 +399,7 @@ def pytest_runtest_makereport(
     report = yield
     state = _state(item.config)
     if call.excinfo is not None:
-        from .faults import context_lost_error, note_loss
+        from ..faults import context_lost_error, note_loss
 
         lost = context_lost_error(call.excinfo.value)
         if lost is not None and state.lost_here is None:
@@ -522,7 +458,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
     if bench_report is not None:
         state.bench_results.extend(state.take_bench_rows())  # rows made outside a test's phases
         if state.bench_results:
-            from .bench.markdown import write_bench_report
+            from ..bench.markdown import write_bench_report
 
             state.bench_written = write_bench_report(state.bench_results, bench_report)
         else:
@@ -646,7 +582,7 @@ def cudagraph_verify_distributed(request: pytest.FixtureRequest) -> DistributedV
 def _hook_checks(request: pytest.FixtureRequest) -> list[Any]:
     """The checks the ``pytest_cudagraph_checks`` hooks return for this test: plugins', and those of
     the conftest.py files above it (through the item's hook proxy, as pytest scopes conftest hooks)."""
-    from .checks.registry import Check, check_list
+    from ..checks.registry import Check, check_list
 
     found: list[Any] = []
     for result in request.node.ihook.pytest_cudagraph_checks(config=request.config):
@@ -670,7 +606,7 @@ def cudagraph_benchmark(request: pytest.FixtureRequest) -> BenchmarkRunner:
     ``extra_info``. Returns the measurements (None when pytest-benchmark is
     disabled, under xdist say: then each graph runs once, untimed).
     """
-    from .bench.fixture import BenchmarkRunner
+    from ..bench.fixture import BenchmarkRunner
     from .harness import default_device
 
     state = _state(request.config)
@@ -688,7 +624,7 @@ def cudagraph_dispatch_properties() -> DispatchProperties:
     every captured descriptor is reachable); session-scoped so that
     ``@given`` tests can use it.
     """
-    from .plan.properties import DispatchProperties
+    from ..plan.properties import DispatchProperties
 
     return DispatchProperties()
 

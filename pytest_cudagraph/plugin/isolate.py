@@ -41,7 +41,7 @@ from typing import Any
 
 import pytest
 
-from . import pytest_report
+from . import report as pytest_report
 
 __all__ = [
     "CHILD_ENV",

@@ -31,10 +31,10 @@ from typing import Any
 
 import pytest
 
-from .files import atomic_write_text
+from ..files import atomic_write_text
+from ..units import format_bytes, format_seconds
 from .run_info import commit_info, machine_info, now_utc
 from .settings import Settings
-from .units import format_bytes, format_seconds
 
 __all__ = [
     "BENCH_ATTR",
@@ -66,7 +66,7 @@ BENCH_ATTR = "cudagraph_bench_rows"
 #: ``finished``, ``machine`` and ``commit``; a skipped check's ``passed`` is null and every
 #: check has a ``status``). The schema: ``data/report.schema.json`` (``REPORT_SCHEMA``).
 REPORT_VERSION = 3
-REPORT_SCHEMA = Path(__file__).parent / "data" / "report.schema.json"
+REPORT_SCHEMA = Path(__file__).parents[1] / "data" / "report.schema.json"
 #: Outcome of a test whose pytest-xdist worker crashed while running it.
 CRASHED = "crashed"
 _PHASES = ("setup", "call", "teardown")
