@@ -321,7 +321,7 @@ MUTANTS: list[Mutant] = [
            "the report does not list skipped checks"),
     Mutant("fresh-no-harness-inputs", S, "second, made = drawn_inputs(ctx, second)", "made = \"\"", ONE_EACH,
            "with a deterministic make_inputs, fresh_inputs cannot run"),
-    Mutant("fresh-harness-same-values", S, "drawn[name] = _drawn_value(tensors[name], gen)",
+    Mutant("fresh-harness-same-values", S, "drawn[name] = drawn_value(tensors[name], gen)",
            "drawn[name] = tensors[name]", ONE_EACH, "the harness's fresh values are the old ones"),
     Mutant("fresh-harness-ints-unchanged", S, "permuted = value.index_select(dim, perm.to(value.device))",
            "permuted = value", ONE_EACH, "integer rows are not permuted"),

@@ -238,11 +238,11 @@ def test_with_isolation_the_fault_costs_its_child_only(pytester: pytest.Pytester
 
 def test_a_check_that_runs_out_of_memory_fails_and_says_what_was_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     from pytest_cudagraph.checks.builtin import BUILTIN
-    from pytest_cudagraph.checks.engine import _could_not_run
+    from pytest_cudagraph.checks.engine import could_not_run
 
     monkeypatch.setattr(faults, "_last_oom", (0, 3 << 30, 140 << 30, 1 << 30))
     check = next(iter(BUILTIN))
-    outcome = _could_not_run(check, None, torch.OutOfMemoryError("stand-in"))
+    outcome = could_not_run(check, None, torch.OutOfMemoryError("stand-in"))
     assert not outcome.passed and not outcome.skipped
     assert outcome.message == ("the check could not run: out of device memory: an allocation of 3.0 GiB was asked "
                                "for with 1.0 GiB free of 140.0 GiB on cuda:0 (OutOfMemoryError)")

@@ -28,7 +28,9 @@ from .registry import Check, CheckRegistry, check_list
 from .report import Finding, Outcome, VerifyReport
 from .suite import attributes_restored, capture_safety, tensor_attributes
 
-__all__ = ["CHECKS", "DISPATCH_CHECK", "registry_with", "select_descriptors", "verify"]
+# could_not_run and guarded are the seams runner/ runs its checks through: a check that raises
+# is a failure that says so, never a pass.
+__all__ = ["CHECKS", "DISPATCH_CHECK", "could_not_run", "guarded", "registry_with", "select_descriptors", "verify"]
 
 #: The built-in checks of a module's graphs, in the order they run (the
 #: dispatch check, which concerns the plan, is ``DISPATCH_CHECK``).
@@ -401,7 +403,7 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
             check.prepare(ctx)
         except Exception as exc:  # a check that cannot prepare cannot run: said, not skipped in silence
             _raise_if_lost(exc)
-            report.add([_could_not_run(check, None, exc, "its prepare step raised ")])
+            report.add([could_not_run(check, None, exc, "its prepare step raised ")])
         else:
             runnable.append(check)
     to_capture = [d for d in selected if d not in blocked]
@@ -438,7 +440,7 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
                 report.add([Outcome(check.name, desc, True, blocked[desc], skipped=True)])
             else:
                 with meter.step(check.name):
-                    outcome = _guarded(check, desc, partial(check.run, ctx, desc))
+                    outcome = guarded(check, desc, partial(check.run, ctx, desc))
                 report.add([_named(ctx, outcome)])
         # Nothing a descriptor kept outlives its checks: the eager run state reuses, the capture sample.
         ctx.exact_eager.pop(desc, None)
@@ -449,7 +451,7 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
                                 skipped=True)])
         else:
             with meter.step(check.name):
-                outcome = _guarded(check, None, partial(check.run, ctx, captured))
+                outcome = guarded(check, None, partial(check.run, ctx, captured))
             report.add([outcome])
     report.check_seconds = time.perf_counter() - started
 
@@ -471,19 +473,19 @@ def _raise_if_lost(exc: Exception) -> None:
         raise exc
 
 
-def _could_not_run(check: Check, desc: BatchDescriptor | None, exc: Exception, step: str = "") -> Outcome:
+def could_not_run(check: Check, desc: BatchDescriptor | None, exc: Exception, step: str = "") -> Outcome:
     """A check that raised: a failure that says so, never a pass (nor a crash of verify())."""
     return Outcome(check.name, desc, False, f"the check could not run: {step}{faults.described(exc)}")
 
 
-def _guarded(check: Check, desc: BatchDescriptor | None, fn: Callable[[], Any]) -> Outcome:
+def guarded(check: Check, desc: BatchDescriptor | None, fn: Callable[[], Any]) -> Outcome:
     try:
         return check.outcome(fn(), desc)
     except MakeInputsError:
         raise  # the caller's make_inputs is wrong: told plainly, as verify's other bad arguments are
     except Exception as exc:
         _raise_if_lost(exc)
-        return _could_not_run(check, desc, exc)
+        return could_not_run(check, desc, exc)
 
 
 def _guarded_each(check: Check, ctx: VerifyContext, descs: list[BatchDescriptor]) -> list[Outcome]:
@@ -495,7 +497,7 @@ def _guarded_each(check: Check, ctx: VerifyContext, descs: list[BatchDescriptor]
         raise
     except Exception as exc:
         _raise_if_lost(exc)
-        return [_could_not_run(check, d, exc) for d in descs]
+        return [could_not_run(check, d, exc) for d in descs]
     seen = {o.descriptor for o in outcomes}
     missing = [d for d in descs if d not in seen]
     # An outcome per descriptor, or the check says nothing about some: that is a defect of the check, told.

@@ -28,13 +28,19 @@ __all__ = [
     "address_stability",
     "attributes_restored",
     "capture_safety",
+    "drawn_value",
+    "finding_of",
     "output_lifetime",
     "record_addresses",
     "tensor_attributes",
+    "where_of",
 ]
 
+# The seams other layers build their checks with (runner/'s checks): where a difference is
+# (``finding_of``, ``where_of``) and fresh values for an input (``drawn_value``).
 
-def _finding(diff: Difference, batch: Batch | None = None, submodule: str | None = None,
+
+def finding_of(diff: Difference, batch: Batch | None = None, submodule: str | None = None,
              segment: str | None = None) -> Finding:
     return Finding(
         output=diff.path,
@@ -49,7 +55,7 @@ def _finding(diff: Difference, batch: Batch | None = None, submodule: str | None
     )
 
 
-def _where(diff: Difference) -> str:
+def where_of(diff: Difference) -> str:
     path = diff.path or "the output"
     return f"{path}: {diff.reason}"
 
@@ -151,12 +157,12 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
                 check, desc, False,
                 f"Python state changes on every forward ({name}: {before.get(name)!r} -> {after[name]!r}), "
                 f"but a graph runs Python only at capture, so replay keeps the capture-time value "
-                f"({_where(diff)}); keep such state in a registered buffer updated in place",
-                _finding(diff, batch),
+                f"({where_of(diff)}); keep such state in a registered buffer updated in place",
+                finding_of(diff, batch),
             )
         uninitialized = ctx.uninitialized()
         if uninitialized:
-            return Outcome(check, desc, False, f"{uninitialized} ({_where(diff)})", _finding(diff, batch))
+            return Outcome(check, desc, False, f"{uninitialized} ({where_of(diff)})", finding_of(diff, batch))
         ctx.restore(state0)
         ctx.seed_all(ctx.seed)
         again = ctx.eager(padded, desc)
@@ -166,13 +172,13 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
                 "eager differs from itself on the same inputs, state and seed: the module is nondeterministic "
                 "(state outside registered buffers, or nondeterministic kernels), so replay cannot be compared "
                 "bit for bit",
-                _finding(diff, batch),
+                finding_of(diff, batch),
             )
     submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=False)
     what = ("with fresh inputs after capture, replay differs from eager: values or tensors computed at capture "
             "were frozen into the graph" if fresh else
             "replay differs from eager on the inputs the graph was captured with")
-    return Outcome(check, desc, False, f"{what} ({_where(diff)})", _finding(diff, batch, submodule, segment))
+    return Outcome(check, desc, False, f"{what} ({where_of(diff)})", finding_of(diff, batch, submodule, segment))
 
 
 def _nothing_to_compare(check: str, desc: BatchDescriptor, output: Any, batch: Batch) -> Outcome:
@@ -204,7 +210,7 @@ def replay_matches_eager(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                            fresh=False)
 
 
-def _drawn_value(value: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def drawn_value(value: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """Fresh floating values in ``value``'s observed range (around it, when it holds one value)."""
     finite = value[torch.isfinite(value)].float()
     lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
@@ -267,7 +273,7 @@ def drawn_inputs(ctx: VerifyContext, inputs: dict[str, Any]) -> tuple[dict[str, 
     drawn = dict(inputs)
     floats = [name for name, v in tensors.items() if v.is_floating_point()]
     for name in floats:
-        drawn[name] = _drawn_value(tensors[name], gen)
+        drawn[name] = drawn_value(tensors[name], gen)
     if floats:
         return drawn, f"fresh floating values in {', '.join(repr(n) for n in floats)}"
     changed = []
@@ -357,7 +363,7 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 diff = first_difference(got, expected)
                 verdict = Verdict(diff is None, diff, "" if diff is None else
                                   f"real rows differ from eager on the unpadded batch bit for bit "
-                                  f"(batch_invariant) ({_where(diff)})")
+                                  f"(batch_invariant) ({where_of(diff)})")
             else:
                 def padded(state0: dict[str, torch.Tensor] = state0, inputs: dict[str, Any] = inputs,
                            batch: Batch = batch) -> Any:
@@ -375,7 +381,7 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             return _opaque_output("real_batches", desc, diff, batch)
         submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=True) \
             if diff is not None and diff.index is not None else (None, None)
-        finding = _finding(diff, batch, submodule, segment) if diff is not None else Finding(real_batch=batch.shape())
+        finding = finding_of(diff, batch, submodule, segment) if diff is not None else Finding(real_batch=batch.shape())
         cause = _capture_path(ctx, inputs, batch, state0, got, None if ctx.batch_invariant else padded, rows)
         why = f"{cause}. What the check saw: {verdict.why}" if cause else verdict.why
         return Outcome("real_batches", desc, False, f"{why}{_batch_norm_hint(ctx)}{_python_hint(ctx)}",
@@ -414,7 +420,7 @@ def _capture_path(ctx: VerifyContext, inputs: dict[str, Any], batch: Batch, stat
         return ""
     return ("the module computes something else when it is captured: on the unpadded batch itself, eager on its "
             "capture path (torch.cuda.is_current_stream_capturing() answering True) differs from eager as users "
-            f"run it ({_where(diff)}), and the graph agrees with the capture path. Look for a branch on "
+            f"run it ({where_of(diff)}), and the graph agrees with the capture path. Look for a branch on "
             "capturing, or state kept for captures (metadata planned per request count or per token count, "
             "shared by graphs of several query lengths)")
 
@@ -545,8 +551,8 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             return Outcome(
                 "padding_isolation", desc, False,
                 f"real rows change when padded rows of {filled} hold {label} instead of {instead}: padding "
-                f"leaks into real rows ({_where(diff)}){strict}{_batch_norm_hint(ctx)}",
-                _finding(diff, batch),
+                f"leaks into real rows ({where_of(diff)}){strict}{_batch_norm_hint(ctx)}",
+                finding_of(diff, batch),
                 figures={"fill": label, "nonfinite": bool(strict)},
             )
         diff = ctx.state_difference(state, base_state, use_scratch=True)
@@ -556,7 +562,7 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 f"module state '{diff.path}' changes when padded rows of {filled} hold {label} instead of "
                 f"{instead}: padded rows write into state (mask them out through is_padding, or route them to a "
                 f"scratch slot and name it in scratch_state){strict}",
-                _finding(diff, batch),
+                finding_of(diff, batch),
                 figures={"fill": label, "nonfinite": bool(strict)},
             )
     return Outcome("padding_isolation", desc, True,
@@ -664,7 +670,7 @@ def side_outputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             f"{_shape(expected[name])}{'' if diff.reason.startswith('shape') else f' ({diff.reason})'}. "
             f"Return it from forward, or copy it into a "
             f"registered buffer in place (self.{name.rpartition('.')[2]}.copy_(...))",
-            _finding(diff, batch),
+            finding_of(diff, batch),
             figures={"rebound_attributes": len(rebound)},
         )
     return Outcome("side_outputs", desc, True, figures={"rebound_attributes": len(rebound)})
@@ -698,14 +704,14 @@ def state(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     if diff is not None:
         return Outcome("state", desc, False,
                        f"module state '{diff.path}' ends differently after run() than after eager",
-                       _finding(diff, batch))
+                       finding_of(diff, batch))
     diff = first_difference(graph_inputs, eager_inputs)
     if diff is not None:
         return Outcome(
             "state", desc, False,
             f"input {diff.path} is mutated in place by eager but not by run(): the graph writes into its "
             "static copy, never the caller's tensor (return the result instead of writing into an input)",
-            _finding(diff, batch),
+            finding_of(diff, batch),
         )
     return _state_padded(ctx, desc) or Outcome("state", desc, True)
 
@@ -745,7 +751,7 @@ def _state_padded(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome | None:
         f"after a padded batch, module state '{name}' differs from what eager leaves on its real rows ({why}): "
         "padded rows write into state (a count of the pad id, a live slot). Mask them out through is_padding, "
         "or route them to a scratch region and name it in scratch_state",
-        _finding(diff, batch),
+        finding_of(diff, batch),
     )
 
 
@@ -777,14 +783,14 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         graph_diff = first_difference(outs[2], outs[0])
     read_poison = (
         f"with the graph's free memory poisoned one way before each of two replays of the same inputs they agree, "
-        f"and poisoned the other way they differ ({_where(graph_diff)})" if graph_diff is not None else "")
+        f"and poisoned the other way they differ ({where_of(graph_diff)})" if graph_diff is not None else "")
     uninitialized = ctx.uninitialized()
     if uninitialized:
         # Undefined whether the two replays happened to agree: the memory they read is anybody's.
         shown = diff or graph_diff
         return Outcome("determinism", desc, False,
                        f"{uninitialized}; a replay reads it too: {read_poison}" if read_poison else uninitialized,
-                       _finding(shown, batch) if shown is not None else Finding(real_batch=batch.shape()))
+                       finding_of(shown, batch) if shown is not None else Finding(real_batch=batch.shape()))
     if graph_diff is not None:
         left = ". Two plain replays differ too: each reads what the last one left" if diff is not None else ""
         return Outcome(
@@ -792,15 +798,15 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             f"a replay reads graph memory nobody wrote: {read_poison}{left}. No op the dispatcher sees reads "
             "unwritten memory, so it happens below it (in a custom op's or an extension's own buffer, say): write "
             "that buffer fully first, or make it with zeros",
-            _finding(graph_diff, batch),
+            finding_of(graph_diff, batch),
         )
     if diff is None:
         return Outcome("determinism", desc, True)
     return Outcome(
         "determinism", desc, False,
-        f"two replays of the same inputs, from the same module state and seed, differ ({_where(diff)}): "
+        f"two replays of the same inputs, from the same module state and seed, differ ({where_of(diff)}): "
         "the module keeps state outside its registered buffers, or uses nondeterministic kernels",
-        _finding(diff, batch),
+        finding_of(diff, batch),
     )
 
 
@@ -818,9 +824,9 @@ def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> Outcom
     path = "graph" if desc.mode is not GraphMode.NONE else "eager (NONE)"
     return Outcome(
         "output_lifetime", desc, False,
-        f"an output returned by run() on the {path} path changed when later batches ran ({_where(diff)}): "
+        f"an output returned by run() on the {path} path changed when later batches ran ({where_of(diff)}): "
         "it aliases memory the module or the graph reuses; return a fresh tensor",
-        _finding(diff, batch),
+        finding_of(diff, batch),
     )
 
 
@@ -896,10 +902,10 @@ def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     if diff is not None:
         return Outcome(
             "rng", desc, False,
-            f"under the same seed, replay draws differ from eager draws ({_where(diff)}): the graph does "
+            f"under the same seed, replay draws differ from eager draws ({where_of(diff)}): the graph does "
             "not read the seeded generator the way eager does (a seed set inside forward, or a private "
             "generator)",
-            _finding(diff, batch),
+            finding_of(diff, batch),
         )
     # ``again`` follows the seed-s1 replay without reseeding: the generator
     # must have moved on since.

@@ -21,7 +21,7 @@ from ..checks.context import clone_tree
 from ..checks.floor import Verdict, across_shapes
 from ..checks.registry import Check, CheckRegistry, failed, passed, skipped
 from ..checks.report import Finding, Outcome
-from ..checks.suite import _drawn_value, _finding, _where
+from ..checks.suite import drawn_value, finding_of, where_of
 from ..plan import BatchDescriptor, GraphMode
 from .context import Call, RunnerContext
 
@@ -53,7 +53,7 @@ def real_batches(ctx: RunnerContext, desc: BatchDescriptor) -> Outcome | None:
             diff = first_difference(call.got, call.expected)
             verdict = Verdict(diff is None, diff, "" if diff is None else
                               f"the runner's outputs differ from eager on the unpadded batch bit for bit "
-                              f"(batch_invariant) ({_where(diff)})")
+                              f"(batch_invariant) ({where_of(diff)})")
         else:
             verdict = across_shapes(call.got, call.expected, functools.partial(_padded_output, ctx, call, desc),
                                     rtol=rtol, atol=atol, roundoff=ctx.roundoff)
@@ -61,7 +61,7 @@ def real_batches(ctx: RunnerContext, desc: BatchDescriptor) -> Outcome | None:
         if not verdict.passed:
             diff = verdict.diff
             return failed(f"{verdict.why}: rows cut wrongly, a graph too small for the batch, or inputs the graph "
-                          "does not read", _finding(diff, call.batch) if diff is not None else
+                          "does not read", finding_of(diff, call.batch) if diff is not None else
                           Finding(real_batch=call.batch.shape()), batches=len(calls), floor_measured=measured)
         worst_abs = max(worst_abs, verdict.figures.get("max_abs", 0.0))
     return passed(batches=len(calls), max_abs=worst_abs, floor_measured=measured)
@@ -90,7 +90,7 @@ def state(ctx: RunnerContext, desc: BatchDescriptor) -> Outcome | None:
                 "rows wrote where real ones live (a padding slot that is live, a table with the previous "
                 "step's entries), or the runner skipped a write. Declare a region padded rows may write "
                 "with scratch_state",
-                _finding(diff, call.batch), batches=len(calls))
+                finding_of(diff, call.batch), batches=len(calls))
     return passed(batches=len(calls))
 
 
@@ -145,8 +145,8 @@ def determinism(ctx: RunnerContext, desc: BatchDescriptor) -> Outcome | None:
     diff = first_difference(outs[1], outs[0])
     if diff is None:
         return None
-    return failed(f"two calls on the same inputs from the same state differ ({_where(diff)}): state kept "
-                  "outside the module's buffers, or nondeterministic kernels", _finding(diff, batch))
+    return failed(f"two calls on the same inputs from the same state differ ({where_of(diff)}): state kept "
+                  "outside the module's buffers, or nondeterministic kernels", finding_of(diff, batch))
 
 
 def _other_values(inputs: dict[str, Any], seed: int) -> tuple[dict[str, Any], str]:
@@ -155,7 +155,7 @@ def _other_values(inputs: dict[str, Any], seed: int) -> tuple[dict[str, Any], st
     drawn = dict(inputs)
     floats = [n for n, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()]
     for name in floats:
-        drawn[name] = _drawn_value(inputs[name], gen)
+        drawn[name] = drawn_value(inputs[name], gen)
     return drawn, ", ".join(repr(n) for n in floats)
 
 
@@ -187,8 +187,8 @@ def fresh_inputs(ctx: RunnerContext, desc: BatchDescriptor) -> Outcome | None:
     if diff is None:
         return passed(**figures)
     return failed(f"after a call on other inputs of the same size, the runner's outputs differ from eager "
-                  f"({_where(diff)}): values of the first call kept (a metadata tensor captured by reference "
-                  "and never refreshed, a table not copied again)", _finding(diff, batch), **figures)
+                  f"({where_of(diff)}): values of the first call kept (a metadata tensor captured by reference "
+                  "and never refreshed, a table not copied again)", finding_of(diff, batch), **figures)
 
 
 def output_lifetime(ctx: RunnerContext, descs: Sequence[BatchDescriptor]) -> Outcome | None:
@@ -211,9 +211,9 @@ def output_lifetime(ctx: RunnerContext, descs: Sequence[BatchDescriptor]) -> Out
                               Finding(real_batch=batch.shape()))
         if diff is not None:
             path = "graph" if desc.mode is not GraphMode.NONE else "eager fallback"
-            return failed(f"an output returned on the {path} path changed when later calls ran ({_where(diff)}): "
+            return failed(f"an output returned on the {path} path changed when later calls ran ({where_of(diff)}): "
                           "it is a view of memory the runner reuses (a static output buffer); return a copy",
-                          _finding(diff, batch))
+                          finding_of(diff, batch))
     return passed(descriptors=len(descs))
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from ..checks.engine import _could_not_run, _guarded
+from ..checks.engine import could_not_run, guarded
 from ..checks.registry import Check, check_list
 from ..checks.report import Finding, Outcome, VerifyReport
-from ..checks.suite import _finding
+from ..checks.suite import finding_of
 from ..manager.layout import not_a_module
 from .checks import RUNNER_CHECKS
 from .context import RunnerContext
@@ -59,7 +59,7 @@ def _capture_state(ctx: RunnerContext, before: Mapping[str, torch.Tensor]) -> li
                     f"runner.capture() changed module state '{diff.path}' outside scratch_state ({diff.reason}): "
                     "its warm-up or capture batches wrote where real requests live (a padded token given a live "
                     "slot, say). Send dummy and padded tokens to a scratch region and declare it with "
-                    "scratch_state", _finding(diff))]
+                    "scratch_state", finding_of(diff))]
 
 
 def verify_runner(
@@ -146,12 +146,12 @@ def verify_runner(
     for name in selected:
         check = registry[name]
         if check.scope == "module":
-            report.add([_guarded(check, None, functools.partial(check.run, ctx, list(ctx.descriptors)))])
+            report.add([guarded(check, None, functools.partial(check.run, ctx, list(ctx.descriptors)))])
         elif check.scope == "descriptor":
             for desc in ctx.descriptors:
-                report.add([_guarded(check, desc, functools.partial(check.run, ctx, desc))])
+                report.add([guarded(check, desc, functools.partial(check.run, ctx, desc))])
         else:
-            report.add([_could_not_run(check, None, ValueError(
+            report.add([could_not_run(check, None, ValueError(
                 f"scope {check.scope!r} has no meaning for a runner (its capture is its own)"))])
     report.check_seconds = time.perf_counter() - started
     report.real_batches = ctx.runner_calls
