@@ -69,18 +69,28 @@ class Stack(nn.Module):
         return x
 
 
-def inputs_for(d: int, device: torch.device,
-               dtype: torch.dtype = torch.float32) -> Callable[[int, int], dict[str, torch.Tensor]]:
+def inputs_for(
+    d: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> Callable[[int, int], dict[str, torch.Tensor]]:
     def make_inputs(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
         return {"x": torch.randn(num_tokens, d, device=device, dtype=dtype)}
+
     return make_inputs
 
 
 class HandWritten:
     """What a user writes by hand: static input, one graph per size, copy in, replay, copy out."""
 
-    def __init__(self, module: nn.Module, d: int, sizes: list[int], device: torch.device,
-                 *, keep_cache: bool = False, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        d: int,
+        sizes: list[int],
+        device: torch.device,
+        *,
+        keep_cache: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.static = torch.zeros(max(sizes), d, device=device, dtype=dtype)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.module, self.sizes, self.device = module, sizes, device
@@ -158,7 +168,9 @@ def timed_capture(capture: Any) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(a: Any, b: Any, device: torch.device, pairs: int = 60, **kw: Any) -> tuple[float, float, float]:
+def interleaved(
+    a: Any, b: Any, device: torch.device, pairs: int = 60, **kw: Any
+) -> tuple[float, float, float]:
     """Medians of a and b, and the median ratio a/b, over rounds taken in strict turn.
 
     One round of a, then one of b, and so on: drift of the host or the clock
@@ -167,22 +179,32 @@ def interleaved(a: Any, b: Any, device: torch.device, pairs: int = 60, **kw: Any
     """
     timed = time_interleaved({"a": a, "b": b}, device=device, rounds=pairs, **kw)
     ta, tb = timed["a"].rounds, timed["b"].rounds
-    return statistics.median(ta), statistics.median(tb), statistics.median(x / y for x, y in zip(ta, tb, strict=True))
+    return (
+        statistics.median(ta),
+        statistics.median(tb),
+        statistics.median(x / y for x, y in zip(ta, tb, strict=True)),
+    )
 
 
 def run_vs_hand(d: int, batch: int, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(0)
     module = Stack(d).to(device).eval()
     sizes = [1, 2, 4, 8, 16, 32, 64]
-    manager = GraphManager(module, inputs_for(d, device), CaptureConfig(capture_sizes=sizes, max_num_reqs=64),
-                           backend="cuda", device=device)
+    manager = GraphManager(
+        module,
+        inputs_for(d, device),
+        CaptureConfig(capture_sizes=sizes, max_num_reqs=64),
+        backend="cuda",
+        device=device,
+    )
     manager.capture()
     hand = HandWritten(module, d, sizes, device)
     hand.capture()
     x = torch.randn(batch, d, device=device)
     assert torch.equal(manager.run(x=x), hand.run(x))
-    harness_s, hand_s, run_over_hand = interleaved(lambda: manager.run(x=x), lambda: hand.run(x), device,
-                                                   calls_per_round=50)
+    harness_s, hand_s, run_over_hand = interleaved(
+        lambda: manager.run(x=x), lambda: hand.run(x), device, calls_per_round=50
+    )
     # Speedups side by side: what the benchmark fixture reports (measure_manager)
     # and what a hand-written measurement of eager and the loop gives, in turn.
     desc = manager.dispatch(num_reqs=batch, num_tokens=batch)
@@ -195,22 +217,34 @@ def run_vs_hand(d: int, batch: int, device: torch.device) -> dict[str, Any]:
         bench = measure_manager(manager, descriptors=[desc], rounds=10, calls_per_round=50)[0]
         fixture_speedups.append(bench.speedup or 0.0)
         # The hand-written measurement takes its rounds in turn too, as the fixture does.
-        hand_timed = time_interleaved({"eager": lambda: module(x), "hand": lambda: hand.run(x)}, device=device,
-                                      rounds=10, calls_per_round=50)
+        hand_timed = time_interleaved(
+            {"eager": lambda: module(x), "hand": lambda: hand.run(x)},
+            device=device,
+            rounds=10,
+            calls_per_round=50,
+        )
         hand_speedups.append(hand_timed["eager"].median / hand_timed["hand"].median)
     assert bench is not None
     manager.release()
     return {
-        "d": d, "batch": batch,
-        "run_us": harness_s * 1e6, "hand_us": hand_s * 1e6, "run_over_hand": run_over_hand,
-        "replay_us": bench.replay.median * 1e6, "eager_us": bench.eager.median * 1e6,
-        "fixture_speedup": statistics.median(fixture_speedups), "hand_speedup": statistics.median(hand_speedups),
-        "speedup_ratio": statistics.median(f / h for f, h in zip(fixture_speedups, hand_speedups, strict=True)),
+        "d": d,
+        "batch": batch,
+        "run_us": harness_s * 1e6,
+        "hand_us": hand_s * 1e6,
+        "run_over_hand": run_over_hand,
+        "replay_us": bench.replay.median * 1e6,
+        "eager_us": bench.eager.median * 1e6,
+        "fixture_speedup": statistics.median(fixture_speedups),
+        "hand_speedup": statistics.median(hand_speedups),
+        "speedup_ratio": statistics.median(
+            f / h for f, h in zip(fixture_speedups, hand_speedups, strict=True)
+        ),
     }
 
 
-def capture_vs_hand(d: int, device: torch.device, dtype: torch.dtype = torch.float16,
-                    rounds: int = 7) -> dict[str, Any]:
+def capture_vs_hand(
+    d: int, device: torch.device, dtype: torch.dtype = torch.float16, rounds: int = 7
+) -> dict[str, Any]:
     """67 sizes captured by the manager and by the hand-written loops, in turn.
 
     Each round captures once with every contender, the order rotated from
@@ -224,8 +258,15 @@ def capture_vs_hand(d: int, device: torch.device, dtype: torch.dtype = torch.flo
     config = CaptureConfig(capture_sizes=SIZES_67, max_num_reqs=512)
 
     def manager_capture(checked: bool) -> float:
-        manager = GraphManager(module, make_inputs, config, backend="cuda", device=device, progress=False,
-                               checked_capture=checked)
+        manager = GraphManager(
+            module,
+            make_inputs,
+            config,
+            backend="cuda",
+            device=device,
+            progress=False,
+            checked_capture=checked,
+        )
         took = timed_capture(manager.capture)
         manager.release()
         return took
@@ -249,15 +290,16 @@ def capture_vs_hand(d: int, device: torch.device, dtype: torch.dtype = torch.flo
     results: dict[str, list[float]] = {name: [] for name in contenders}
     names = list(contenders)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             results[name].append(contenders[name]())
 
     def ratio(a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(results[a], results[b], strict=True))
 
     # Memory, in a capture of its own: measuring device memory per graph costs time.
-    manager = GraphManager(module, make_inputs, config, backend="cuda", device=device, progress=False,
-                           measure_device_memory=True)
+    manager = GraphManager(
+        module, make_inputs, config, backend="cuda", device=device, progress=False, measure_device_memory=True
+    )
     manager.capture()
     measured = sum(v for k, v in manager.device_memory.items() if k.mode is GraphMode.FULL)
     estimate = estimate_full_graph_memory(manager, measured=measured)
@@ -265,19 +307,27 @@ def capture_vs_hand(d: int, device: torch.device, dtype: torch.dtype = torch.flo
     replica = estimate_pool_replica(manager, measured=measured)
     manager.release()
     return {
-        "d": d, "dtype": str(dtype).removeprefix("torch."), "graphs": len(SIZES_67), "rounds": rounds,
-        "median_s": {name: statistics.median(v) for name, v in results.items()}, "all_s": results,
+        "d": d,
+        "dtype": str(dtype).removeprefix("torch."),
+        "graphs": len(SIZES_67),
+        "rounds": rounds,
+        "median_s": {name: statistics.median(v) for name, v in results.items()},
+        "all_s": results,
         "capture_ratio_fast": ratio("fast", "hand"),
         "capture_ratio_fast_vs_warm_all": ratio("fast", "warm_all"),
         "capture_ratio_checked": ratio("checked", "hand"),
         "capture_ratio_checked_vs_warm_all": ratio("checked", "warm_all"),
         "capture_ratio_fast_vs_keep_cache": ratio("fast", "hand_keep_cache"),
         "capture_ratio_hand_vs_warm_all": ratio("hand", "warm_all"),
-        "memory_replica_estimate_bytes": replica.estimate, "memory_replica_samples": list(replica.samples),
+        "memory_replica_estimate_bytes": replica.estimate,
+        "memory_replica_samples": list(replica.samples),
         "memory_replica_error": replica.error,
-        "memory_measured_bytes": estimate.measured, "memory_estimate_bytes": estimate.estimate,
-        "memory_samples_bytes": list(estimate.samples), "memory_error": estimate.error,
-        "memory_sampled_estimate_bytes": sampled.estimate, "memory_sampled_samples": list(sampled.samples),
+        "memory_measured_bytes": estimate.measured,
+        "memory_estimate_bytes": estimate.estimate,
+        "memory_samples_bytes": list(estimate.samples),
+        "memory_error": estimate.error,
+        "memory_sampled_estimate_bytes": sampled.estimate,
+        "memory_sampled_samples": list(sampled.samples),
         "memory_sampled_error": sampled.error,
     }
 
@@ -286,13 +336,23 @@ def emulator_ratio(d: int, batch: int) -> dict[str, Any]:
     torch.manual_seed(0)
     cpu = torch.device("cpu")
     module = Stack(d).eval()
-    manager = GraphManager(module, inputs_for(d, cpu), CaptureConfig(capture_sizes=[batch], max_num_reqs=batch),
-                           backend="emulate")
+    manager = GraphManager(
+        module,
+        inputs_for(d, cpu),
+        CaptureConfig(capture_sizes=[batch], max_num_reqs=batch),
+        backend="emulate",
+    )
     manager.capture()
     bench = measure_manager(manager, rounds=15, calls_per_round=10)[0]
-    return {"d": d, "batch": batch, "eager_us": bench.eager.median * 1e6, "replay_us": bench.replay.median * 1e6,
-            "run_us": bench.run.median * 1e6, "replay_over_eager": bench.replay.median / bench.eager.median,
-            "run_over_eager": bench.run.median / bench.eager.median}
+    return {
+        "d": d,
+        "batch": batch,
+        "eager_us": bench.eager.median * 1e6,
+        "replay_us": bench.replay.median * 1e6,
+        "run_us": bench.run.median * 1e6,
+        "replay_over_eager": bench.replay.median / bench.eager.median,
+        "run_over_eager": bench.run.median / bench.eager.median,
+    }
 
 
 def profile_capture(device: torch.device) -> dict[str, list[str]]:
@@ -305,8 +365,14 @@ def profile_capture(device: torch.device) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for name in ("manager", "hand", "manager-again", "hand-again"):
         if name.startswith("manager"):
-            target: Any = GraphManager(module, inputs_for(256, device), CaptureConfig(capture_sizes=SIZES_67,
-                                       max_num_reqs=512), backend="cuda", device=device, progress=False)
+            target: Any = GraphManager(
+                module,
+                inputs_for(256, device),
+                CaptureConfig(capture_sizes=SIZES_67, max_num_reqs=512),
+                backend="cuda",
+                device=device,
+                progress=False,
+            )
         else:
             target = HandWritten(module, 256, SIZES_67, device)
         torch.cuda.synchronize()
@@ -334,8 +400,13 @@ def main() -> None:
     parser.add_argument("--skip-cuda", action="store_true")
     parser.add_argument("--profile-capture", action="store_true")
     parser.add_argument("--capture-only", action="store_true", help="only the capture and memory targets")
-    parser.add_argument("--capture-dims", type=int, nargs="+", default=[256, 1024],
-                        help="hidden sizes of the stacks the capture target is measured on")
+    parser.add_argument(
+        "--capture-dims",
+        type=int,
+        nargs="+",
+        default=[256, 1024],
+        help="hidden sizes of the stacks the capture target is measured on",
+    )
     parser.add_argument("--capture-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--capture-rounds", type=int, default=7)
     args = parser.parse_args()
@@ -348,8 +419,9 @@ def main() -> None:
         if not args.capture_only:
             results["run_vs_hand"] = [run_vs_hand(256, 1, device), run_vs_hand(1024, 64, device)]
         dtype = getattr(torch, args.capture_dtype)
-        results["capture"] = [capture_vs_hand(d, device, dtype, rounds=args.capture_rounds)
-                              for d in args.capture_dims]
+        results["capture"] = [
+            capture_vs_hand(d, device, dtype, rounds=args.capture_rounds) for d in args.capture_dims
+        ]
         if args.profile_capture:
             results["capture_profile"] = profile_capture(device)
     text = json.dumps(results, indent=2)

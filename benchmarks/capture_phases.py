@@ -77,6 +77,7 @@ class Timers:
                 return fn(*args, **kwargs)
             finally:
                 self.stop(name, t0)
+
         return wrapper
 
 
@@ -176,6 +177,7 @@ def timed_forward(module: torch.nn.Module, timers: Timers) -> Iterator[None]:
 
 # -- manager variants, patched from here (--experiments) -------------------
 
+
 @contextmanager
 def no_memory_check(manager: GraphManager) -> Iterator[None]:
     """PYTEST_CUDAGRAPH_MEMORY_CHECK=0: no eager forward to estimate memory first."""
@@ -265,6 +267,7 @@ def warm_all_first(restage: bool) -> Callable[[GraphManager], Any]:
         finally:
             del manager.stage_sample, manager._progress
             backend.__dict__.pop("warmup", None)
+
     return variant
 
 
@@ -306,6 +309,7 @@ def backend_from(module_name: str) -> Callable[[GraphManager], Any]:
             yield
         finally:
             manager._backend = new
+
     return variant
 
 
@@ -316,8 +320,12 @@ EXPERIMENTS: dict[str, list[Variant]] = {
     PROPOSED: [warm_all_first(restage=False)],
     "warm all first, every sample re-staged": [warm_all_first(restage=True)],
     "proposed + no memory check": [warm_all_first(restage=False), no_memory_check],
-    "proposed + no memory check + no output probe + walk once":
-        [warm_all_first(restage=False), no_memory_check, no_output_probe, walk_once],
+    "proposed + no memory check + no output probe + walk once": [
+        warm_all_first(restage=False),
+        no_memory_check,
+        no_output_probe,
+        walk_once,
+    ],
     "manager, no pool statistics": [no_pool_statistics],
 }
 
@@ -372,8 +380,9 @@ def profile(d: int, dtype: torch.dtype, device: torch.device) -> None:
     module = Stack(d).to(device=device, dtype=dtype).eval()
     one_round(module, d, dtype, device, "manager", timed=False)
     config = CaptureConfig(capture_sizes=SIZES_67, max_num_reqs=512)
-    manager = GraphManager(module, inputs_for(d, device, dtype), config, backend="cuda", device=device,
-                           progress=False)
+    manager = GraphManager(
+        module, inputs_for(d, device, dtype), config, backend="cuda", device=device, progress=False
+    )
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
@@ -386,8 +395,15 @@ def profile(d: int, dtype: torch.dtype, device: torch.device) -> None:
     print(f"\n## cProfile of the manager's capture, d={d}\n" + buf.getvalue())
 
 
-def one_round(module: torch.nn.Module, d: int, dtype: torch.dtype, device: torch.device, which: str,
-              *, timed: bool = True) -> dict[str, float]:
+def one_round(
+    module: torch.nn.Module,
+    d: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    which: str,
+    *,
+    timed: bool = True,
+) -> dict[str, float]:
     timers = Timers()
     is_manager = which == "manager" or which in EXPERIMENTS
     targets = common_targets() + (manager_targets() if is_manager else loop_targets())
@@ -449,27 +465,39 @@ def phases(d: int, dtype: torch.dtype, device: torch.device, rounds: int, experi
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in timed}
     plain: dict[str, list[float]] = {k: [] for k in untimed}
     for r in range(rounds):
-        for which in timed[r % len(timed):] + timed[: r % len(timed)]:
+        for which in timed[r % len(timed) :] + timed[: r % len(timed)]:
             runs[which].append(one_round(module, d, dtype, device, which))
         # Totals without the timers, whose own cost is not the contenders'.
-        for which in untimed[r % len(untimed):] + untimed[: r % len(untimed)]:
+        for which in untimed[r % len(untimed) :] + untimed[: r % len(untimed)]:
             plain[which].append(one_round(module, d, dtype, device, which, timed=False)["total"])
-    names = sorted({k for which in timed for r in runs[which] for k in r}, key=lambda k: (k in ("rest", "total"), k))
-    print(f"\n## d={d}, {str(dtype).removeprefix('torch.')}, {len(SIZES_67)} graphs, "
-          f"median of {rounds} rounds (ms for all graphs)")
+    names = sorted(
+        {k for which in timed for r in runs[which] for k in r}, key=lambda k: (k in ("rest", "total"), k)
+    )
+    print(
+        f"\n## d={d}, {str(dtype).removeprefix('torch.')}, {len(SIZES_67)} graphs, "
+        f"median of {rounds} rounds (ms for all graphs)"
+    )
     proposed = "proposed" if experiments else ""
-    print(f"{'phase':44s} {'hand':>8s} {'warm_all':>8s} {'manager':>8s} {'mgr-warm_all us/graph':>22s} {proposed:>9s}")
+    print(
+        f"{'phase':44s} {'hand':>8s} {'warm_all':>8s} {'manager':>8s} {'mgr-warm_all us/graph':>22s} {proposed:>9s}"
+    )
     for phase in names:
-        h, w, m, *p = (statistics.median(r.get(phase, 0.0) for r in runs[k]) for k in [*main[1:], *main[:1], *timed[3:]])
+        h, w, m, *p = (
+            statistics.median(r.get(phase, 0.0) for r in runs[k]) for k in [*main[1:], *main[:1], *timed[3:]]
+        )
         per_graph = "" if phase == SEGMENTS else f"{(m - w) / len(SIZES_67) * 1e3:.1f}"
         print(f"{phase:44s} {h:8.2f} {w:8.2f} {m:8.2f} {per_graph:>22s} {''.join(f'{v:9.2f}' for v in p)}")
 
-    print(f"{'untimed total (ms), over hand and warm_all in the same round':60s} {'total':>8s} "
-          f"{'/hand':>7s} {'/warm_all':>9s}")
+    print(
+        f"{'untimed total (ms), over hand and warm_all in the same round':60s} {'total':>8s} "
+        f"{'/hand':>7s} {'/warm_all':>9s}"
+    )
     for which in untimed:
         totals = plain[which]
-        print(f"{which:60s} {statistics.median(totals):8.2f} {ratio(totals, plain['hand']):7.3f} "
-              f"{ratio(totals, plain['warm_all']):9.3f}")
+        print(
+            f"{which:60s} {statistics.median(totals):8.2f} {ratio(totals, plain['hand']):7.3f} "
+            f"{ratio(totals, plain['warm_all']):9.3f}"
+        )
     for which in main:
         print(f"rounds, {which}: {' '.join(f'{t:.1f}' for t in plain[which])}")
 
@@ -479,9 +507,14 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--experiments", action="store_true", help="also time manager variants patched from here")
-    parser.add_argument("--before", metavar="MODULE",
-                        help="also time the manager with the CUDA backend of MODULE (an earlier cuda.py)")
+    parser.add_argument(
+        "--experiments", action="store_true", help="also time manager variants patched from here"
+    )
+    parser.add_argument(
+        "--before",
+        metavar="MODULE",
+        help="also time the manager with the CUDA backend of MODULE (an earlier cuda.py)",
+    )
     parser.add_argument("--micro", action="store_true", help="also time single host calls")
     parser.add_argument("--profile", action="store_true", help="also cProfile one manager capture per size")
     args = parser.parse_args()

@@ -97,13 +97,19 @@ def reading() -> dict[str, int]:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
-    return {"free": free, "reserved": torch.cuda.memory_reserved(), "allocated": torch.cuda.memory_allocated()}
+    return {
+        "free": free,
+        "reserved": torch.cuda.memory_reserved(),
+        "allocated": torch.cuda.memory_allocated(),
+    }
 
 
 def manager_capture(cls: type[nn.Module]) -> Callable[[], str]:
     def once() -> str:
         module = cls().cuda()
-        manager = GraphManager(module, make_x, {"capture_sizes": SIZES, "max_num_reqs": 128}, backend="cuda", progress=False)
+        manager = GraphManager(
+            module, make_x, {"capture_sizes": SIZES, "max_num_reqs": 128}, backend="cuda", progress=False
+        )
         try:
             manager.capture()
             return "captured"
@@ -113,14 +119,22 @@ def manager_capture(cls: type[nn.Module]) -> Callable[[], str]:
             return f"{type(exc).__name__}({str(exc).splitlines()[0][:90]})"
         finally:
             manager.release()
+
     return once
 
 
 def verify_path(cls: type[nn.Module]) -> Callable[[], str]:
     def once() -> str:
-        report = verify(cls().cuda(), make_x, capture_sizes=SIZES, backend="cuda", progress=False,
-                        checks=["capture_safety", "replay_matches_eager"])
+        report = verify(
+            cls().cuda(),
+            make_x,
+            capture_sizes=SIZES,
+            backend="cuda",
+            progress=False,
+            checks=["capture_safety", "replay_matches_eager"],
+        )
         return "ok" if report.ok else f"failed: {', '.join(sorted({f.check for f in report.failures}))}"
+
     return once
 
 
@@ -147,8 +161,11 @@ def leaks(cycles: int, out: str | None) -> None:
         growth = {k: (base["free"] - last["free"]) if k == "free" else last[k] - base[k] for k in base}
         results[name] = {"outcome": outcome, "growth_after_5": growth, "first": readings[0], "last": last}
         mib = {k: round(v / 2**20, 1) for k, v in growth.items()}
-        print(f"{name}: {outcome}\n    growth over cycles 6..{cycles} (MiB): device {mib['free']}, reserved "
-              f"{mib['reserved']}, allocated {mib['allocated']}", flush=True)
+        print(
+            f"{name}: {outcome}\n    growth over cycles 6..{cycles} (MiB): device {mib['free']}, reserved "
+            f"{mib['reserved']}, allocated {mib['allocated']}",
+            flush=True,
+        )
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=2)
@@ -163,18 +180,24 @@ def sticky() -> None:
         chain = []
         e: BaseException | None = exc
         while e is not None and len(chain) < 6:
-            chain.append(f"{type(e).__module__}.{type(e).__name__} error_code={getattr(e, 'error_code', None)}: "
-                         f"{str(e).splitlines()[0][:160] if str(e) else ''}")
+            chain.append(
+                f"{type(e).__module__}.{type(e).__name__} error_code={getattr(e, 'error_code', None)}: "
+                f"{str(e).splitlines()[0][:160] if str(e) else ''}"
+            )
             e = e.__cause__ or e.__context__
         print("verify raised:\n  " + "\n  ".join(chain))
-    for what, op in [("synchronize", torch.cuda.synchronize),
-                     ("small op", lambda: torch.ones(2, device="cuda").add_(1).sum().item()),
-                     ("mem_get_info", torch.cuda.mem_get_info)]:
+    for what, op in [
+        ("synchronize", torch.cuda.synchronize),
+        ("small op", lambda: torch.ones(2, device="cuda").add_(1).sum().item()),
+        ("mem_get_info", torch.cuda.mem_get_info),
+    ]:
         try:
             print(f"after: {what}: ok {op()}")
         except BaseException as exc:
-            print(f"after: {what}: {type(exc).__name__} error_code={getattr(exc, 'error_code', None)}: "
-                  f"{str(exc).splitlines()[0][:120]}")
+            print(
+                f"after: {what}: {type(exc).__name__} error_code={getattr(exc, 'error_code', None)}: "
+                f"{str(exc).splitlines()[0][:120]}"
+            )
 
 
 def main() -> None:

@@ -35,8 +35,12 @@ def per_call_us(fn: Any, calls: int = 20_000, rounds: int = 7) -> float:
 def main() -> None:
     d = 256
     module = torch.nn.Linear(d, d).eval()
-    manager = GraphManager(module, lambda t, r: {"input": torch.randn(t, d)},
-                           CaptureConfig(capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_num_reqs=64), backend="emulate")
+    manager = GraphManager(
+        module,
+        lambda t, r: {"input": torch.randn(t, d)},
+        CaptureConfig(capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_num_reqs=64),
+        backend="emulate",
+    )
     manager.capture()
     for desc in manager.captured_descriptors:
         manager.graph(desc).replay = lambda: None  # type: ignore[method-assign]

@@ -51,8 +51,11 @@ def _mlp(device: torch.device) -> tuple[MLPBlock, Any]:
 
 
 def contenders(device: torch.device) -> dict[str, Callable[[], Any]]:
-    dec_kw: dict[str, Any] = {"capture_sizes": DECODER_SIZES, "max_num_reqs": MAX_REQS,
-                              "scratch_state": SCRATCH_STATE}
+    dec_kw: dict[str, Any] = {
+        "capture_sizes": DECODER_SIZES,
+        "max_num_reqs": MAX_REQS,
+        "scratch_state": SCRATCH_STATE,
+    }
 
     def engine_runner() -> Any:
         module, make = _decoder(device)
@@ -61,26 +64,46 @@ def contenders(device: torch.device) -> dict[str, Callable[[], Any]]:
     def compiled_decoder() -> Any:
         module, make = _decoder(device)
         # Every token count it will serve warmed up: graph trees record a shape on its second call.
-        runner = compiled(module, clone_outputs=True, make_inputs=make,
-                          warmup_sizes=range(1, DECODER_SIZES[-1] + 1), max_num_reqs=MAX_REQS)
+        runner = compiled(
+            module,
+            clone_outputs=True,
+            make_inputs=make,
+            warmup_sizes=range(1, DECODER_SIZES[-1] + 1),
+            max_num_reqs=MAX_REQS,
+        )
         return verify_runner(runner, module, make, **dec_kw)
 
     def manager_decoder() -> Any:
         module, _ = _decoder(device)  # the manager sets the is_padding mask itself
-        return verify(module, functools.partial(decoder_inputs, device=device), capture_sizes=DECODER_SIZES, max_num_reqs=MAX_REQS, mode="FULL",
-                      pad_values=PAD_VALUES, scratch_state=SCRATCH_STATE, device=device, progress=False)
+        return verify(
+            module,
+            functools.partial(decoder_inputs, device=device),
+            capture_sizes=DECODER_SIZES,
+            max_num_reqs=MAX_REQS,
+            mode="FULL",
+            pad_values=PAD_VALUES,
+            scratch_state=SCRATCH_STATE,
+            device=device,
+            progress=False,
+        )
 
     def graphed_mlp() -> Any:
         module, make = _mlp(device)
-        return verify_runner(graphed_callables(module, make, MLP_SIZES), module, make, capture_sizes=MLP_SIZES)
+        return verify_runner(
+            graphed_callables(module, make, MLP_SIZES), module, make, capture_sizes=MLP_SIZES
+        )
 
     def manager_mlp() -> Any:
         module, make = _mlp(device)
         return verify(module, make, capture_sizes=MLP_SIZES, mode="FULL", device=device, progress=False)
 
-    return {"engine runner, decoder": engine_runner, "torch.compile reduce-overhead, decoder": compiled_decoder,
-            "GraphManager (verify), decoder": manager_decoder,
-            "make_graphed_callables, MLP": graphed_mlp, "GraphManager (verify), MLP": manager_mlp}
+    return {
+        "engine runner, decoder": engine_runner,
+        "torch.compile reduce-overhead, decoder": compiled_decoder,
+        "GraphManager (verify), decoder": manager_decoder,
+        "make_graphed_callables, MLP": graphed_mlp,
+        "GraphManager (verify), MLP": manager_mlp,
+    }
 
 
 def main() -> None:
@@ -103,11 +126,20 @@ def main() -> None:
             seconds[name].append((time.perf_counter() - t0) / max(1, len(report.descriptors)))
             reports[name] = report
     failed = False
-    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-                               "device": torch.cuda.get_device_name(device), "rows": []}
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device),
+        "rows": [],
+    }
     for name, report in reports.items():
-        row = {"verification": name, "descriptors": len(report.descriptors), "ok": report.ok,
-               "seconds_per_descriptor": statistics.median(seconds[name]), "summary": report.summary()}
+        row = {
+            "verification": name,
+            "descriptors": len(report.descriptors),
+            "ok": report.ok,
+            "seconds_per_descriptor": statistics.median(seconds[name]),
+            "summary": report.summary(),
+        }
         results["rows"].append(row)
         print(f"{name:44s} {row['seconds_per_descriptor'] * 1e3:9.1f} ms/descriptor  {report.summary()}")
         if not report.ok:

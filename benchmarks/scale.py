@@ -47,12 +47,35 @@ from pytest_cudagraph.units import format_bytes
 
 #: Llama-3.2-1B and Llama-3-8B's shapes; tiny for CPUs and tests.
 SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True),
-    "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
-    "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        tie_word_embeddings=True,
+    ),
+    "1B": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+    "8B": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+    ),
 }
 #: vLLM's classic capture sizes: 1, 2, 4, then every multiple of 8 up to 512 (67 sizes).
 VLLM_SIZES = [1, 2, 4, *range(8, 513, 8)]
@@ -137,23 +160,39 @@ def hand_loop(model: nn.Module, sizes: list[int], vocab: int) -> dict[str, Any]:
     return {"seconds": seconds, "peak": peak, "before": before, "graphs": len(sizes)}
 
 
-def verified(module: nn.Module, sizes: list[int], vocab: int, device: str, *, exhaustive: bool) -> dict[str, Any]:
+def verified(
+    module: nn.Module, sizes: list[int], vocab: int, device: str, *, exhaustive: bool
+) -> dict[str, Any]:
     before = _fresh(device)
     started = time.perf_counter()
-    report = verify(module, _inputs(vocab, device), capture_sizes=sizes, mode="FULL", exhaustive=exhaustive,
-                    progress=False)
+    report = verify(
+        module,
+        _inputs(vocab, device),
+        capture_sizes=sizes,
+        mode="FULL",
+        exhaustive=exhaustive,
+        progress=False,
+    )
     seconds = time.perf_counter() - started
     peak = _peak(device) if device == "cuda" else report.peak_memory
     failed = sorted({o.check for o in report.failures})
     first = report.failures[0] if report.failures else None
     return {
-        "ok": report.ok, "seconds": seconds, "peak": peak, "before": before, "failed": failed,
+        "ok": report.ok,
+        "seconds": seconds,
+        "peak": peak,
+        "before": before,
+        "failed": failed,
         "first_failure": f"{first.headline()}: {first.message}" if first is not None else "",
-        "descriptors": len(report.descriptors), "real_batches": report.real_batches,
-        "floor_measured": sum(o.figures.get("floor_measured", 0) for o in report.outcomes
-                              if o.check == "real_batches"),
-        "floor_max": max([o.figures.get("floor_max", 0.0) for o in report.outcomes if o.check == "real_batches"],
-                         default=0.0),
+        "descriptors": len(report.descriptors),
+        "real_batches": report.real_batches,
+        "floor_measured": sum(
+            o.figures.get("floor_measured", 0) for o in report.outcomes if o.check == "real_batches"
+        ),
+        "floor_max": max(
+            [o.figures.get("floor_max", 0.0) for o in report.outcomes if o.check == "real_batches"],
+            default=0.0,
+        ),
         "costs": {name: cost.to_dict() for name, cost in report.costs.items()},
         "summary": report.summary(),
     }
@@ -171,15 +210,23 @@ def resnet(device: str) -> dict[str, Any]:
     before = _fresh(device)
     started = time.perf_counter()
     report = verify(model, make_inputs, capture_sizes=[1, 2, 4, 8], progress=False)
-    return {"ok": report.ok, "seconds": time.perf_counter() - started, "peak": _peak(device), "before": before,
-            "failed": sorted({o.check for o in report.failures}), "summary": report.summary(),
-            "tf32_convolutions": bool(torch.backends.cudnn.allow_tf32)}
+    return {
+        "ok": report.ok,
+        "seconds": time.perf_counter() - started,
+        "peak": _peak(device),
+        "before": before,
+        "failed": sorted({o.check for o in report.failures}),
+        "summary": report.summary(),
+        "tf32_convolutions": bool(torch.backends.cudnn.allow_tf32),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="tiny,1B,8B", help="comma-separated: tiny, 1B, 8B")
-    parser.add_argument("--parts", default="hand,verify,quick,bug", help="comma-separated: hand, verify, quick, bug")
+    parser.add_argument(
+        "--parts", default="hand,verify,quick,bug", help="comma-separated: hand, verify, quick, bug"
+    )
     parser.add_argument("--resnet", action="store_true", help="also torchvision's resnet18 (fp32, TF32 on)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -189,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
-        "torch": torch.__version__, "shapes": {},
+        "torch": torch.__version__,
+        "shapes": {},
     }
     print(f"{results['date']}, {results['device']}, torch {torch.__version__}", flush=True)
     for shape in args.shapes.split(","):
@@ -201,30 +249,41 @@ def main(argv: list[str] | None = None) -> int:
         vocab = model.config.vocab_size
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         row: dict[str, Any] = {"weights": weights, "sizes": len(sizes)}
-        print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, weights "
-              f"{format_bytes(weights)}, {len(sizes)} capture sizes", flush=True)
+        print(
+            f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, weights "
+            f"{format_bytes(weights)}, {len(sizes)} capture sizes",
+            flush=True,
+        )
         if cuda and "hand" in parts:
             # The first loop of a process pays for lazy kernel loading and cuBLAS's set-up at every
             # shape; the second is the hand loop's own cost, and the one the ratios use.
             cold = hand_loop(model, sizes, vocab)
             row["hand"] = hand_loop(model, sizes, vocab)
             row["hand"]["cold_seconds"] = cold["seconds"]
-            print(f"  hand   {row['hand']['seconds']:7.2f} s  peak {format_bytes(row['hand']['peak'])} "
-                  f"(the first loop of the process: {cold['seconds']:.2f} s)", flush=True)
+            print(
+                f"  hand   {row['hand']['seconds']:7.2f} s  peak {format_bytes(row['hand']['peak'])} "
+                f"(the first loop of the process: {cold['seconds']:.2f} s)",
+                flush=True,
+            )
         for part, exhaustive in (("verify", True), ("quick", False)):
             if part in parts:
                 row[part] = verified(model, sizes, vocab, device, exhaustive=exhaustive)
                 _print(part, row[part], row.get("hand"))
         if "bug" in parts:
-            row["bug"] = verified(ScaledFromTokenCount(model, max(sizes)), sizes, vocab, device, exhaustive=False)
+            row["bug"] = verified(
+                ScaledFromTokenCount(model, max(sizes)), sizes, vocab, device, exhaustive=False
+            )
             _print("bug", row["bug"], row.get("hand"))
         results["shapes"][shape] = row
         del model
         _fresh(device) if cuda else gc.collect()
     if args.resnet:
         results["resnet18"] = resnet(device)
-        print(f"resnet18: {'passed' if results['resnet18']['ok'] else 'FAILED'} "
-              f"{results['resnet18']['failed']} ({results['resnet18']['summary']})", flush=True)
+        print(
+            f"resnet18: {'passed' if results['resnet18']['ok'] else 'FAILED'} "
+            f"{results['resnet18']['failed']} ({results['resnet18']['summary']})",
+            flush=True,
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
@@ -236,9 +295,11 @@ def _print(part: str, r: dict[str, Any], hand: dict[str, Any] | None) -> None:
     if hand:
         ratio = f"  x{r['seconds'] / hand['seconds']:.2f} time, x{r['peak'] / hand['peak']:.3f} peak"
     peak = f"  peak {format_bytes(r['peak'])}" if r["peak"] else ""
-    print(f"  {part:6} {r['seconds']:7.2f} s{peak}{ratio}  {verdict}; {r['descriptors']} descriptors, "
-          f"{r['real_batches']} real batches, floor measured for {r['floor_measured']} (max {r['floor_max']:.3g})",
-          flush=True)
+    print(
+        f"  {part:6} {r['seconds']:7.2f} s{peak}{ratio}  {verdict}; {r['descriptors']} descriptors, "
+        f"{r['real_batches']} real batches, floor measured for {r['floor_measured']} (max {r['floor_max']:.3g})",
+        flush=True,
+    )
     if r["first_failure"]:
         print(f"         {r['first_failure'][:400]}", flush=True)
     top = sorted(r["costs"].items(), key=lambda kv: -kv[1]["seconds"])[:6]

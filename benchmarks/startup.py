@@ -35,8 +35,13 @@ def main() -> None:
         for _ in range(args.runs):
             for label, extra in (("with the plugin", []), ("-p no:cudagraph", ["-p", "no:cudagraph"])):
                 started = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *extra],
-                               cwd=folder, env=env, check=True, capture_output=True)
+                subprocess.run(
+                    [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *extra],
+                    cwd=folder,
+                    env=env,
+                    check=True,
+                    capture_output=True,
+                )
                 runs[label].append(time.perf_counter() - started)
     medians = {label: statistics.median(times) for label, times in runs.items()}
     for label, value in medians.items():

@@ -43,8 +43,15 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(NUM_SLOTS + 1, D))
         self.register_buffer("v_cache", torch.zeros(NUM_SLOTS + 1, D))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-                context: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
         t = q.shape[0]
         # In place: a graph replays the same writes at the same slots' addresses.
         self.k_cache.index_copy_(0, slot_mapping, k)
@@ -67,8 +74,14 @@ class DecoderLayer(nn.Module):
         self.up = nn.Linear(D, 4 * D)
         self.down = nn.Linear(4 * D, D)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                context: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
         q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
         h = h + self.out(self.attn(q, k, v, slot_mapping, context, visible))
         return h + self.down(F.gelu(self.up(self.norm2(h))))
@@ -101,7 +114,8 @@ class TinyDecoder(nn.Module):
         # (causal) and within the request's context.
         context = req_base[token_req][:, None] + self.ctx_offsets[None, :]
         visible = (self.ctx_offsets[None, :] <= positions[:, None]) & (
-            self.ctx_offsets[None, :] < seq_lens[token_req][:, None])
+            self.ctx_offsets[None, :] < seq_lens[token_req][:, None]
+        )
         for layer in self.layers:
             h = layer(h, positions, slot_mapping, context, visible)
         logits = self.lm_head(self.norm(h))
@@ -118,8 +132,13 @@ SCRATCH_STATE = {f"layers.{i}.attn.{name}": PAD_SLOT for i in range(2) for name 
 EAGER_SUBMODULES = [Attention]
 
 
-def make_inputs(num_tokens: int, num_reqs: int, *, device: str | torch.device = "cpu",
-                generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+def make_inputs(
+    num_tokens: int,
+    num_reqs: int,
+    *,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
     """A batch of ``num_reqs`` requests sharing ``num_tokens`` new tokens as evenly as possible.
 
     Each request already has some context in the cache; its new tokens follow it.

@@ -51,12 +51,15 @@ class LoraLinear(nn.Module):
         return y
 
 
-def make_inputs(num_tokens: int, num_reqs: int, *, active: int = 1,
-                device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def make_inputs(
+    num_tokens: int, num_reqs: int, *, active: int = 1, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """A batch whose requests use ``active`` adapters (0 to MAX_LORAS)."""
     ids = torch.full((MAX_LORAS,), NO_ADAPTER)
     ids[:active] = torch.randperm(NUM_ADAPTERS)[:active]
-    per_req = ids[torch.randint(0, max(active, 1), (num_reqs,))] if active else torch.full((num_reqs,), NO_ADAPTER)
+    per_req = (
+        ids[torch.randint(0, max(active, 1), (num_reqs,))] if active else torch.full((num_reqs,), NO_ADAPTER)
+    )
     sizes = [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
     token_adapter = torch.repeat_interleave(per_req, torch.tensor(sizes))
     return {

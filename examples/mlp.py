@@ -18,5 +18,7 @@ class MLPBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-def make_inputs(num_tokens: int, num_reqs: int, *, d: int = 64, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def make_inputs(
+    num_tokens: int, num_reqs: int, *, d: int = 64, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(num_tokens, d, device=device)}

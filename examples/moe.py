@@ -42,5 +42,7 @@ class MoE(nn.Module):
         return x + y * gate[:, None]
 
 
-def make_inputs(num_tokens: int, num_reqs: int, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def make_inputs(
+    num_tokens: int, num_reqs: int, *, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(num_tokens, D, device=device)}

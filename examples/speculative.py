@@ -33,7 +33,12 @@ def spec_inputs(device: str | torch.device = "cpu") -> Callable[[int, int], dict
         starts = torch.cumsum(lengths, 0) - lengths
         pos = torch.arange(num_tokens) - starts[req]
         ids = torch.randint(1, VOCAB, (num_tokens,))
-        return {"ids": ids.to(device), "req": req.to(device), "pos": pos.to(device), "starts": starts.to(device)}
+        return {
+            "ids": ids.to(device),
+            "req": req.to(device),
+            "pos": pos.to(device),
+            "starts": starts.to(device),
+        }
 
     return make_inputs
 
@@ -47,13 +52,20 @@ class SpecDecoder(nn.Module):
         self.head = nn.Linear(DIM, VOCAB)
         self.register_buffer("context", torch.randn(MAX_REQS, CONTEXT, DIM))
 
-    def draft_mask(self, req: torch.Tensor, pos: torch.Tensor, is_padding: torch.Tensor,
-                   starts: torch.Tensor) -> torch.Tensor:
+    def draft_mask(
+        self, req: torch.Tensor, pos: torch.Tensor, is_padding: torch.Tensor, starts: torch.Tensor
+    ) -> torch.Tensor:
         """Which tokens each token may attend to: its own request's, up to its position, no padding."""
         return (req[:, None] == req[None, :]) & (pos[None, :] <= pos[:, None]) & ~is_padding[None, :]
 
-    def forward(self, ids: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, starts: torch.Tensor,
-                is_padding: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        req: torch.Tensor,
+        pos: torch.Tensor,
+        starts: torch.Tensor,
+        is_padding: torch.Tensor,
+    ) -> torch.Tensor:
         q = self.embed(ids)
         cached = self.context[req]  # (tokens, CONTEXT, DIM)
         scale = DIM**-0.5

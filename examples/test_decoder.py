@@ -13,8 +13,13 @@ from pytest_cudagraph.manager.pieces import SegmentedGraph
 
 SIZES = (1, 2, 4, 8, 16, 32)
 # PIECEWISE graphs run the attention eagerly between their segments.
-COMMON = {"capture_sizes": SIZES, "max_num_reqs": MAX_REQS, "pad_values": PAD_VALUES,
-          "scratch_state": SCRATCH_STATE, "eager_submodules": EAGER_SUBMODULES}
+COMMON = {
+    "capture_sizes": SIZES,
+    "max_num_reqs": MAX_REQS,
+    "pad_values": PAD_VALUES,
+    "scratch_state": SCRATCH_STATE,
+    "eager_submodules": EAGER_SUBMODULES,
+}
 
 
 @pytest.mark.parametrize(
@@ -23,14 +28,18 @@ COMMON = {"capture_sizes": SIZES, "max_num_reqs": MAX_REQS, "pad_values": PAD_VA
         pytest.param({"mode": "FULL_AND_PIECEWISE", "decode_query_len": 1}, id="full-and-piecewise-q1"),
         pytest.param({"mode": "FULL_AND_PIECEWISE", "decode_query_len": 4}, id="full-and-piecewise-q4"),
         pytest.param({"mode": "FULL_DECODE_ONLY", "decode_query_len": 1}, id="full-decode-only-q1"),
-        pytest.param({"mode": "FULL_AND_PIECEWISE", "decode_query_len": 4, "varlen_decode": True},
-                     id="varlen-decode-q4"),
+        pytest.param(
+            {"mode": "FULL_AND_PIECEWISE", "decode_query_len": 4, "varlen_decode": True},
+            id="varlen-decode-q4",
+        ),
     ],
 )
 def test_decoder_graphs(cudagraph_verify, cudagraph_device, config):
     torch.manual_seed(0)
     module = TinyDecoder().to(cudagraph_device)
-    report = cudagraph_verify(module, functools.partial(make_inputs, device=cudagraph_device), **COMMON, **config)
+    report = cudagraph_verify(
+        module, functools.partial(make_inputs, device=cudagraph_device), **COMMON, **config
+    )
     assert report.ok
 
 
@@ -40,8 +49,15 @@ def test_piecewise_graphs_run_attention_eagerly_between_three_segments(cudagraph
     torch.manual_seed(0)
     module = TinyDecoder().to(cudagraph_device).eval()
     make = functools.partial(make_inputs, device=cudagraph_device)
-    manager = cudagraph_manager(module, make, capture_sizes=SIZES, max_num_reqs=MAX_REQS, mode="FULL_AND_PIECEWISE",
-                                pad_values=PAD_VALUES, eager_submodules=EAGER_SUBMODULES)
+    manager = cudagraph_manager(
+        module,
+        make,
+        capture_sizes=SIZES,
+        max_num_reqs=MAX_REQS,
+        mode="FULL_AND_PIECEWISE",
+        pad_values=PAD_VALUES,
+        eager_submodules=EAGER_SUBMODULES,
+    )
     manager.capture()
     piecewise = [d for d in manager.captured_descriptors if d.mode is GraphMode.PIECEWISE]
     assert sorted(d.num_tokens for d in piecewise) == list(SIZES)

@@ -10,8 +10,13 @@ import torch
 from examples.lora import LORA_CASES, NO_ADAPTER, LoraLinear, make_inputs
 
 
-@pytest.mark.cudagraph(capture_sizes=(1, 2, 4, 8, 16), max_num_reqs=8, mode="FULL", lora_cases=LORA_CASES,
-                       pad_values={"token_adapter": NO_ADAPTER})
+@pytest.mark.cudagraph(
+    capture_sizes=(1, 2, 4, 8, 16),
+    max_num_reqs=8,
+    mode="FULL",
+    lora_cases=LORA_CASES,
+    pad_values={"token_adapter": NO_ADAPTER},
+)
 def test_lora_graphs(cudagraph_verify, cudagraph_device):
     torch.manual_seed(0)
     module = LoraLinear().to(cudagraph_device)
@@ -23,8 +28,11 @@ def test_lora_graphs(cudagraph_verify, cudagraph_device):
 def test_active_adapter_count_picks_the_graph(cudagraph_manager, cudagraph_device):
     torch.manual_seed(0)
     module = LoraLinear().to(cudagraph_device).eval()
-    manager = cudagraph_manager(module, functools.partial(make_inputs, device=cudagraph_device),
-                                pad_values={"token_adapter": NO_ADAPTER})
+    manager = cudagraph_manager(
+        module,
+        functools.partial(make_inputs, device=cudagraph_device),
+        pad_values={"token_adapter": NO_ADAPTER},
+    )
     manager.capture()
     for active, case in [(0, 0), (1, 1), (2, 2), (3, 4), (4, 4)]:
         inputs = make_inputs(6, 3, active=active, device=cudagraph_device)

@@ -8,8 +8,13 @@ import torch
 from examples.speculative import SpecDecoder, spec_inputs
 from pytest_cudagraph import CaptureConfig, CapturePlan
 
-SPEC = {"capture_sizes": (1, 2, 4, 8), "max_num_reqs": 4, "mode": "FULL_AND_PIECEWISE", "decode_query_len": 4,
-        "decode_query_lens": (1, 2, 3, 4)}
+SPEC = {
+    "capture_sizes": (1, 2, 4, 8),
+    "max_num_reqs": 4,
+    "mode": "FULL_AND_PIECEWISE",
+    "decode_query_len": 4,
+    "decode_query_lens": (1, 2, 3, 4),
+}
 
 
 @pytest.mark.cudagraph(**SPEC)

@@ -140,14 +140,23 @@ class Table:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Table:
-        ops = {op: {p: Verdict(kind, reason) for p, (kind, reason) in patterns.items()}
-               for op, patterns in data["ops"].items()}
+        ops = {
+            op: {p: Verdict(kind, reason) for p, (kind, reason) in patterns.items()}
+            for op, patterns in data["ops"].items()
+        }
         return cls(str(data["torch"]), str(data["device"]), str(data["date"]), int(data["cases"]), ops)
 
     def to_json(self) -> dict[str, Any]:
-        return {"torch": self.torch_version, "device": self.device, "date": self.date, "cases": self.cases,
-                "ops": {op: {p: [v.kind, v.reason] for p, v in sorted(patterns.items())}
-                        for op, patterns in sorted(self.ops.items())}}
+        return {
+            "torch": self.torch_version,
+            "device": self.device,
+            "date": self.date,
+            "cases": self.cases,
+            "ops": {
+                op: {p: [v.kind, v.reason] for p, v in sorted(patterns.items())}
+                for op, patterns in sorted(self.ops.items())
+            },
+        }
 
 
 @functools.cache

@@ -108,13 +108,14 @@ class ContextLost(RuntimeError):
         self.error = error
         self.where = where
         what = STICKY_CODES.get(code, f"CUDA error {code}")
-        place = (f" in {where.module}, {where}" if where is not None else "")
+        place = f" in {where.module}, {where}" if where is not None else ""
         super().__init__(
             f"CUDA context lost: {what}{place}. CUDA said: {error}. The kernel's own message (an assert's "
             "file, line and condition) is in the captured stderr. No CUDA call can succeed in this process "
             "any more; under pytest-xdist the plugin ends this worker so a fresh one runs the tests after it, "
             "and without it the remaining GPU tests of this process are not run (--cudagraph-isolate runs "
-            "each test in a process of its own)")
+            "each test in a process of its own)"
+        )
 
 
 def context_lost_error(exc: BaseException) -> ContextLost | None:
@@ -125,7 +126,9 @@ def context_lost_error(exc: BaseException) -> ContextLost | None:
     code = cuda_error_code(exc)
     if code not in STICKY_CODES:
         return None
-    where = next((w for e in _chain(exc) if isinstance(w := getattr(e, "cudagraph_where", None), Where)), None)
+    where = next(
+        (w for e in _chain(exc) if isinstance(w := getattr(e, "cudagraph_where", None), Where)), None
+    )
     source = next(e for e in _chain(exc) if getattr(e, "error_code", None) == code)
     first_line = (str(source).strip().splitlines() or [type(source).__name__])[0]
     return ContextLost(code, first_line, where)
@@ -217,13 +220,17 @@ def oom_detail(exc: BaseException, device: Any = None) -> str | None:
         return None
     if _last_oom is not None:
         index, asked, total, free = _last_oom
-        return (f"out of device memory: an allocation of {format_bytes(asked)} was asked for with "
-                f"{format_bytes(free)} free of {format_bytes(total)} on cuda:{index}")
+        return (
+            f"out of device memory: an allocation of {format_bytes(asked)} was asked for with "
+            f"{format_bytes(free)} free of {format_bytes(total)} on cuda:{index}"
+        )
     if getattr(device, "type", None) == "cuda":
         with contextlib.suppress(Exception):
             free, total = torch.cuda.mem_get_info(device)
-            return (f"out of device memory: an allocation larger than what was free was asked for; "
-                    f"{format_bytes(free)} free of {format_bytes(total)} on {device} now")
+            return (
+                f"out of device memory: an allocation larger than what was free was asked for; "
+                f"{format_bytes(free)} free of {format_bytes(total)} on {device} now"
+            )
     return "out of memory: an allocation larger than what was free was asked for"
 
 

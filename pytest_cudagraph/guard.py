@@ -142,7 +142,7 @@ _SKIPPED_FILES = frozenset(
 
 
 def call_site(frame: FrameType | None = None) -> str:
-    """"path:line in function" of the first frame outside torch, this package and contextlib/functools.
+    """ "path:line in function" of the first frame outside torch, this package and contextlib/functools.
 
     Walked only when a violation is reported: the failure path pays for it.
     """
@@ -158,7 +158,7 @@ def call_site(frame: FrameType | None = None) -> str:
 def _short_path(filename: str) -> str:
     cwd = os.getcwd() + os.sep
     if filename.startswith(cwd):
-        return filename[len(cwd):]
+        return filename[len(cwd) :]
     for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
         _head, found, tail = filename.rpartition(marker)
         if found:
@@ -235,12 +235,12 @@ def tensors_in(args: Any, kwargs: Any) -> list[torch.Tensor]:
 
 def _is_bool_index(indices: Any) -> bool:
     flat, _ = tree_flatten(indices)
-    return any(
-        isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in flat
-    )
+    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in flat)
 
 
-def check_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> tuple[str, str] | None:
+def check_op(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> tuple[str, str] | None:
     """(op name, reason) when ``func`` cannot be captured on ``device``, else None."""
     reason = _DATA_DEPENDENT.get(func)
     if reason is not None:
@@ -262,7 +262,12 @@ def check_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: t
         # Transfers and host tensors only matter when the graph lives on a
         # device: a CPU tensor read by a device kernel during capture is
         # copied from pageable memory, which a graph cannot record.
-        if func is aten.lift_fresh.default and args and args[0].device.type == device.type and args[0].numel():
+        if (
+            func is aten.lift_fresh.default
+            and args
+            and args[0].device.type == device.type
+            and args[0].numel()
+        ):
             # torch.tensor(data, device=...) and kin: the data was copied to
             # the device before the op (its argument is already there). Empty
             # data copies nothing: torch skips a copy of no elements.
@@ -274,12 +279,20 @@ def check_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: t
             # value is no CPU scalar a kernel takes by value.
             dest = args[0] if args else None
             value = _written_value(packet, position, args, kwargs)
-            if (isinstance(dest, torch.Tensor) and dest.device.type == device.type
-                    and isinstance(value, torch.Tensor) and value.device.type == "cpu"):
+            if (
+                isinstance(dest, torch.Tensor)
+                and dest.device.type == device.type
+                and isinstance(value, torch.Tensor)
+                and value.device.type == "cpu"
+            ):
                 return str(func), _WRITE_REASON
-        if packet is aten.where and any(
-            isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 0 for t in args[1:3]
-        ) and any(isinstance(t, torch.Tensor) and t.device.type == device.type for t in args[:3]):
+        if (
+            packet is aten.where
+            and any(
+                isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 0 for t in args[1:3]
+            )
+            and any(isinstance(t, torch.Tensor) and t.device.type == device.type for t in args[:3])
+        ):
             # where copies a CPU 0-dim operand to the device; a Python number
             # (torch.where(c, x, 0.0)) arrives already made on the device.
             return str(func), _WHERE_REASON
@@ -289,7 +302,9 @@ def check_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: t
         if packet is aten._to_copy:
             target = kwargs.get("device")
             if target is not None and torch.device(target).type != tensors[0].device.type:
-                return str(func), "device-to-host copy" if torch.device(target).type == "cpu" else "host-to-device copy"
+                return str(func), "device-to-host copy" if torch.device(
+                    target
+                ).type == "cpu" else "host-to-device copy"
         if on_host and on_dev:
             return str(func), "CPU tensor on the CUDA path (host-device copy)"
     return None
@@ -317,8 +332,16 @@ def capturability_table() -> Table | None:
 # Packets some rule of check_op looks at beyond the op itself (its arguments' devices, a boolean
 # index, an output_size, a written value).
 _RULED = frozenset(getattr(f, "overloadpacket", f) for f in _DATA_DEPENDENT) | {
-    aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_, aten.repeat_interleave, aten.lift_fresh,
-    aten.copy_, aten.where, aten._to_copy}
+    aten.index,
+    aten.index_put,
+    aten.index_put_,
+    aten._index_put_impl_,
+    aten.repeat_interleave,
+    aten.lift_fresh,
+    aten.copy_,
+    aten.where,
+    aten._to_copy,
+}
 
 
 def _decisive(table: Table, func: Any) -> bool:
@@ -331,7 +354,8 @@ def _decisive(table: Table, func: Any) -> bool:
     if found is None:
         entry = table.ops.get(str(func), {})
         found = table.memo[func] = getattr(func, "overloadpacket", None) in _RULED or any(
-            v.kind != HELD or "h" in p or "b" in p for p, v in entry.items())
+            v.kind != HELD or "h" in p or "b" in p for p, v in entry.items()
+        )
     return bool(found)
 
 
@@ -340,15 +364,21 @@ def _on_cpu(t: torch.Tensor) -> bool:
 
 
 def _refused(table: Table, func: Any, verdict: Verdict) -> tuple[str, str]:
-    return str(func), f"a CUDA graph capture refuses it: {verdict.reason.partition(': ')[2] or verdict.reason}, " \
-                      f"learned on {table.source}"
+    return (
+        str(func),
+        f"a CUDA graph capture refuses it: {verdict.reason.partition(': ')[2] or verdict.reason}, "
+        f"learned on {table.source}",
+    )
 
 
 def _is_view(func: Any) -> bool:
     """A view or an alias: no kernel runs, so there is nothing for a capture to refuse."""
     schema = getattr(func, "_schema", None)
-    return schema is not None and bool(schema.returns) and all(
-        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    return (
+        schema is not None
+        and bool(schema.returns)
+        and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    )
 
 
 def _is_masked_fill(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -356,8 +386,12 @@ def _is_masked_fill(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if packet not in (aten.index_put, aten.index_put_, aten._index_put_impl_) or len(args) < 2:
         return False
     indices = args[1]
-    if not (isinstance(indices, (list, tuple)) and len(indices) == 1 and isinstance(indices[0], torch.Tensor)
-            and indices[0].dtype == torch.bool):
+    if not (
+        isinstance(indices, (list, tuple))
+        and len(indices) == 1
+        and isinstance(indices[0], torch.Tensor)
+        and indices[0].dtype == torch.bool
+    ):
         return False
     value = _written_value(packet, 2, args, kwargs)
     return isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu"
@@ -444,8 +478,9 @@ class CaptureGuard:
     def report(self, op: str, reason: str) -> None:
         if self.suspended:
             return
-        violation = Violation(op=op, reason=reason, module_path=self.tracker.path,
-                              location=call_site(sys._getframe(1)))
+        violation = Violation(
+            op=op, reason=reason, module_path=self.tracker.path, location=call_site(sys._getframe(1))
+        )
         if violation not in self.violations:
             self.violations.append(violation)
         if self.on_violation is not None:
@@ -461,8 +496,11 @@ class CaptureGuard:
             if layout is not None:
                 self.report(str(func), SPARSE_REASON.format(layout=layout))
                 return
-        if self.by_provenance and self.host_made and _is_masked_fill(getattr(func, "overloadpacket", None), args,
-                                                                     kwargs):
+        if (
+            self.by_provenance
+            and self.host_made
+            and _is_masked_fill(getattr(func, "overloadpacket", None), args, kwargs)
+        ):
             value = _written_value(func.overloadpacket, 2, args, kwargs)
             if _storage_key(value) in self.host_made:
                 return  # `t[mask] = 0.0` with a number made on the host: masked_fill_ on a GPU
@@ -484,7 +522,13 @@ class CaptureGuard:
                 return
             if self.host_made:
                 found = self._check_host_values(func, args, kwargs)
-        if found is None and self.by_provenance and not self.suspended and table is not None and not _is_view(func):
+        if (
+            found is None
+            and self.by_provenance
+            and not self.suspended
+            and table is not None
+            and not _is_view(func)
+        ):
             # On the emulator, what its CPU cannot refuse: what a GPU refused when the table was
             # learned. An op the table does not cover is kept as not known (the report says so).
             verdict = self._learned(table, func, args, kwargs, exact=False)
@@ -520,7 +564,9 @@ class CaptureGuard:
     def is_host(self, t: torch.Tensor) -> bool:
         return bool(self.host_made) and _storage_key(t) in self.host_made
 
-    def _check_host_values(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str] | None:
+    def _check_host_values(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[str, str] | None:
         """The emulator's version of the CUDA rules in ``check_op``, with "made on
         the host in this forward" standing in for "on the CPU"."""
         tensors = tensors_in(args, kwargs)
@@ -533,8 +579,12 @@ class CaptureGuard:
         if position is not None:
             dest = args[0] if args else None
             value = _written_value(packet, position, args, kwargs)
-            if (isinstance(dest, torch.Tensor) and _storage_key(dest) not in host
-                    and isinstance(value, torch.Tensor) and _storage_key(value) in host):
+            if (
+                isinstance(dest, torch.Tensor)
+                and _storage_key(dest) not in host
+                and isinstance(value, torch.Tensor)
+                and _storage_key(value) in host
+            ):
                 return str(func), _WRITE_REASON
         if packet is aten.where and any(t.dim() == 0 for t in on_host):
             return str(func), _WHERE_REASON
@@ -658,8 +708,11 @@ def as_captured(exempt: list[torch.nn.Module] | tuple[()] = (), *, emulated: boo
     def count(step: int) -> None:
         running[0] += step
 
-    with _while_running(exempt, count), host_methods_watched(), \
-            (_InertFunctionMode() if emulated else contextlib.nullcontext()):
+    with (
+        _while_running(exempt, count),
+        host_methods_watched(),
+        _InertFunctionMode() if emulated else contextlib.nullcontext(),
+    ):
         _AS_CAPTURED.append(running)
         try:
             yield
@@ -749,7 +802,9 @@ class GuardDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 # The op itself failed the capture (a sync or a pageable copy inside its kernel
                 # code): a finding that names it, with CUDA's own words, not a raw exception.
                 lines = str(exc).strip().splitlines()
-                self.guard.report(str(func), f"a CUDA graph capture refuses it: {lines[0] if lines else type(exc).__name__}")
+                self.guard.report(
+                    str(func), f"a CUDA graph capture refuses it: {lines[0] if lines else type(exc).__name__}"
+                )
             raise
         if self.guard.observer is not None:
             self.guard.observer.after(func, out)
@@ -865,7 +920,9 @@ class _HostValueMode(TorchFunctionMode):
 
 
 def _mark_all(guard: CaptureGuard, out: Any) -> None:
-    for t in tensors_in((out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else (), None):
+    for t in tensors_in(
+        (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else (), None
+    ):
         guard.mark_host(t)
 
 
@@ -940,7 +997,9 @@ def _target_device(args: Any, kwargs: Any) -> Any:
         first = args[1]
         if isinstance(first, torch.Tensor):
             device = first.device
-        elif isinstance(first, (str, torch.device)) or (isinstance(first, int) and not isinstance(first, bool)):
+        elif isinstance(first, (str, torch.device)) or (
+            isinstance(first, int) and not isinstance(first, bool)
+        ):
             device = first
     return device
 
@@ -955,6 +1014,7 @@ def _list_index(index: Any) -> bool:
     """Whether ``t[index]`` indexes with a Python list of numbers (``t[[0, 2]]``, ``t[:, [1, 3]]``),
     which torch makes a tensor of in C++, on the host, and copies to ``t``'s device. (A list that
     holds slices or tensors is read as a tuple of indices: no copy.)"""
+
     def numbers(value: Any) -> bool:
         if isinstance(value, list):
             return all(numbers(v) for v in value)
@@ -984,9 +1044,22 @@ def _moved(guard: CaptureGuard, label: str, func: Any, args: Any, kwargs: Any) -
 
 
 _FACTORIES = (
-    torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.empty_strided, torch.eye,
-    torch.linspace, torch.logspace, torch.scalar_tensor, torch.rand, torch.randn, torch.randint,
-    torch.randperm, torch.tril_indices, torch.triu_indices,
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.empty_strided,
+    torch.eye,
+    torch.linspace,
+    torch.logspace,
+    torch.scalar_tensor,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.tril_indices,
+    torch.triu_indices,
 )
 _HOST_VALUE_CALLS: dict[Any, Callable[[CaptureGuard, Any, Any, Any], Any]] = {
     **dict.fromkeys(_FACTORIES, _factory),

@@ -31,8 +31,16 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ForwardObserver", "buffers_restored", "draws_random", "fingerprint", "observing", "poisoned",
-           "restoring", "unit_roundoff"]
+__all__ = [
+    "ForwardObserver",
+    "buffers_restored",
+    "draws_random",
+    "fingerprint",
+    "observing",
+    "poisoned",
+    "restoring",
+    "unit_roundoff",
+]
 
 aten = torch.ops.aten
 
@@ -45,8 +53,12 @@ _UNIT_ROUNDOFF: dict[torch.dtype, float] = {
     torch.complex128: 2.0**-53,
     torch.complex64: 2.0**-24,
 }
-for _name, _u in (("float8_e4m3fn", 2.0**-4), ("float8_e4m3fnuz", 2.0**-4), ("float8_e5m2", 2.0**-3),
-                  ("float8_e5m2fnuz", 2.0**-3)):
+for _name, _u in (
+    ("float8_e4m3fn", 2.0**-4),
+    ("float8_e4m3fnuz", 2.0**-4),
+    ("float8_e5m2", 2.0**-3),
+    ("float8_e5m2fnuz", 2.0**-3),
+):
     if hasattr(torch, _name):
         _UNIT_ROUNDOFF[getattr(torch, _name)] = _u
 #: TensorFloat-32: fp32's range with fp16's 10-bit mantissa.
@@ -65,12 +77,39 @@ def _packets(*names: str) -> frozenset[Any]:
 # Where the bulk of a forward's rounding happens: long reductions whose
 # order the kernel picks by shape. Elementwise ops round once per element,
 # the same way at every shape.
-_MATMUL = _packets("mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "matmul", "linear",
-                   "_scaled_mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                   "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                   "_flash_attention_forward", "_efficient_attention_forward", "_scaled_dot_product_attention_math")
-_CONV = _packets("convolution", "_convolution", "cudnn_convolution", "cudnn_convolution_transpose",
-                 "mkldnn_convolution", "convolution_overrideable", "_slow_conv2d_forward", "conv2d", "conv1d", "conv3d")
+_MATMUL = _packets(
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "addbmm",
+    "addmv",
+    "mv",
+    "dot",
+    "vdot",
+    "matmul",
+    "linear",
+    "_scaled_mm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+    "_scaled_dot_product_attention_math",
+)
+_CONV = _packets(
+    "convolution",
+    "_convolution",
+    "cudnn_convolution",
+    "cudnn_convolution_transpose",
+    "mkldnn_convolution",
+    "convolution_overrideable",
+    "_slow_conv2d_forward",
+    "conv2d",
+    "conv1d",
+    "conv3d",
+)
 
 
 def _fp32_roundoff(device: torch.device, conv: bool) -> float:
@@ -111,8 +150,9 @@ _WRITES: dict[Any, tuple[int | str, ...]] = {}
 # collectives write the tensors they are given.
 _UNMARKED: dict[Any, tuple[int | str, ...]] = {
     p: (3, 4, "running_mean", "running_var")
-    for p in _packets("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm", "_batch_norm_impl_index",
-                      "batch_norm")
+    for p in _packets(
+        "native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm", "_batch_norm_impl_index", "batch_norm"
+    )
 }
 _COLLECTIVE_NAMESPACES = frozenset({"c10d"})
 
@@ -136,11 +176,36 @@ def _written_arguments(func: Any) -> tuple[int | str, ...]:
 
 # Ops that draw from a generator, in every overload (those without a generator argument draw
 # from the default one): the random factories and samplers, and dropout's own kernels.
-_DRAWS_BY_NAME = _packets("native_dropout", "_fused_dropout", "fused_dropout", "rrelu_with_noise", "feature_dropout",
-                          "alpha_dropout", "rand", "randn", "randint", "randperm", "rand_like", "randn_like",
-                          "randint_like", "bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "multinomial",
-                          "poisson", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_", "binomial",
-                          "_standard_gamma", "_sample_dirichlet")
+_DRAWS_BY_NAME = _packets(
+    "native_dropout",
+    "_fused_dropout",
+    "fused_dropout",
+    "rrelu_with_noise",
+    "feature_dropout",
+    "alpha_dropout",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "bernoulli",
+    "bernoulli_",
+    "normal",
+    "normal_",
+    "uniform_",
+    "multinomial",
+    "poisson",
+    "exponential_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+    "random_",
+    "binomial",
+    "_standard_gamma",
+    "_sample_dirichlet",
+)
 _DRAWS: dict[Any, bool] = {}
 
 
@@ -150,17 +215,32 @@ def draws_random(func: Any) -> bool:
     if found is None:
         schema = getattr(func, "_schema", None)
         found = getattr(func, "overloadpacket", None) in _DRAWS_BY_NAME or (
-            schema is not None and any("Generator" in str(a.type) for a in schema.arguments))
+            schema is not None and any("Generator" in str(a.type) for a in schema.arguments)
+        )
         _DRAWS[func] = found
     return found
 
 
 # Ops that hand back memory as the allocator left it.
-_ALLOCATES = _packets("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                      "empty_permuted")
+_ALLOCATES = _packets(
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"
+)
 # Ops that overwrite their first argument without reading it.
-_OVERWRITES = _packets("copy_", "fill_", "zero_", "uniform_", "normal_", "random_", "bernoulli_", "exponential_",
-                       "geometric_", "cauchy_", "log_normal_", "set_", "resize_")
+_OVERWRITES = _packets(
+    "copy_",
+    "fill_",
+    "zero_",
+    "uniform_",
+    "normal_",
+    "random_",
+    "bernoulli_",
+    "exponential_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+    "set_",
+    "resize_",
+)
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -220,8 +300,13 @@ class ForwardObserver:
         places = _written_arguments(func)
         if places:
             for place in places:
-                value = args[place] if isinstance(place, int) and place < len(args) else \
-                    kwargs.get(place) if isinstance(place, str) and kwargs else None
+                value = (
+                    args[place]
+                    if isinstance(place, int) and place < len(args)
+                    else kwargs.get(place)
+                    if isinstance(place, str) and kwargs
+                    else None
+                )
                 if isinstance(value, torch.Tensor):
                     self._wrote(value)
                 elif isinstance(value, (list, tuple)):
@@ -261,12 +346,14 @@ class ForwardObserver:
             return
         packet = getattr(func, "overloadpacket", None)
         written = _written_arguments(func)
-        in_place = getattr(getattr(func, "_schema", None), "name", "").endswith("_") and packet not in _OVERWRITES
+        in_place = (
+            getattr(getattr(func, "_schema", None), "name", "").endswith("_") and packet not in _OVERWRITES
+        )
         places: list[tuple[int | str, Any]] = list(enumerate(args))
         if kwargs:
             places.extend(kwargs.items())
         for place, value in places:
-            for t in (value if isinstance(value, (list, tuple)) else (value,)):
+            for t in value if isinstance(value, (list, tuple)) else (value,):
                 if not isinstance(t, torch.Tensor):
                     continue
                 key = _storage_key(t)
@@ -304,10 +391,28 @@ class ForwardObserver:
 
 
 # Ops that read a tensor's shape, dtype and device, never its values.
-_METADATA_ONLY = _packets("empty_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
-                          "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
-                          "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "detach",
-                          "lift_fresh", "_has_same_storage_numel")
+_METADATA_ONLY = _packets(
+    "empty_like",
+    "new_empty",
+    "new_empty_strided",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "is_same_size",
+    "detach",
+    "lift_fresh",
+    "_has_same_storage_numel",
+)
 _NOTHING_READ: dict[Any, bool] = {}
 
 
@@ -317,8 +422,9 @@ def _reads_nothing(func: Any) -> bool:
     found = _NOTHING_READ.get(func)
     if found is None:
         schema = getattr(func, "_schema", None)
-        view = schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
-                                          for r in schema.returns)
+        view = schema is not None and any(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        )
         found = _NOTHING_READ[func] = view or getattr(func, "overloadpacket", None) in _METADATA_ONLY
     return found
 
@@ -345,7 +451,11 @@ class _Poisoning(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if getattr(func, "overloadpacket", None) in _ALLOCATES and isinstance(out, torch.Tensor) and out.numel():
+        if (
+            getattr(func, "overloadpacket", None) in _ALLOCATES
+            and isinstance(out, torch.Tensor)
+            and out.numel()
+        ):
             out.fill_(_POISON[self.which](out.dtype))
         return out
 
@@ -426,10 +536,14 @@ def fingerprint(t: torch.Tensor) -> tuple[int, int]:
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     size = flat.element_size()
-    ints = flat.view(_INT_OF_SIZE[size]) if size in _INT_OF_SIZE and flat.dtype not in _INT_OF_SIZE.values() else flat
+    ints = (
+        flat.view(_INT_OF_SIZE[size])
+        if size in _INT_OF_SIZE and flat.dtype not in _INT_OF_SIZE.values()
+        else flat
+    )
     total = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start in range(0, ints.numel(), _CHUNK):
-        chunk = ints[start:start + _CHUNK].to(torch.int64)
+        chunk = ints[start : start + _CHUNK].to(torch.int64)
         weights = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64)
         weights.remainder_(_MODULUS).add_(1)
         total[0] += chunk.sum()

@@ -86,7 +86,9 @@ class VerifyOptions:
         object.__setattr__(self, "backend", self.backend.strip().lower())
         for name in ("rtol", "atol"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+            ):
                 raise ValueError(f"{name} must be a number >= 0 or None (dtype default); got {value!r}")
         for name in ("batch_invariant", "exhaustive", "nonfinite_padding"):
             value = getattr(self, name)
@@ -139,8 +141,10 @@ def _batches(batches: Iterable[Batch] | None) -> tuple[Batch, ...] | None:
     if batches is None:
         return None
     if isinstance(batches, (str, bytes, Batch)) or not isinstance(batches, Iterable):
-        raise ValueError(f"batches must be an iterable of pytest_cudagraph.plan.Batch (a trace's shapes: "
-                         f"read_trace(path).shapes); got {type(batches).__name__}")
+        raise ValueError(
+            f"batches must be an iterable of pytest_cudagraph.plan.Batch (a trace's shapes: "
+            f"read_trace(path).shapes); got {type(batches).__name__}"
+        )
     found: dict[Batch, None] = {}
     for batch in batches:
         if not isinstance(batch, Batch):

@@ -37,6 +37,7 @@ DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 
 def _counts(minimum: int, what: str, example: str) -> Callable[[str], tuple[int, ...]]:
     """An argparse type: integers >= ``minimum`` separated by commas."""
+
     def parse(text: str) -> tuple[int, ...]:
         try:
             values = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
@@ -44,8 +45,10 @@ def _counts(minimum: int, what: str, example: str) -> Callable[[str], tuple[int,
             values = ()
         if not values or min(values) < minimum:
             raise argparse.ArgumentTypeError(
-                f"expected {what} >= {minimum} separated by commas, e.g. {example}; got {text!r}")
+                f"expected {what} >= {minimum} separated by commas, e.g. {example}; got {text!r}"
+            )
         return values
+
     return parse
 
 
@@ -66,40 +69,95 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cudagraph-plan",
         description="Capture sizes from real traffic: how a plan serves a trace of batches (coverage, padding, "
-                    "eager fallbacks), and the best ladder of at most N graphs.",
+        "eager fallbacks), and the best ladder of at most N graphs.",
         epilog="TRACE: JSON Lines or CSV (with a header), optionally .gz, one batch a line: num_tokens, num_reqs, "
-               "and optionally uniform_token_count, max_query_len, num_active_loras. Exit status: 0, or 2 when "
-               "the arguments or the trace are wrong.")
+        "and optionally uniform_token_count, max_query_len, num_active_loras. Exit status: 0, or 2 when "
+        "the arguments or the trace are wrong.",
+    )
     p.add_argument("trace", metavar="TRACE", help="the trace of batch shapes")
-    p.add_argument("--capture-sizes", type=_sizes, default=None, metavar="1,2,4,...",
-                   help="the plan's capture sizes (default: vLLM's default ladder, 1 to 512)")
-    p.add_argument("--max-num-reqs", type=_positive, default=None, metavar="R",
-                   help="the most requests a batch may hold (default: the most the trace has)")
-    p.add_argument("--mode", default="FULL_AND_PIECEWISE", type=str.upper,
-                   choices=[m.name for m in GraphMode], help="graph mode (default: FULL_AND_PIECEWISE, vLLM's)")
-    p.add_argument("--decode-query-len", type=_positive, default=1, metavar="Q",
-                   help="tokens a request of a uniform decode batch (1 + speculative tokens; default 1)")
-    p.add_argument("--decode-query-lens", type=_counts(1, "query lengths", "1,2,3,4"), default=None,
-                   metavar="1,2,...", help="dynamic speculative decoding: the query lengths uniform decode graphs "
-                   "are captured for, each at most Q (default: Q alone)")
+    p.add_argument(
+        "--capture-sizes",
+        type=_sizes,
+        default=None,
+        metavar="1,2,4,...",
+        help="the plan's capture sizes (default: vLLM's default ladder, 1 to 512)",
+    )
+    p.add_argument(
+        "--max-num-reqs",
+        type=_positive,
+        default=None,
+        metavar="R",
+        help="the most requests a batch may hold (default: the most the trace has)",
+    )
+    p.add_argument(
+        "--mode",
+        default="FULL_AND_PIECEWISE",
+        type=str.upper,
+        choices=[m.name for m in GraphMode],
+        help="graph mode (default: FULL_AND_PIECEWISE, vLLM's)",
+    )
+    p.add_argument(
+        "--decode-query-len",
+        type=_positive,
+        default=1,
+        metavar="Q",
+        help="tokens a request of a uniform decode batch (1 + speculative tokens; default 1)",
+    )
+    p.add_argument(
+        "--decode-query-lens",
+        type=_counts(1, "query lengths", "1,2,3,4"),
+        default=None,
+        metavar="1,2,...",
+        help="dynamic speculative decoding: the query lengths uniform decode graphs "
+        "are captured for, each at most Q (default: Q alone)",
+    )
     p.add_argument("--varlen-decode", action="store_true", help="decode graphs take 1..Q tokens a request")
-    p.add_argument("--lora-cases", type=_counts(0, "counts", "0,1,4"), default=(0,), metavar="0,1,...",
-                   help="active-adapter counts graphs are captured for (default 0: no LoRA)")
-    p.add_argument("--max-graphs", type=_positive, default=None, metavar="N",
-                   help="suggest the ladder of at most N capture sizes that pads least")
-    p.add_argument("--top", type=_positive, default=5, metavar="K", help="worst-padded sizes shown (default 5)")
-    p.add_argument("--skip-bad-lines", action="store_true",
-                   help="leave out lines that are not batches (listed with their numbers) instead of stopping")
+    p.add_argument(
+        "--lora-cases",
+        type=_counts(0, "counts", "0,1,4"),
+        default=(0,),
+        metavar="0,1,...",
+        help="active-adapter counts graphs are captured for (default 0: no LoRA)",
+    )
+    p.add_argument(
+        "--max-graphs",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="suggest the ladder of at most N capture sizes that pads least",
+    )
+    p.add_argument(
+        "--top", type=_positive, default=5, metavar="K", help="worst-padded sizes shown (default 5)"
+    )
+    p.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="leave out lines that are not batches (listed with their numbers) instead of stopping",
+    )
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
-    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
-                   help="draw padding against tokens for both ladders (needs matplotlib: the 'plot' extra)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="OUT.png",
+        help="draw padding against tokens for both ladders (needs matplotlib: the 'plot' extra)",
+    )
     group = p.add_argument_group("graph memory (imports torch)")
-    group.add_argument("--estimate-memory", action="store_true",
-                       help="estimate the graph memory of both ladders for --module")
+    group.add_argument(
+        "--estimate-memory",
+        action="store_true",
+        help="estimate the graph memory of both ladders for --module",
+    )
     group.add_argument("--module", metavar="PKG.MOD:FACTORY", help="a callable returning the nn.Module")
-    group.add_argument("--make-inputs", metavar="PKG.MOD:FN", help="make_inputs(num_tokens, num_reqs) -> dict")
-    group.add_argument("--backend", default="auto", choices=("auto", "cuda", "emulate"),
-                       help="where to estimate (default auto: CUDA when there is a GPU)")
+    group.add_argument(
+        "--make-inputs", metavar="PKG.MOD:FN", help="make_inputs(num_tokens, num_reqs) -> dict"
+    )
+    group.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "cuda", "emulate"),
+        help="where to estimate (default auto: CUDA when there is a GPU)",
+    )
     return p
 
 
@@ -112,7 +170,9 @@ def _pct(x: float) -> str:
 
 def _table(analysis: Analysis) -> list[str]:
     total = analysis.batches
-    lines = [f"  {'':<12}{'batches':>12}{'share':>10}{'real tokens':>15}{'padded tokens':>15}{'padded/real':>13}"]
+    lines = [
+        f"  {'':<12}{'batches':>12}{'share':>10}{'real tokens':>15}{'padded tokens':>15}{'padded/real':>13}"
+    ]
 
     def row(name: str, batches: int, real: int, padded: int | None) -> str:
         share = _pct(batches / total) if total else "-"
@@ -142,8 +202,10 @@ def _worst(analysis: Analysis, top: int) -> list[str]:
     rows = analysis.worst_padded(top)
     if not rows:
         return ["worst-padded sizes: no graph-served batch is padded"]
-    lines = ["worst-padded sizes (by padded tokens in all):",
-             f"  {'mode':<12}{'tokens':>8}{'graph':>8}{'batches':>12}{'padded tokens':>15}"]
+    lines = [
+        "worst-padded sizes (by padded tokens in all):",
+        f"  {'mode':<12}{'tokens':>8}{'graph':>8}{'batches':>12}{'padded tokens':>15}",
+    ]
     lines += [f"  {mode:<12}{t:>8}{g:>8}{count:>12,}{padded:>15,}" for mode, t, g, count, padded in rows]
     return lines
 
@@ -177,7 +239,9 @@ def _load(spec: str, what: str) -> Callable[..., Any]:
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise SystemExit(f"cudagraph-plan: error: cannot load {what} {spec!r}: {type(exc).__name__}: {exc}") from None
+        raise SystemExit(
+            f"cudagraph-plan: error: cannot load {what} {spec!r}: {type(exc).__name__}: {exc}"
+        ) from None
     if not callable(obj):
         raise SystemExit(f"cudagraph-plan: error: {what} {spec!r} is not callable")
     return obj  # type: ignore[no-any-return]
@@ -186,8 +250,10 @@ def _load(spec: str, what: str) -> Callable[..., Any]:
 def _estimates(args: argparse.Namespace, configs: Sequence[CaptureConfig]) -> tuple[list[int | None], str]:
     """The graph memory of each config's plan for --module, and where it was estimated."""
     if not (args.module and args.make_inputs):
-        raise SystemExit("cudagraph-plan: error: --estimate-memory needs --module PKG.MOD:FACTORY and "
-                         "--make-inputs PKG.MOD:FN")
+        raise SystemExit(
+            "cudagraph-plan: error: --estimate-memory needs --module PKG.MOD:FACTORY and "
+            "--make-inputs PKG.MOD:FN"
+        )
     sys.path.insert(0, str(Path.cwd()))
     factory = _load(args.module, "--module")
     make_inputs = _load(args.make_inputs, "--make-inputs")
@@ -232,8 +298,12 @@ def _plot(path: Path, before: Analysis, after: Analysis | None, title: str) -> N
             pad, n = per_size.get(t, [0, 0])
             per_size[t] = [pad + (g - t) * count, n + count]
         xs = sorted(per_size)
-        ax.step(xs, [per_size[x][0] / per_size[x][1] for x in xs], where="post",
-                label=f"{label} ({len(analysis.capture_sizes)} sizes, waste {analysis.padding_waste:.4f})")
+        ax.step(
+            xs,
+            [per_size[x][0] / per_size[x][1] for x in xs],
+            where="post",
+            label=f"{label} ({len(analysis.capture_sizes)} sizes, waste {analysis.padding_waste:.4f})",
+        )
     ax.set_xlabel("real tokens in the batch")
     ax.set_ylabel("padded tokens per batch (mean)")
     ax.set_title(title)
@@ -257,16 +327,26 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
     trace: Trace = read_trace(args.trace, skip_bad=args.skip_bad_lines)
     max_reqs = args.max_num_reqs or max(b.num_reqs for b in trace.counts)
     sizes = args.capture_sizes or DEFAULT_CAPTURE_SIZES
-    config = CaptureConfig(capture_sizes=sizes, max_num_reqs=max_reqs, mode=args.mode,
-                           decode_query_len=args.decode_query_len, varlen_decode=args.varlen_decode,
-                           lora_cases=args.lora_cases, decode_query_lens=args.decode_query_lens)
+    config = CaptureConfig(
+        capture_sizes=sizes,
+        max_num_reqs=max_reqs,
+        mode=args.mode,
+        decode_query_len=args.decode_query_len,
+        varlen_decode=args.varlen_decode,
+        lora_cases=args.lora_cases,
+        decode_query_lens=args.decode_query_lens,
+    )
     plan = CapturePlan(config)
     before = analyse(plan, trace)
-    out(f"trace {trace.path}: {trace.batches:,} batches, {len(trace.counts):,} distinct shapes, "
-        f"{trace.real_tokens:,} tokens")
+    out(
+        f"trace {trace.path}: {trace.batches:,} batches, {len(trace.counts):,} distinct shapes, "
+        f"{trace.real_tokens:,} tokens"
+    )
     if trace.skipped:
         shown = "; ".join(str(b) for b in trace.skipped[:5])
-        out(f"  skipped {len(trace.skipped):,} bad line(s): {shown}{' ...' if len(trace.skipped) > 5 else ''}")
+        out(
+            f"  skipped {len(trace.skipped):,} bad line(s): {shown}{' ...' if len(trace.skipped) > 5 else ''}"
+        )
     if trace.ignored_fields:
         out(f"  ignored fields: {', '.join(trace.ignored_fields)}")
     if trace.missing_fields:
@@ -274,18 +354,25 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
         for line in assumed(config, trace.missing_fields):
             out(f"    {line}")
     defaults = " (the trace's most)" if args.max_num_reqs is None else ""
-    out(f"plan: {config.mode.name}, {len(config.capture_sizes)} capture sizes "
+    out(
+        f"plan: {config.mode.name}, {len(config.capture_sizes)} capture sizes "
         f"{min(config.capture_sizes)}..{max(config.capture_sizes)}{' (default ladder)' if args.capture_sizes is None else ''}, "
         f"max_num_reqs {max_reqs}{defaults}, decode_query_len {config.decode_query_len}"
         f"{'' if config.query_lens == (config.decode_query_len,) else f' (lengths {list(config.query_lens)})'}"
-        f"{', varlen decode' if config.varlen_decode else ''}, {len(plan.descriptors)} graphs")
+        f"{', varlen decode' if config.varlen_decode else ''}, {len(plan.descriptors)} graphs"
+    )
     out("")
     for line in (*_table(before), "", *_fallbacks(before), "", *_worst(before, args.top)):
         out(line)
     doc: dict[str, Any] = {
-        "trace": {"path": trace.path, "batches": trace.batches, "distinct_shapes": len(trace.counts),
-                  "real_tokens": trace.real_tokens, "skipped_lines": [b.line for b in trace.skipped],
-                  "ignored_fields": list(trace.ignored_fields)},
+        "trace": {
+            "path": trace.path,
+            "batches": trace.batches,
+            "distinct_shapes": len(trace.counts),
+            "real_tokens": trace.real_tokens,
+            "skipped_lines": [b.line for b in trace.skipped],
+            "ignored_fields": list(trace.ignored_fields),
+        },
         "config": config.to_dict(),
         "coverage": before.coverage,
         "padding_waste": before.padding_waste,
@@ -295,8 +382,10 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
     found = suggest(config, trace, args.max_graphs) if args.max_graphs is not None else None
     if found is not None and not found[0].capture_sizes:
         out("")
-        out(f"no ladder to suggest: under {config.mode.name} no batch of the trace can be served by a graph "
-            "of any size (the eager fallbacks above say why)")
+        out(
+            f"no ladder to suggest: under {config.mode.name} no batch of the trace can be served by a graph "
+            "of any size (the eager fallbacks above say why)"
+        )
         found = None
     if found is not None:
         joint, by_mode = found
@@ -305,12 +394,16 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
         memory = None
         if args.estimate_memory:
             (mem_before, mem_after), where = _estimates(args, [config, suggested])
-            memory = (format_bytes(mem_before) if mem_before is not None else "unknown",
-                      format_bytes(mem_after) if mem_after is not None else "unknown")
+            memory = (
+                format_bytes(mem_before) if mem_before is not None else "unknown",
+                format_bytes(mem_after) if mem_after is not None else "unknown",
+            )
             doc["graph_memory"] = {"where": where, "current_bytes": mem_before, "suggested_bytes": mem_after}
         out("")
-        out(f"suggested ladder of at most {args.max_graphs} capture sizes (exact over the trace's sizes"
-            f"{'; ' + joint.restricted if joint.restricted else ''}):")
+        out(
+            f"suggested ladder of at most {args.max_graphs} capture sizes (exact over the trace's sizes"
+            f"{'; ' + joint.restricted if joint.restricted else ''}):"
+        )
         out(f"  --capture-sizes {_ladder_text(joint.capture_sizes)}")
         out("")
         for line in _compare(before, after, memory):
@@ -321,21 +414,31 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
             out("")
             out("each routine with a ladder of its own (decode and mixed batches are captured separately):")
             for mode, ladder in by_mode.items():
-                out(f"  {mode:<10} {_ladder_text(ladder.capture_sizes)}  (padding waste {ladder.padding_waste:.4f} over its "
-                    f"{ladder.batches:,} batches)")
+                out(
+                    f"  {mode:<10} {_ladder_text(ladder.capture_sizes)}  (padding waste {ladder.padding_waste:.4f} over its "
+                    f"{ladder.batches:,} batches)"
+                )
         out("")
         for line in _table(after):
             out(line)
-        doc.update({
-            "suggested_capture_sizes": list(joint.capture_sizes),
-            "suggested_coverage": after.coverage,
-            "suggested_padding_waste": after.padding_waste,
-            "suggested": after.to_dict(),
-            "suggested_restricted": joint.restricted,
-            "suggested_by_mode": {m: {"capture_sizes": list(ld.capture_sizes), "padded_tokens": ld.padded_tokens,
-                                      "batches": ld.batches, "padding_waste": ld.padding_waste}
-                                  for m, ld in by_mode.items()},
-        })
+        doc.update(
+            {
+                "suggested_capture_sizes": list(joint.capture_sizes),
+                "suggested_coverage": after.coverage,
+                "suggested_padding_waste": after.padding_waste,
+                "suggested": after.to_dict(),
+                "suggested_restricted": joint.restricted,
+                "suggested_by_mode": {
+                    m: {
+                        "capture_sizes": list(ld.capture_sizes),
+                        "padded_tokens": ld.padded_tokens,
+                        "batches": ld.batches,
+                        "padding_waste": ld.padding_waste,
+                    }
+                    for m, ld in by_mode.items()
+                },
+            }
+        )
     if args.plot is not None:
         _writable(args.plot, "--plot")
         _plot(args.plot, before, after, f"{Path(trace.path).name}: {config.mode.name}")
@@ -354,7 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.estimate_memory and args.max_graphs is None:
-        parser.error("--estimate-memory compares the current ladder with a suggested one: give --max-graphs N")
+        parser.error(
+            "--estimate-memory compares the current ladder with a suggested one: give --max-graphs N"
+        )
     lines: list[str] = []
     try:
         # Printed once everything is done: the JSON and the plot are written

@@ -45,8 +45,13 @@ def _check_bounds(low_name: str, low: int, high_name: str, high: int) -> None:
 
 # Hypothesis shrinks towards the first element: put the richest modes first and
 # NONE (no graphs at all) last, so that most drawn plans have graphs to test.
-_DEFAULT_MODES = [GraphMode.FULL_AND_PIECEWISE, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL,
-                  GraphMode.PIECEWISE, GraphMode.NONE]
+_DEFAULT_MODES = [
+    GraphMode.FULL_AND_PIECEWISE,
+    GraphMode.FULL_DECODE_ONLY,
+    GraphMode.FULL,
+    GraphMode.PIECEWISE,
+    GraphMode.NONE,
+]
 
 
 def _modes(modes: Iterable[GraphMode | str] | None) -> list[GraphMode]:
@@ -161,13 +166,25 @@ def batches(
             # Any length up to q: one the plan captures, or one it does not (served elsewhere or eagerly).
             length = draw(st.sampled_from(query_lens) if draw(st.booleans()) else st.integers(1, q))
             reqs = draw(st.integers(1, cfg.max_num_reqs))
-            return Batch(num_tokens=reqs * length, num_reqs=reqs, uniform_token_count=length,
-                         num_active_loras=loras, max_query_len=length, num_ubatches=ubatch)
+            return Batch(
+                num_tokens=reqs * length,
+                num_reqs=reqs,
+                uniform_token_count=length,
+                num_active_loras=loras,
+                max_query_len=length,
+                num_ubatches=ubatch,
+            )
         if kind == "varlen_decode":
             lens = draw(st.lists(st.integers(1, q), min_size=1, max_size=cfg.max_num_reqs))
             uniform = lens[0] if len(set(lens)) == 1 else None
-            return Batch(num_tokens=sum(lens), num_reqs=len(lens), uniform_token_count=uniform,
-                         num_active_loras=loras, max_query_len=max(lens), num_ubatches=ubatch)
+            return Batch(
+                num_tokens=sum(lens),
+                num_reqs=len(lens),
+                uniform_token_count=uniform,
+                num_active_loras=loras,
+                max_query_len=max(lens),
+                num_ubatches=ubatch,
+            )
         if kind == "mixed":
             reqs = draw(st.integers(1, cfg.max_num_reqs))
             tokens = draw(st.integers(reqs, max(reqs, largest + max_extra_tokens)))
@@ -187,14 +204,19 @@ def invalid_batches(*, max_tokens: int = 64) -> st.SearchStrategy[Batch]:
     @st.composite
     def draw_invalid(draw: Any) -> Batch:
         n = draw(st.integers(0, max_tokens))
-        flaw = draw(st.sampled_from(["reqs_above_tokens", "negative", "no_reqs", "ubatches", "uniform", "type"]))
+        flaw = draw(
+            st.sampled_from(["reqs_above_tokens", "negative", "no_reqs", "ubatches", "uniform", "type"])
+        )
         if flaw == "reqs_above_tokens":
             return Batch(num_tokens=n, num_reqs=n + draw(st.integers(1, 4)))
         if flaw == "negative":
             field = draw(st.sampled_from(["num_tokens", "num_active_loras"]))
             value = -draw(st.integers(1, 4))
-            return Batch(num_tokens=value if field == "num_tokens" else n, num_reqs=0 if field == "num_tokens" else min(n, 1),
-                         num_active_loras=value if field == "num_active_loras" else 0)
+            return Batch(
+                num_tokens=value if field == "num_tokens" else n,
+                num_reqs=0 if field == "num_tokens" else min(n, 1),
+                num_active_loras=value if field == "num_active_loras" else 0,
+            )
         if flaw == "no_reqs":
             return Batch(num_tokens=max(n, 1), num_reqs=0)
         if flaw == "ubatches":
@@ -231,8 +253,13 @@ def descriptors(
         uniform = None
         if reqs is not None and tokens % reqs == 0 and draw(st.booleans()):
             uniform = tokens // reqs
-        return BatchDescriptor(mode=mode, num_tokens=tokens, num_reqs=reqs, uniform_token_count=uniform,
-                               num_active_loras=draw(st.integers(0, max_loras)))
+        return BatchDescriptor(
+            mode=mode,
+            num_tokens=tokens,
+            num_reqs=reqs,
+            uniform_token_count=uniform,
+            num_active_loras=draw(st.integers(0, max_loras)),
+        )
 
     return draw_desc()
 

@@ -65,10 +65,19 @@ def _dtypes(info: Any, device: str) -> list[torch.dtype]:
     """float32 where the op takes it (else the first of a few others), and bool where it takes it:
     a boolean tensor is a mask to some ops and plain data to others."""
     supported = info.supported_dtypes(device)
-    first = next((d for d in (torch.float32, torch.int64, torch.int32, torch.bfloat16, torch.float16)
-                  if d in supported), None)
-    return [d for d in (first, torch.bool) if d is not None and d in supported and (d is not torch.bool or first
-                                                                                      is not torch.bool)]
+    first = next(
+        (
+            d
+            for d in (torch.float32, torch.int64, torch.int32, torch.bfloat16, torch.float16)
+            if d in supported
+        ),
+        None,
+    )
+    return [
+        d
+        for d in (first, torch.bool)
+        if d is not None and d in supported and (d is not torch.bool or first is not torch.bool)
+    ]
 
 
 def _unseeded() -> None:
@@ -134,8 +143,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _floats(sample: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten((sample.input, sample.args, sample.kwargs))[0]
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    return [
+        t
+        for t in tree_flatten((sample.input, sample.args, sample.kwargs))[0]
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+    ]
 
 
 def _refill(sample: Any, seed: int) -> None:
@@ -181,9 +193,13 @@ def _recover(stream: torch.cuda.Stream) -> None:
 
 
 def _cuda_case(fn: Any, sample: Any, variant: str, stream: torch.cuda.Stream) -> dict[str, Any]:
-    tensors = [v for v in tree_flatten((sample.input, sample.args, sample.kwargs))[0] if isinstance(v, torch.Tensor)]
-    case: dict[str, Any] = {"signature": _signature(sample),
-                            "host_positions": [i for i, t in enumerate(tensors) if t.device.type == "cpu"]}
+    tensors = [
+        v for v in tree_flatten((sample.input, sample.args, sample.kwargs))[0] if isinstance(v, torch.Tensor)
+    ]
+    case: dict[str, Any] = {
+        "signature": _signature(sample),
+        "host_positions": [i for i, t in enumerate(tensors) if t.device.type == "cpu"],
+    }
     try:
         with torch.no_grad():
             _call(fn, sample)
@@ -261,8 +277,13 @@ def _worker(start: int, stop: int, out: Path, samples: int) -> None:
             for dtype in _dtypes(info, "cuda"):
                 for number, sample in enumerate(_samples(info, "cuda", samples, dtype)):
                     for variant, fn in _variants(info):
-                        case = {"op": info.name, "variant_test_name": info.variant_test_name, "variant": variant,
-                                "dtype": str(dtype).removeprefix("torch."), "sample": number}
+                        case = {
+                            "op": info.name,
+                            "variant_test_name": info.variant_test_name,
+                            "variant": variant,
+                            "dtype": str(dtype).removeprefix("torch."),
+                            "sample": number,
+                        }
                         case.update(_cuda_case(fn, sample, variant, stream))
                         try:
                             torch.cuda.synchronize()
@@ -294,24 +315,44 @@ def _extras(device: str) -> list[tuple[str, Any, Any]]:
     host_mask = torch.tensor([True, False, True, False, True])
     return [
         ("extra.sdpa", F.scaled_dot_product_attention, SampleInput(q, args=(k, v))),
-        ("extra.sdpa_causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-         SampleInput(q, args=(k, v))),
-        ("extra.sdpa_bool_mask", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-         SampleInput(q, args=(k, v, causal))),
-        ("extra.sdpa_float_mask", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-         SampleInput(q, args=(k, v, torch.zeros(6, 6, device=device).masked_fill(~causal, float("-inf"))))),
+        (
+            "extra.sdpa_causal",
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            SampleInput(q, args=(k, v)),
+        ),
+        (
+            "extra.sdpa_bool_mask",
+            lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+            SampleInput(q, args=(k, v, causal)),
+        ),
+        (
+            "extra.sdpa_float_mask",
+            lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+            SampleInput(q, args=(k, v, torch.zeros(6, 6, device=device).masked_fill(~causal, float("-inf")))),
+        ),
         ("extra.index_int", lambda x, i: x[i], SampleInput(x, args=(ids,))),
         ("extra.index_int_2d", lambda x, i: x[i, i % x.shape[1]], SampleInput(x, args=(ids,))),
         ("extra.index_bool", lambda x, m: x[m], SampleInput(x, args=(mask,))),
         ("extra.index_host_bool", lambda x, m: x[m], SampleInput(x, args=(host_mask,))),
-        ("extra.index_put_int", lambda x, i: x.index_put((i,), x[i] * 2), SampleInput(x.clone(), args=(ids,))),
-        ("extra.index_put_bool", lambda x, m: x.index_put((m,), x[:1] * 0 + 1), SampleInput(x.clone(), args=(mask,))),
+        (
+            "extra.index_put_int",
+            lambda x, i: x.index_put((i,), x[i] * 2),
+            SampleInput(x.clone(), args=(ids,)),
+        ),
+        (
+            "extra.index_put_bool",
+            lambda x, m: x.index_put((m,), x[:1] * 0 + 1),
+            SampleInput(x.clone(), args=(mask,)),
+        ),
         ("extra.cumsum_bool", lambda m: m.cumsum(0), SampleInput(mask)),
         ("extra.cumsum_int", lambda i: i.cumsum(0), SampleInput(ids)),
         ("extra.embedding", F.embedding, SampleInput(ids, args=(x,))),
         ("extra.tril_bool", lambda m: m.tril(), SampleInput(causal)),
-        ("extra.arange_device", lambda x: torch.arange(x.shape[0], device=x.device) + x[:, 0],
-         SampleInput(x)),
+        (
+            "extra.arange_device",
+            lambda x: torch.arange(x.shape[0], device=x.device) + x[:, 0],
+            SampleInput(x),
+        ),
     ]
 
 
@@ -345,8 +386,9 @@ def learn(out: Path, jobs: int, samples: int, limit_s: float) -> None:
     while todo or running:
         for j, (start, stop) in list(todo.items()):
             if start < stop:
-                running[j] = subprocess.Popen([sys.executable, __file__, "worker", str(start), str(stop),
-                                               str(parts[j]), str(samples)])
+                running[j] = subprocess.Popen(
+                    [sys.executable, __file__, "worker", str(start), str(stop), str(parts[j]), str(samples)]
+                )
             del todo[j]
         time.sleep(1)
         for j, proc in list(running.items()):
@@ -373,11 +415,21 @@ def learn(out: Path, jobs: int, samples: int, limit_s: float) -> None:
                 if "op" in record:
                     sink.write(line + "\n")
             part.unlink()
-        sink.write(json.dumps({"meta": {
-            "torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "ops_died_in": [_op_db()[i].name for i in died if i >= 0],
-            "seconds": round(time.monotonic() - started, 1)}}) + "\n")
+        sink.write(
+            json.dumps(
+                {
+                    "meta": {
+                        "torch": torch.__version__,
+                        "cuda": torch.version.cuda,
+                        "device": torch.cuda.get_device_name(0),
+                        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                        "ops_died_in": [_op_db()[i].name for i in died if i >= 0],
+                        "seconds": round(time.monotonic() - started, 1),
+                    }
+                }
+            )
+            + "\n"
+        )
 
 
 # -- table -----------------------------------------------------------------------------
@@ -455,12 +507,19 @@ def table(cases_path: Path, out: Path) -> Table:
             ops[op][letters] = Verdict(kind, f"{reason} ({counts})" if counts else reason)
         else:
             ops[op][letters] = Verdict(HELD, f"held by {held[key]} sample(s)")
-    result = Table(str(meta.get("torch", "?")), str(meta.get("device", "?")), str(meta.get("date", "?")), learned,
-                   dict(ops))
+    result = Table(
+        str(meta.get("torch", "?")),
+        str(meta.get("device", "?")),
+        str(meta.get("date", "?")),
+        learned,
+        dict(ops),
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result.to_json(), indent=0, sort_keys=False) + "\n")
     kinds = Counter(v.kind for patterns in result.ops.values() for v in patterns.values())
-    print(f"{learned} cases -> {len(result.ops)} ops, {sum(kinds.values())} patterns: {dict(kinds)}; wrote {out}")
+    print(
+        f"{learned} cases -> {len(result.ops)} ops, {sum(kinds.values())} patterns: {dict(kinds)}; wrote {out}"
+    )
     return result
 
 
@@ -487,7 +546,9 @@ def _emulated_case(fn: Any, sample: Any, variant: str, use_table: bool, host: An
     tracker = ModuleTracker(torch.nn.Module())
     guard = CaptureGuard(tracker, torch.device("cpu"), on_violation=stop)
     # What the GPU's sample kept on the CPU is, to the emulator, made on the host.
-    tensors = [v for v in tree_flatten((sample.input, sample.args, sample.kwargs))[0] if isinstance(v, torch.Tensor)]
+    tensors = [
+        v for v in tree_flatten((sample.input, sample.args, sample.kwargs))[0] if isinstance(v, torch.Tensor)
+    ]
     for position in host:
         guard.mark_host(tensors[position])
     table_off = contextlib.nullcontext() if use_table else guard_module.no_capturability_table()
@@ -508,12 +569,18 @@ def _emulated_case(fn: Any, sample: Any, variant: str, use_table: bool, host: An
 def agree(cases_path: Path, use_table: bool, show: int) -> None:
     truth, meta = _read(cases_path)
     _unseeded()
-    by_key = {(c["op"], c["variant_test_name"], c["variant"], c.get("dtype", "float32"), c["sample"]): c
-              for c in truth if "captured" in c}
+    by_key = {
+        (c["op"], c["variant_test_name"], c["variant"], c.get("dtype", "float32"), c["sample"]): c
+        for c in truth
+        if "captured" in c
+    }
     counts: Counter[str] = Counter()
     disagree: list[str] = []
-    for info, dtype in ((i, d) for i in _op_db() for d in (torch.float32, torch.bool, torch.int64, torch.int32,
-                                                            torch.bfloat16, torch.float16)):
+    for info, dtype in (
+        (i, d)
+        for i in _op_db()
+        for d in (torch.float32, torch.bool, torch.int64, torch.int32, torch.bfloat16, torch.float16)
+    ):
         dname = str(dtype).removeprefix("torch.")
         wanted = [k for k in by_key if k[0] == info.name and k[1] == info.variant_test_name and k[3] == dname]
         if not wanted:
@@ -531,12 +598,16 @@ def agree(cases_path: Path, use_table: bool, show: int) -> None:
                 if "captured" not in emu:
                     continue
                 counts["cases"] += 1
-                name = (f"{info.name}{'.' + info.variant_test_name if info.variant_test_name else ''} "
-                        f"({variant}, {dname})")
+                name = (
+                    f"{info.name}{'.' + info.variant_test_name if info.variant_test_name else ''} "
+                    f"({variant}, {dname})"
+                )
                 if emu["captured"] == cuda["captured"]:
                     counts["capture agrees"] += 1
                 else:
-                    side = "CUDA refuses, the emulator captures" if emu["captured"] else "the emulator refuses"
+                    side = (
+                        "CUDA refuses, the emulator captures" if emu["captured"] else "the emulator refuses"
+                    )
                     if _MIXED.search(emu.get("error", "")):
                         # CUDA itself answered both ways for this op and pattern (values decide).
                         counts["capture differs where CUDA's samples of the pattern differ"] += 1
@@ -548,21 +619,31 @@ def agree(cases_path: Path, use_table: bool, show: int) -> None:
                     if emu.get("replay_ok") == cuda["replay_ok"]:
                         counts["replay agrees"] += 1
                     else:
-                        disagree.append(f"replay: {name}: CUDA {cuda['replay_ok']}, emulator "
-                                        f"{emu.get('replay_ok', emu.get('replay_error'))}")
-    print(f"truth: {meta.get('device')}, torch {meta.get('torch')}, {meta.get('date')}; emulator: torch "
-          f"{torch.__version__}, {'with' if use_table else 'without'} the table")
+                        disagree.append(
+                            f"replay: {name}: CUDA {cuda['replay_ok']}, emulator "
+                            f"{emu.get('replay_ok', emu.get('replay_error'))}"
+                        )
+    print(
+        f"truth: {meta.get('device')}, torch {meta.get('torch')}, {meta.get('date')}; emulator: torch "
+        f"{torch.__version__}, {'with' if use_table else 'without'} the table"
+    )
     n, r = counts["cases"], counts["both replayed"]
-    print(f"cases both sides have: {n}; capture agrees: {counts['capture agrees']} "
-          f"({100 * counts['capture agrees'] / max(n, 1):.1f} %); replay agrees: {counts['replay agrees']} of {r} "
-          f"({100 * counts['replay agrees'] / max(r, 1):.1f} %); captured with an op named not known: "
-          f"{counts['not known named']}")
+    print(
+        f"cases both sides have: {n}; capture agrees: {counts['capture agrees']} "
+        f"({100 * counts['capture agrees'] / max(n, 1):.1f} %); replay agrees: {counts['replay agrees']} of {r} "
+        f"({100 * counts['replay agrees'] / max(r, 1):.1f} %); captured with an op named not known: "
+        f"{counts['not known named']}"
+    )
     mixed = counts["capture differs where CUDA's samples of the pattern differ"]
-    print(f"of the {n - counts['capture agrees']} capture disagreements, {mixed} are cases of an op and pattern that "
-          "CUDA captured for some samples and refused for others (the table keeps the answer of most; values decide)")
+    print(
+        f"of the {n - counts['capture agrees']} capture disagreements, {mixed} are cases of an op and pattern that "
+        "CUDA captured for some samples and refused for others (the table keeps the answer of most; values decide)"
+    )
     if counts["reseeding samples left out"]:
-        print(f"left out: {counts['reseeding samples left out']} samples that call torch.manual_seed inside the "
-              "call (OpInfo's wrapper for random ops, in cases learned before the wrapper was set aside)")
+        print(
+            f"left out: {counts['reseeding samples left out']} samples that call torch.manual_seed inside the "
+            "call (OpInfo's wrapper for random ops, in cases learned before the wrapper was set aside)"
+        )
     for line in disagree[:show]:
         print("  " + line)
     if len(disagree) > show:
@@ -577,7 +658,9 @@ def main() -> None:
         _, _, start, stop, out, samples = sys.argv
         _worker(int(start), int(stop), Path(out), int(samples))
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("learn")
     p.add_argument("--out", type=Path, required=True)

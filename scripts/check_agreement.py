@@ -28,8 +28,15 @@ def run(cls: type, backend: str, pair: Pair) -> set[str]:
     device = torch.device("cuda", 0) if backend == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     # The pair's own inputs and verify keywords (nonfinite_padding, say), as tests/test_checks.py passes them.
-    report = verify(cls().to(device), pair.make_inputs(device), capture_sizes=(1, 2, 4, 8), max_num_reqs=4,
-                    backend=backend, device=device, **pair.kwargs)
+    report = verify(
+        cls().to(device),
+        pair.make_inputs(device),
+        capture_sizes=(1, 2, 4, 8),
+        max_num_reqs=4,
+        backend=backend,
+        device=device,
+        **pair.kwargs,
+    )
     return {o.check for o in report.failures}
 
 
@@ -42,7 +49,9 @@ def main() -> None:
     lines = [
         f"Agreement table, {datetime.date.today()}, torch {torch.__version__}, {device}",
         "",
-        "| check (buggy module) | " + " | ".join(f"{b}: buggy caught | {b}: twin passes | {b}: also failed" for b in backends) + " |",
+        "| check (buggy module) | "
+        + " | ".join(f"{b}: buggy caught | {b}: twin passes | {b}: also failed" for b in backends)
+        + " |",
         "|---|" + "---|---|---|" * len(backends),
     ]
     for pair in PAIRS:

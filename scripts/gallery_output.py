@@ -35,8 +35,14 @@ SIZES = (1, 2, 4, 8)
 
 def block(pair: Pair) -> str:
     torch.manual_seed(0)
-    report = verify(pair.buggy(), pair.make_inputs("cpu"), capture_sizes=SIZES, max_num_reqs=4, backend="emulate",
-                    **pair.kwargs)
+    report = verify(
+        pair.buggy(),
+        pair.make_inputs("cpu"),
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend="emulate",
+        **pair.kwargs,
+    )
     shown = next((o for o in report.failures if o.check == pair.check), None)
     if shown is None:
         raise SystemExit(f"{pair.buggy.__name__} was not caught by {pair.check}:\n{report.format()}")
@@ -48,16 +54,20 @@ def block(pair: Pair) -> str:
         lines.extend(f"       - {op}" for op in shown.finding.ops)
     others = sorted({o.check for o in report.failures} - {pair.check})
     strict = "".join(f", {k}={v!r}" for k, v in pair.kwargs.items())
-    note = (f"(CPU emulator, `pytest --cudagraph-verify`, capture sizes {', '.join(map(str, SIZES))}{strict}; "
-            f"the {pair.check} failure shown" + (f"; also failed: {', '.join(others)}" if others else "") + ")")
+    note = (
+        f"(CPU emulator, `pytest --cudagraph-verify`, capture sizes {', '.join(map(str, SIZES))}{strict}; "
+        f"the {pair.check} failure shown" + (f"; also failed: {', '.join(others)}" if others else "") + ")"
+    )
     return "\n".join(f"    {line}" if line else "" for line in [*lines, "", note])
 
 
 def write(pair: Pair, text: str) -> Path:
     path = Path(inspect.getfile(pair.buggy))
     source = path.read_text()
-    pattern = re.compile(rf"^    {re.escape(pair.buggy.__name__)} on emulate.*?^    \(CPU emulator[^\n]*$",
-                         re.MULTILINE | re.DOTALL)
+    pattern = re.compile(
+        rf"^    {re.escape(pair.buggy.__name__)} on emulate.*?^    \(CPU emulator[^\n]*$",
+        re.MULTILINE | re.DOTALL,
+    )
     if not pattern.search(source):
         raise SystemExit(f"{path}: no block for {pair.buggy.__name__} in its docstring")
     path.write_text(pattern.sub(lambda _: text, source, count=1))
@@ -65,7 +75,9 @@ def write(pair: Pair, text: str) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--write", action="store_true", help="refresh the docstrings in examples/buggy/")
     args = parser.parse_args()
     os.chdir(ROOT)  # call sites are named relative to the working directory

@@ -59,7 +59,11 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "pytest_cudagraph"
 # Code that moves between files as the package is reorganised (the manager's parts, the
 # checks): a mutant's snippet there is looked for in the whole package (the table marks it).
-MOVING = ("pytest_cudagraph/manager/", "pytest_cudagraph/checks/suite.py", "pytest_cudagraph/checks/engine.py")
+MOVING = (
+    "pytest_cudagraph/manager/",
+    "pytest_cudagraph/checks/suite.py",
+    "pytest_cudagraph/checks/engine.py",
+)
 PYTEST = ("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE")
 WHOLE_SUITE = ("tests", "examples")
 
@@ -145,406 +149,1163 @@ EXACT = "return ((g == e) & _same_sign(g, e)) | both_nan"
 
 MUTANTS: list[Mutant] = [
     # -- checks/compare.py: the code that says "equal" --------------------------------------------------
-    Mutant("compare-all-any", C, "if not bool(same.all()):", "if not bool(same.any()):", COMPARE_TESTS,
-           "equal when any element is: a bug in one column passes"),
-    Mutant("compare-nan-exact", C, EXACT, "return (g == e) & _same_sign(g, e)", COMPARE_TESTS,
-           "NaN differs from NaN bit for bit"),
-    Mutant("compare-nan-tolerance", C, "equal_nan=True", "equal_nan=False", COMPARE_TESTS,
-           "NaN differs from NaN within tolerance"),
-    Mutant("compare-signed-zero", C, EXACT, "return (g == e) | both_nan", COMPARE_TESTS,
-           "+0.0 equals -0.0 bit for bit (the bug this change fixed)"),
-    Mutant("compare-tolerance-per-dtype", C, "r, a = default_tolerance(g.dtype, compute)",
-           "r, a = default_tolerance(torch.float32, compute)", COMPARE_TESTS, "fp32's tolerance for every dtype"),
-    Mutant("compare-no-tolerance-table", C, "rtol, atol = _TOLERANCES.get(dtype, (0.0, 0.0))", "rtol, atol = (0.0, 0.0)",
-           COMPARE_TESTS, "no default tolerance: rtol=None means bit for bit"),
-    Mutant("compare-strides-dropped", C, "if check_strides and got.numel() > 1",
-           "if False and check_strides and got.numel() > 1", COMPARE_TESTS, "strides never compared"),
-    Mutant("compare-size1-strides", C, "stride if size > 1 else None", "stride", COMPARE_TESTS,
-           "strides of size-1 dimensions compared"),
-    Mutant("compare-plain-leaves-dropped", C, "elif g != e and not (g != g and e != e):", "elif False:",
-           COMPARE_TESTS, "non-tensor leaves never compared"),
-    Mutant("compare-plain-nan", C, "elif g != e and not (g != g and e != e):", "elif g != e:",
-           COMPARE_TESTS, "a NaN Python float differs from itself"),
-    Mutant("compare-index-off-by-one", C, "flat_index = start + int((~same).nonzero()[0, 0])",
-           "flat_index = start + int((~same).nonzero()[0, 0]) + 1", COMPARE_TESTS,
-           "the reported index one past the first difference"),
-    Mutant("compare-index-last", C, "flat_index = start + int((~same).nonzero()[0, 0])",
-           "flat_index = start + int((~same).nonzero()[-1, 0])", COMPARE_TESTS,
-           "the last difference reported, not the first"),
-    Mutant("compare-dtype-dropped", C, "if got.dtype != expected.dtype:", "if False:", COMPARE_TESTS,
-           "dtype never compared"),
-    Mutant("compare-shape-dropped", C, "if got.shape != expected.shape:", "if got.numel() != expected.numel():",
-           COMPARE_TESTS, "shapes compared by element count only"),
-    Mutant("compare-structure-dropped", C,
-           "if [p for p, _ in got_leaves] != [p for p, _ in exp_leaves]:",
-           "if len(got_leaves) != len(exp_leaves):", COMPARE_TESTS, "structure compared by leaf count only"),
-    Mutant("compare-opaque-dropped", C, "if g is not e:", "if False:", COMPARE_TESTS,
-           "an object forward made compares equal to any other"),
-    Mutant("compare-float8-widen", C, "gp, ep = gp.float(), ep.float()", "pass", COMPARE_TESTS,
-           "float8 compared without widening: no kernels for signbit, isfinite, isclose"),
-    Mutant("compare-max-ulp", C, "max_ulp = max(max_ulp or 0, int(ulps.max()))", "max_ulp = max(max_ulp or 0, int(ulps.min()))",
-           COMPARE_TESTS, "the smallest ULP difference reported"),
+    Mutant(
+        "compare-all-any",
+        C,
+        "if not bool(same.all()):",
+        "if not bool(same.any()):",
+        COMPARE_TESTS,
+        "equal when any element is: a bug in one column passes",
+    ),
+    Mutant(
+        "compare-nan-exact",
+        C,
+        EXACT,
+        "return (g == e) & _same_sign(g, e)",
+        COMPARE_TESTS,
+        "NaN differs from NaN bit for bit",
+    ),
+    Mutant(
+        "compare-nan-tolerance",
+        C,
+        "equal_nan=True",
+        "equal_nan=False",
+        COMPARE_TESTS,
+        "NaN differs from NaN within tolerance",
+    ),
+    Mutant(
+        "compare-signed-zero",
+        C,
+        EXACT,
+        "return (g == e) | both_nan",
+        COMPARE_TESTS,
+        "+0.0 equals -0.0 bit for bit (the bug this change fixed)",
+    ),
+    Mutant(
+        "compare-tolerance-per-dtype",
+        C,
+        "r, a = default_tolerance(g.dtype, compute)",
+        "r, a = default_tolerance(torch.float32, compute)",
+        COMPARE_TESTS,
+        "fp32's tolerance for every dtype",
+    ),
+    Mutant(
+        "compare-no-tolerance-table",
+        C,
+        "rtol, atol = _TOLERANCES.get(dtype, (0.0, 0.0))",
+        "rtol, atol = (0.0, 0.0)",
+        COMPARE_TESTS,
+        "no default tolerance: rtol=None means bit for bit",
+    ),
+    Mutant(
+        "compare-strides-dropped",
+        C,
+        "if check_strides and got.numel() > 1",
+        "if False and check_strides and got.numel() > 1",
+        COMPARE_TESTS,
+        "strides never compared",
+    ),
+    Mutant(
+        "compare-size1-strides",
+        C,
+        "stride if size > 1 else None",
+        "stride",
+        COMPARE_TESTS,
+        "strides of size-1 dimensions compared",
+    ),
+    Mutant(
+        "compare-plain-leaves-dropped",
+        C,
+        "elif g != e and not (g != g and e != e):",
+        "elif False:",
+        COMPARE_TESTS,
+        "non-tensor leaves never compared",
+    ),
+    Mutant(
+        "compare-plain-nan",
+        C,
+        "elif g != e and not (g != g and e != e):",
+        "elif g != e:",
+        COMPARE_TESTS,
+        "a NaN Python float differs from itself",
+    ),
+    Mutant(
+        "compare-index-off-by-one",
+        C,
+        "flat_index = start + int((~same).nonzero()[0, 0])",
+        "flat_index = start + int((~same).nonzero()[0, 0]) + 1",
+        COMPARE_TESTS,
+        "the reported index one past the first difference",
+    ),
+    Mutant(
+        "compare-index-last",
+        C,
+        "flat_index = start + int((~same).nonzero()[0, 0])",
+        "flat_index = start + int((~same).nonzero()[-1, 0])",
+        COMPARE_TESTS,
+        "the last difference reported, not the first",
+    ),
+    Mutant(
+        "compare-dtype-dropped",
+        C,
+        "if got.dtype != expected.dtype:",
+        "if False:",
+        COMPARE_TESTS,
+        "dtype never compared",
+    ),
+    Mutant(
+        "compare-shape-dropped",
+        C,
+        "if got.shape != expected.shape:",
+        "if got.numel() != expected.numel():",
+        COMPARE_TESTS,
+        "shapes compared by element count only",
+    ),
+    Mutant(
+        "compare-structure-dropped",
+        C,
+        "if [p for p, _ in got_leaves] != [p for p, _ in exp_leaves]:",
+        "if len(got_leaves) != len(exp_leaves):",
+        COMPARE_TESTS,
+        "structure compared by leaf count only",
+    ),
+    Mutant(
+        "compare-opaque-dropped",
+        C,
+        "if g is not e:",
+        "if False:",
+        COMPARE_TESTS,
+        "an object forward made compares equal to any other",
+    ),
+    Mutant(
+        "compare-float8-widen",
+        C,
+        "gp, ep = gp.float(), ep.float()",
+        "pass",
+        COMPARE_TESTS,
+        "float8 compared without widening: no kernels for signbit, isfinite, isclose",
+    ),
+    Mutant(
+        "compare-max-ulp",
+        C,
+        "max_ulp = max(max_ulp or 0, int(ulps.max()))",
+        "max_ulp = max(max_ulp or 0, int(ulps.min()))",
+        COMPARE_TESTS,
+        "the smallest ULP difference reported",
+    ),
     # -- checks/suite.py: the checks ----------------------------------------------------------------------
-    Mutant("suite-replay-compare", S, "diff = first_difference(graph, eager, check_strides=True)",
-           "diff = first_difference(graph, graph, check_strides=True)",
-           (*sensitivity("test_a_bug_in_one_column_or_one_element_fails_replay_and_fresh_inputs"),
-            pair("PythonCounter")),
-           "replay compared with itself"),
-    Mutant("suite-capture-path-unexplained", S, "    if not explained:\n        return \"\"\n", "",
-           ("tests/test_verdicts.py::test_a_capture_path_that_does_not_explain_the_failure_is_not_named[emulate]",
-            pair("PlannedPerRequestCount")),
-           "the capture path named as the cause where the graph disagrees with it too (an 8B false diagnosis)"),
-    Mutant("suite-padding-first-row", S, "fill(view)", "fill(view[1:])",
-           (*sensitivity("test_padding_isolation_fills_the_first_padded_row"), pair("PoolsPaddedRows")),
-           "the first padded row left unfilled (issue #15)"),
-    Mutant("suite-padding-compare", S, "diff = first_difference(out, base_out)", "diff = None",
-           (*sensitivity("test_padding_isolation_fills_the_first_padded_row"), pair("PoolsPaddedRows")),
-           "real rows under different fills never compared"),
-    Mutant("suite-padding-state", S, "diff = ctx.state_difference(state, base_state, use_scratch=True)",
-           "diff = None", sensitivity("test_padding_isolation_catches_padded_rows_written_into_state"),
-           "state written by padded rows never compared"),
-    Mutant("suite-lifetime-no-later-runs", S,
-           "        ctx.run(later, batch)  # a later batch",
-           "        pass  # a later batch",
-           (*sensitivity("test_output_lifetime_runs_later_batches"), pair("ReturnsStatsBuffer")),
-           "output_lifetime runs no later batch (issue #15)"),
-    Mutant("suite-lifetime-eager-path", S, "if eager_desc.mode is GraphMode.NONE:", "if False:",
-           (*sensitivity("test_output_lifetime_runs_later_batches"), pair("ReturnsStatsBuffer")),
-           "the eager path's outputs never checked"),
-    Mutant("suite-address-identity", S, "if now is None or now[0] is not tensor or now[1] != ptr:",
-           "if now is None or now[1] != ptr:",
-           sensitivity("test_address_stability_checks_identity_not_only_the_address"),
-           "address_stability ignores identity (issue #15)"),
-    Mutant("suite-state-inputs", S, "diff = first_difference(graph_inputs, eager_inputs)", "diff = None",
-           (*sensitivity("test_state_catches_an_input_mutated_in_one_element"), pair("MutatesInput")),
-           "inputs mutated by eager never compared"),
-    Mutant("suite-state-buffers", S, "diff = ctx.state_difference(graph_state, eager_state, use_scratch=False)",
-           "diff = None", sensitivity("test_state_catches_a_buffer_that_ends_differently_in_one_element"),
-           "module state after run() never compared"),
-    Mutant("suite-determinism", S, "diff = first_difference(outs[1], outs[0])", "diff = None",
-           (*sensitivity("test_determinism_catches_a_difference_in_one_column"), pair("UnregisteredState")),
-           "two replays never compared"),
-    Mutant("suite-rng", S, 'diff = first_difference(draws["graph", s0], draws["eager", s0])', "diff = None",
-           (pair("ReseedsInForward"),), "seeded draws of replay and eager never compared"),
-    Mutant("suite-real-batches", S, "verdict = across_shapes(got, expected, padded,",
-           "verdict = across_shapes(expected, expected, padded,",
-           (pair("BatchStatistics"),), "real batches never compared with unpadded eager"),
-    Mutant("suite-side-outputs", S,
-           "diff = first_difference(got[name], expected[name], rtol=ctx.rtol, atol=ctx.atol)", "diff = None",
-           (pair("StoresHidden"),), "side outputs never compared"),
-    Mutant("suite-capture-safety", S, "if violations:\n            first = violations[0]",
-           "if False:\n            first = violations[0]",
-           sensitivity("test_capture_safety_lists_every_op_at_every_descriptor_before_capture"),
-           "ops a graph cannot hold never reported"),
+    Mutant(
+        "suite-replay-compare",
+        S,
+        "diff = first_difference(graph, eager, check_strides=True)",
+        "diff = first_difference(graph, graph, check_strides=True)",
+        (
+            *sensitivity("test_a_bug_in_one_column_or_one_element_fails_replay_and_fresh_inputs"),
+            pair("PythonCounter"),
+        ),
+        "replay compared with itself",
+    ),
+    Mutant(
+        "suite-capture-path-unexplained",
+        S,
+        '    if not explained:\n        return ""\n',
+        "",
+        (
+            "tests/test_verdicts.py::test_a_capture_path_that_does_not_explain_the_failure_is_not_named[emulate]",
+            pair("PlannedPerRequestCount"),
+        ),
+        "the capture path named as the cause where the graph disagrees with it too (an 8B false diagnosis)",
+    ),
+    Mutant(
+        "suite-padding-first-row",
+        S,
+        "fill(view)",
+        "fill(view[1:])",
+        (*sensitivity("test_padding_isolation_fills_the_first_padded_row"), pair("PoolsPaddedRows")),
+        "the first padded row left unfilled (issue #15)",
+    ),
+    Mutant(
+        "suite-padding-compare",
+        S,
+        "diff = first_difference(out, base_out)",
+        "diff = None",
+        (*sensitivity("test_padding_isolation_fills_the_first_padded_row"), pair("PoolsPaddedRows")),
+        "real rows under different fills never compared",
+    ),
+    Mutant(
+        "suite-padding-state",
+        S,
+        "diff = ctx.state_difference(state, base_state, use_scratch=True)",
+        "diff = None",
+        sensitivity("test_padding_isolation_catches_padded_rows_written_into_state"),
+        "state written by padded rows never compared",
+    ),
+    Mutant(
+        "suite-lifetime-no-later-runs",
+        S,
+        "        ctx.run(later, batch)  # a later batch",
+        "        pass  # a later batch",
+        (*sensitivity("test_output_lifetime_runs_later_batches"), pair("ReturnsStatsBuffer")),
+        "output_lifetime runs no later batch (issue #15)",
+    ),
+    Mutant(
+        "suite-lifetime-eager-path",
+        S,
+        "if eager_desc.mode is GraphMode.NONE:",
+        "if False:",
+        (*sensitivity("test_output_lifetime_runs_later_batches"), pair("ReturnsStatsBuffer")),
+        "the eager path's outputs never checked",
+    ),
+    Mutant(
+        "suite-address-identity",
+        S,
+        "if now is None or now[0] is not tensor or now[1] != ptr:",
+        "if now is None or now[1] != ptr:",
+        sensitivity("test_address_stability_checks_identity_not_only_the_address"),
+        "address_stability ignores identity (issue #15)",
+    ),
+    Mutant(
+        "suite-state-inputs",
+        S,
+        "diff = first_difference(graph_inputs, eager_inputs)",
+        "diff = None",
+        (*sensitivity("test_state_catches_an_input_mutated_in_one_element"), pair("MutatesInput")),
+        "inputs mutated by eager never compared",
+    ),
+    Mutant(
+        "suite-state-buffers",
+        S,
+        "diff = ctx.state_difference(graph_state, eager_state, use_scratch=False)",
+        "diff = None",
+        sensitivity("test_state_catches_a_buffer_that_ends_differently_in_one_element"),
+        "module state after run() never compared",
+    ),
+    Mutant(
+        "suite-determinism",
+        S,
+        "diff = first_difference(outs[1], outs[0])",
+        "diff = None",
+        (*sensitivity("test_determinism_catches_a_difference_in_one_column"), pair("UnregisteredState")),
+        "two replays never compared",
+    ),
+    Mutant(
+        "suite-rng",
+        S,
+        'diff = first_difference(draws["graph", s0], draws["eager", s0])',
+        "diff = None",
+        (pair("ReseedsInForward"),),
+        "seeded draws of replay and eager never compared",
+    ),
+    Mutant(
+        "suite-real-batches",
+        S,
+        "verdict = across_shapes(\n                    got, expected, padded,",
+        "verdict = across_shapes(\n                    expected, expected, padded,",
+        (pair("BatchStatistics"),),
+        "real batches never compared with unpadded eager",
+    ),
+    Mutant(
+        "suite-side-outputs",
+        S,
+        "diff = first_difference(got[name], expected[name], rtol=ctx.rtol, atol=ctx.atol)",
+        "diff = None",
+        (pair("StoresHidden"),),
+        "side outputs never compared",
+    ),
+    Mutant(
+        "suite-capture-safety",
+        S,
+        "if violations:\n            first = violations[0]",
+        "if False:\n            first = violations[0]",
+        sensitivity("test_capture_safety_lists_every_op_at_every_descriptor_before_capture"),
+        "ops a graph cannot hold never reported",
+    ),
     # -- checks/context.py: state put back between comparisons -----------------------------------------------
-    Mutant("context-restore-noop", X, "t.copy_(snap[name])", "pass",
-           (*sensitivity("test_a_counter_buffer_passes_every_check_and_is_put_back"), twin("BufferCounter")),
-           "restore() puts nothing back"),
-    Mutant("context-preserved-state", X, "finally:\n            self.restore(snap)", "finally:\n            pass",
-           (*sensitivity("test_a_counter_buffer_passes_every_check_and_is_put_back"), twin("BufferCounter")),
-           "preserved_state() does not restore"),
-    Mutant("context-seed", X, "def seed_all(self, seed: int) -> None:\n        torch.manual_seed(seed)",
-           "def seed_all(self, seed: int) -> None:\n        pass", (twin("DrawsNoise"),),
-           "checks never seed the generator"),
+    Mutant(
+        "context-restore-noop",
+        X,
+        "t.copy_(snap[name])",
+        "pass",
+        (*sensitivity("test_a_counter_buffer_passes_every_check_and_is_put_back"), twin("BufferCounter")),
+        "restore() puts nothing back",
+    ),
+    Mutant(
+        "context-preserved-state",
+        X,
+        "finally:\n            self.restore(snap)",
+        "finally:\n            pass",
+        (*sensitivity("test_a_counter_buffer_passes_every_check_and_is_put_back"), twin("BufferCounter")),
+        "preserved_state() does not restore",
+    ),
+    Mutant(
+        "context-seed",
+        X,
+        "def seed_all(self, seed: int) -> None:\n        torch.manual_seed(seed)",
+        "def seed_all(self, seed: int) -> None:\n        pass",
+        (twin("DrawsNoise"),),
+        "checks never seed the generator",
+    ),
     # -- manager: copy-in, padding, cut (snippets kept small, so they follow the code between files) ------------
-    Mutant("manager-padding-views-first-row", GM, ".narrow(spec.dim, real, rows - real)))",
-           ".narrow(spec.dim, real + 1, rows - real - 1)))",
-           (*ROWS, *sensitivity("test_padding_isolation_fills_the_first_padded_row")),
-           "padding_views leaves out the first padded row (issue #15)"),
-    Mutant("manager-tail-first-row", GM, "tail = window.narrow(spec.dim, real, rows - real) if rows > real else None",
-           "tail = window.narrow(spec.dim, real + 1, rows - real - 1) if rows > real + 1 else None", ROWS,
-           "the first padded row keeps a stale value"),
+    Mutant(
+        "manager-padding-views-first-row",
+        GM,
+        ".narrow(spec.dim, real, rows - real)))",
+        ".narrow(spec.dim, real + 1, rows - real - 1)))",
+        (*ROWS, *sensitivity("test_padding_isolation_fills_the_first_padded_row")),
+        "padding_views leaves out the first padded row (issue #15)",
+    ),
+    Mutant(
+        "manager-tail-first-row",
+        GM,
+        "tail = window.narrow(spec.dim, real, rows - real) if rows > real else None",
+        "tail = window.narrow(spec.dim, real + 1, rows - real - 1) if rows > real + 1 else None",
+        ROWS,
+        "the first padded row keeps a stale value",
+    ),
     Mutant("manager-no-pad-fill", GM, "tail.fill_(pad)", "pass", ROWS, "padded rows keep stale values"),
-    Mutant("manager-edge-first-row", GM, "tail.copy_(value[-1:].expand_as(tail))",
-           "tail.copy_(value[:1].expand_as(tail))",
-           ("tests/test_manager.py::test_edge_padding_repeats_the_last_real_row[emulate]",),
-           "'edge' padding repeats the first real row"),
-    Mutant("manager-mask", GM, "masks.append((self._is_padding[batch.num_tokens : tokens], True))",
-           "masks.append((self._is_padding[batch.num_tokens : tokens], False))",
-           (*ROWS, twin("MaskBySelect0")), "padded rows not marked in is_padding"),
-    Mutant("manager-cut-rows", GM, "leaf = leaf.narrow(d, 0, min(count, leaf.shape[d]))",
-           "leaf = leaf.narrow(d, 0, leaf.shape[d])", ROWS, "outputs not cut to the real rows"),
-    Mutant("manager-cut-reqs", GM, 'count = batch.num_tokens if kind == "tokens" else batch.num_reqs',
-           "count = batch.num_tokens", ROWS, "per-request outputs cut by the token count"),
-    Mutant("layout-full-shape", L, "if full != _count(kind, offset, max_tokens, max_reqs):", "if False:",
-           ("tests/test_manager_rows.py::test_probes_must_agree_with_the_largest_batch",),
-           "the largest batch's shape not checked against the probes (issue #15)"),
+    Mutant(
+        "manager-edge-first-row",
+        GM,
+        "tail.copy_(value[-1:].expand_as(tail))",
+        "tail.copy_(value[:1].expand_as(tail))",
+        ("tests/test_manager.py::test_edge_padding_repeats_the_last_real_row[emulate]",),
+        "'edge' padding repeats the first real row",
+    ),
+    Mutant(
+        "manager-mask",
+        GM,
+        "masks.append((self._is_padding[batch.num_tokens : tokens], True))",
+        "masks.append((self._is_padding[batch.num_tokens : tokens], False))",
+        (*ROWS, twin("MaskBySelect0")),
+        "padded rows not marked in is_padding",
+    ),
+    Mutant(
+        "manager-cut-rows",
+        GM,
+        "leaf = leaf.narrow(d, 0, min(count, leaf.shape[d]))",
+        "leaf = leaf.narrow(d, 0, leaf.shape[d])",
+        ROWS,
+        "outputs not cut to the real rows",
+    ),
+    Mutant(
+        "manager-cut-reqs",
+        GM,
+        'count = batch.num_tokens if kind == "tokens" else batch.num_reqs',
+        "count = batch.num_tokens",
+        ROWS,
+        "per-request outputs cut by the token count",
+    ),
+    Mutant(
+        "layout-full-shape",
+        L,
+        "if full != _count(kind, offset, max_tokens, max_reqs):",
+        "if False:",
+        ("tests/test_manager_rows.py::test_probes_must_agree_with_the_largest_batch",),
+        "the largest batch's shape not checked against the probes (issue #15)",
+    ),
     # -- plan: dispatch and its property checks -----------------------------------------------------------------------
-    Mutant("properties-check-rejects-any-exception", PP, "except ValueError:\n        return",
-           "except Exception:\n        return", DISPATCH,
-           "check_rejects accepts any exception (issue #15)"),
-    Mutant("properties-completeness-one-token", PP, "if serving and batch.num_tokens > 0:",
-           "if serving and batch.num_tokens > 1:", DISPATCH, "completeness skipped at one token (issue #15)"),
-    Mutant("properties-group-bound", PP, "d.num_tokens >= num_tokens]", "d.num_tokens > num_tokens]", DISPATCH,
-           "a graph of exactly the batch's size not a candidate for the checks"),
-    Mutant("plan-full-before-piecewise", CP,
-           "for mode in (GraphMode.FULL, GraphMode.PIECEWISE):\n            ascending",
-           "for mode in (GraphMode.PIECEWISE, GraphMode.FULL):\n            ascending", DISPATCH,
-           "PIECEWISE graphs tried before FULL ones"),
-    Mutant("plan-exact-size", CP, "at = bisect_left(sizes, num_tokens)", "at = bisect_left(sizes, num_tokens + 1)",
-           DISPATCH, "a batch of a captured size gets the next larger graph"),
-    Mutant("plan-reqs-bound", CP, "and (desc.num_reqs is None or num_reqs <= desc.num_reqs)",
-           "and (desc.num_reqs is None or num_reqs < desc.num_reqs)", DISPATCH,
-           "a FULL graph refuses a batch of exactly its request count"),
-    Mutant("plan-varlen-bound", CP, "max_query_len <= desc.max_query_len", "max_query_len < desc.max_query_len",
-           DISPATCH, "a varlen decode graph refuses its own query length"),
-    Mutant("plan-uniform", CP, "(desc.uniform_token_count is None or desc.uniform_token_count ==",
-           "(desc.uniform_token_count is None or True or desc.uniform_token_count ==", DISPATCH,
-           "uniform decode graphs serve mixed batches"),
-    Mutant("plan-lora-case", CP, "return cases[bisect_left(cases, num_active_loras)]",
-           "return cases[bisect_left(cases, num_active_loras) - 1]", DISPATCH,
-           "active adapters mapped to a case too small to hold them"),
-    Mutant("plan-fast-validation", CP, "and 0 <= num_reqs <= num_tokens", "and 0 <= num_reqs", DISPATCH,
-           "more requests than tokens answered instead of rejected"),
-    Mutant("plan-candidate-range", CP, "low = sizes[at - 1] + 1 if at else 1", "low = sizes[at - 1] if at else 1",
-           DISPATCH, "candidate ranges overlap"),
+    Mutant(
+        "properties-check-rejects-any-exception",
+        PP,
+        "except ValueError:\n        return",
+        "except Exception:\n        return",
+        DISPATCH,
+        "check_rejects accepts any exception (issue #15)",
+    ),
+    Mutant(
+        "properties-completeness-one-token",
+        PP,
+        "if serving and batch.num_tokens > 0:",
+        "if serving and batch.num_tokens > 1:",
+        DISPATCH,
+        "completeness skipped at one token (issue #15)",
+    ),
+    Mutant(
+        "properties-group-bound",
+        PP,
+        "d.num_tokens >= num_tokens\n    ]",
+        "d.num_tokens > num_tokens\n    ]",
+        DISPATCH,
+        "a graph of exactly the batch's size not a candidate for the checks",
+    ),
+    Mutant(
+        "plan-full-before-piecewise",
+        CP,
+        "for mode in (GraphMode.FULL, GraphMode.PIECEWISE):\n            ascending",
+        "for mode in (GraphMode.PIECEWISE, GraphMode.FULL):\n            ascending",
+        DISPATCH,
+        "PIECEWISE graphs tried before FULL ones",
+    ),
+    Mutant(
+        "plan-exact-size",
+        CP,
+        "at = bisect_left(sizes, num_tokens)",
+        "at = bisect_left(sizes, num_tokens + 1)",
+        DISPATCH,
+        "a batch of a captured size gets the next larger graph",
+    ),
+    Mutant(
+        "plan-reqs-bound",
+        CP,
+        "and (desc.num_reqs is None or num_reqs <= desc.num_reqs)",
+        "and (desc.num_reqs is None or num_reqs < desc.num_reqs)",
+        DISPATCH,
+        "a FULL graph refuses a batch of exactly its request count",
+    ),
+    Mutant(
+        "plan-varlen-bound",
+        CP,
+        "max_query_len <= desc.max_query_len",
+        "max_query_len < desc.max_query_len",
+        DISPATCH,
+        "a varlen decode graph refuses its own query length",
+    ),
+    Mutant(
+        "plan-uniform",
+        CP,
+        "(desc.uniform_token_count is None or desc.uniform_token_count ==",
+        "(desc.uniform_token_count is None or True or desc.uniform_token_count ==",
+        DISPATCH,
+        "uniform decode graphs serve mixed batches",
+    ),
+    Mutant(
+        "plan-lora-case",
+        CP,
+        "return cases[bisect_left(cases, num_active_loras)]",
+        "return cases[bisect_left(cases, num_active_loras) - 1]",
+        DISPATCH,
+        "active adapters mapped to a case too small to hold them",
+    ),
+    Mutant(
+        "plan-fast-validation",
+        CP,
+        "and 0 <= num_reqs <= num_tokens",
+        "and 0 <= num_reqs",
+        DISPATCH,
+        "more requests than tokens answered instead of rejected",
+    ),
+    Mutant(
+        "plan-candidate-range",
+        CP,
+        "low = sizes[at - 1] + 1 if at else 1",
+        "low = sizes[at - 1] if at else 1",
+        DISPATCH,
+        "candidate ranges overlap",
+    ),
     # -- the engine, the registry and the report: every check runs, fails loudly, is told ----------------------
-    Mutant("engine-crash-passes", E,
-           'return Outcome(check.name, desc, False, f"the check could not run: {step}{faults.described(exc)}")',
-           'return Outcome(check.name, desc, True, f"the check could not run: {step}{faults.described(exc)}")',
-           REGISTRY, "a check that raises passes"),
-    Mutant("faults-oom-not-described", FA, "    oom = oom_detail(exc, device)\n", "    oom = None\n",
-           FAULT_TESTS, "an out-of-memory failure does not say what was asked and free"),
-    Mutant("engine-capture-failure-twice", E,
-           "            report.add([Outcome(CAPTURE_CHECK, d, True, figures={\"guarded\": \"every op of its capture\"})\n"
-           "                        for d in to_capture if d not in manager.capture_failures])",
-           "            report.add([Outcome(CAPTURE_CHECK, d, True, figures={\"guarded\": \"every op of its capture\"})\n"
-           "                        for d in to_capture])", ONE_EACH,
-           "a failed capture is reported beside capture_safety's pass"),
-    Mutant("engine-uncaptured-checked", E,
-           'blocked.setdefault(outcome.descriptor, f"not captured: {check.name} failed for this descriptor")',
-           "pass", ONE_EACH, "checks run on a descriptor that was never captured"),
-    Mutant("registry-select-all", RG, "return tuple(c for c in known if c in chosen)", "return known", REGISTRY,
-           "checks= selects nothing: every check runs"),
-    Mutant("report-skips-hidden", RP, "        if not verbose:\n            for check, reason, where in",
-           "        if False:\n            for check, reason, where in", ONE_EACH,
-           "the report does not list skipped checks"),
-    Mutant("fresh-no-harness-inputs", S, "second, made = drawn_inputs(ctx, second)", "made = \"\"", ONE_EACH,
-           "with a deterministic make_inputs, fresh_inputs cannot run"),
-    Mutant("fresh-harness-same-values", S, "drawn[name] = drawn_value(tensors[name], gen)",
-           "drawn[name] = tensors[name]", ONE_EACH, "the harness's fresh values are the old ones"),
-    Mutant("fresh-harness-ints-unchanged", S, "permuted = value.index_select(dim, perm.to(value.device))",
-           "permuted = value", ONE_EACH, "integer rows are not permuted"),
+    Mutant(
+        "engine-crash-passes",
+        E,
+        'return Outcome(check.name, desc, False, f"the check could not run: {step}{faults.described(exc)}")',
+        'return Outcome(check.name, desc, True, f"the check could not run: {step}{faults.described(exc)}")',
+        REGISTRY,
+        "a check that raises passes",
+    ),
+    Mutant(
+        "faults-oom-not-described",
+        FA,
+        "    oom = oom_detail(exc, device)\n",
+        "    oom = None\n",
+        FAULT_TESTS,
+        "an out-of-memory failure does not say what was asked and free",
+    ),
+    Mutant(
+        "engine-capture-failure-twice",
+        E,
+        "                    for d in to_capture\n                    if d not in manager.capture_failures\n",
+        "                    for d in to_capture\n",
+        ONE_EACH,
+        "a failed capture is reported beside capture_safety's pass",
+    ),
+    Mutant(
+        "engine-uncaptured-checked",
+        E,
+        'blocked.setdefault(\n                    outcome.descriptor, f"not captured: {check.name} failed for this descriptor"\n                )',
+        "pass",
+        ONE_EACH,
+        "checks run on a descriptor that was never captured",
+    ),
+    Mutant(
+        "registry-select-all",
+        RG,
+        "return tuple(c for c in known if c in chosen)",
+        "return known",
+        REGISTRY,
+        "checks= selects nothing: every check runs",
+    ),
+    Mutant(
+        "report-skips-hidden",
+        RP,
+        "        if not verbose:\n            for check, reason, where in",
+        "        if False:\n            for check, reason, where in",
+        ONE_EACH,
+        "the report does not list skipped checks",
+    ),
+    Mutant(
+        "fresh-no-harness-inputs",
+        S,
+        "second, made = drawn_inputs(ctx, second)",
+        'made = ""',
+        ONE_EACH,
+        "with a deterministic make_inputs, fresh_inputs cannot run",
+    ),
+    Mutant(
+        "fresh-harness-same-values",
+        S,
+        "drawn[name] = drawn_value(tensors[name], gen)",
+        "drawn[name] = tensors[name]",
+        ONE_EACH,
+        "the harness's fresh values are the old ones",
+    ),
+    Mutant(
+        "fresh-harness-ints-unchanged",
+        S,
+        "permuted = value.index_select(dim, perm.to(value.device))",
+        "permuted = value",
+        ONE_EACH,
+        "integer rows are not permuted",
+    ),
     # -- verify_runner: the runner checks and their sweep ------------------------------------
-    Mutant("runner-rows-not-compared", RC, "verdict = across_shapes(call.got, call.expected,",
-           "verdict = across_shapes(call.expected, call.expected,", RUNNER_TESTS,
-           "real_batches compares eager with itself"),
-    Mutant("runner-state-not-compared", X,
-           "raw, start = got[name], before.get(name)",
-           "raw, start = expected[name], before.get(name)",
-           RUNNER_TESTS, "state compares eager's state with itself"),
-    Mutant("runner-state-after-restore", RX, "            call.got_state = self.snapshot()\n            self.restore(state0)",
-           "            self.restore(state0)\n            call.got_state = self.snapshot()", RUNNER_TESTS,
-           "the runner's state read after it was put back"),
-    Mutant("runner-sweep-smallest-first", RX, "for n in range(self.max_tokens, 0, -1):",
-           "for n in range(1, self.max_tokens + 1):", RUNNER_TESTS,
-           "smaller batches run first: a stale table from a larger step never shows"),
-    Mutant("runner-lifetime-kept-is-first", RC, "            kept = clone_tree(first)",
-           "            kept = first", RUNNER_TESTS, "output_lifetime compares an output with itself"),
-    Mutant("runner-fresh-same-inputs", RC, "        out, _ = ctx.call_runner(second)",
-           "        out, _ = ctx.call_runner(first)", RUNNER_TESTS, "fresh_inputs calls the runner on the first inputs again"),
+    Mutant(
+        "runner-rows-not-compared",
+        RC,
+        "verdict = across_shapes(\n                call.got,\n                call.expected,",
+        "verdict = across_shapes(\n                call.expected,\n                call.expected,",
+        RUNNER_TESTS,
+        "real_batches compares eager with itself",
+    ),
+    Mutant(
+        "runner-state-not-compared",
+        X,
+        "raw, start = got[name], before.get(name)",
+        "raw, start = expected[name], before.get(name)",
+        RUNNER_TESTS,
+        "state compares eager's state with itself",
+    ),
+    Mutant(
+        "runner-state-after-restore",
+        RX,
+        "            call.got_state = self.snapshot()\n            self.restore(state0)",
+        "            self.restore(state0)\n            call.got_state = self.snapshot()",
+        RUNNER_TESTS,
+        "the runner's state read after it was put back",
+    ),
+    Mutant(
+        "runner-sweep-smallest-first",
+        RX,
+        "for n in range(self.max_tokens, 0, -1):",
+        "for n in range(1, self.max_tokens + 1):",
+        RUNNER_TESTS,
+        "smaller batches run first: a stale table from a larger step never shows",
+    ),
+    Mutant(
+        "runner-lifetime-kept-is-first",
+        RC,
+        "            kept = clone_tree(first)",
+        "            kept = first",
+        RUNNER_TESTS,
+        "output_lifetime compares an output with itself",
+    ),
+    Mutant(
+        "runner-fresh-same-inputs",
+        RC,
+        "        out, _ = ctx.call_runner(second)",
+        "        out, _ = ctx.call_runner(first)",
+        RUNNER_TESTS,
+        "fresh_inputs calls the runner on the first inputs again",
+    ),
     # -- verify_distributed and the emulator's collectives ------------------------------------
-    Mutant("dist-outputs-not-compared", DV, "diff = first_difference(b.output, a.output)",
-           "diff = first_difference(a.output, a.output)", DIST_TESTS, "rank_agreement compares rank 0 with itself"),
-    Mutant("dist-descriptor-not-compared", DV, "if a.descriptor != b.descriptor:", "if False:", DIST_TESTS,
-           "ranks that serve a batch with different graphs agree"),
-    Mutant("emulate-collective-not-replayed", EM,
-           "    if _is_collective(func):\n        return True  # c10d's",
-           "    if False:\n        return True  # c10d's", DIST_TESTS,
-           "replay does not issue the captured all-reduce again"),
-    Mutant("runner-capture-state-unchecked", RV, '        if "state" in selected:', "        if False:",
-           RUNNER_TESTS, "what the runner's capture() wrote into live state is never compared"),
-    Mutant("runner-capture-not-called", RV, "    if callable(capture):", "    if False:", RUNNER_TESTS,
-           "the runner's capture() never called"),
+    Mutant(
+        "dist-outputs-not-compared",
+        DV,
+        "diff = first_difference(b.output, a.output)",
+        "diff = first_difference(a.output, a.output)",
+        DIST_TESTS,
+        "rank_agreement compares rank 0 with itself",
+    ),
+    Mutant(
+        "dist-descriptor-not-compared",
+        DV,
+        "if a.descriptor != b.descriptor:",
+        "if False:",
+        DIST_TESTS,
+        "ranks that serve a batch with different graphs agree",
+    ),
+    Mutant(
+        "emulate-collective-not-replayed",
+        EM,
+        "    if _is_collective(func):\n        return True  # c10d's",
+        "    if False:\n        return True  # c10d's",
+        DIST_TESTS,
+        "replay does not issue the captured all-reduce again",
+    ),
+    Mutant(
+        "runner-capture-state-unchecked",
+        RV,
+        '        if "state" in selected:',
+        "        if False:",
+        RUNNER_TESTS,
+        "what the runner's capture() wrote into live state is never compared",
+    ),
+    Mutant(
+        "runner-capture-not-called",
+        RV,
+        "    if callable(capture):",
+        "    if False:",
+        RUNNER_TESTS,
+        "the runner's capture() never called",
+    ),
     # -- capture sizes from a trace (plan/trace.py, --cudagraph-trace) -------------------------------------
-    Mutant("trace-hull-keeps-useless-lines", TR, "if (b - b1) * (a1 - a2) <= (b2 - b1) * (a1 - a):",
-           "if (b - b1) * (a1 - a2) < (b2 - b1) * (a1 - a) and False:", TRACE_TESTS,
-           "the lower envelope keeps lines it should drop (the walk then stops on a worse one)"),
-    Mutant("trace-walk-stops-early", TR, "slopes[head + 1] * x + inter[head + 1] <= slopes[head] * x + inter[head]",
-           "slopes[head + 1] * x + inter[head + 1] < slopes[head] * x + inter[head] - 1", TRACE_TESTS,
-           "the query walk stops before the best line"),
-    Mutant("trace-cost-forgets-tokens", TR, "cur[j] = x * counts[j] - tokens[j] + slopes[head] * x + inter[head]",
-           "cur[j] = x * counts[j] + slopes[head] * x + inter[head]", TRACE_TESTS,
-           "the padding of a layer ignores the real tokens"),
-    Mutant("trace-largest-not-forced", TR, "        if cur[m] is not None and (best_cost is None or cur[m] < best_cost):",
-           "        if cur[m] is not None and (best_cost is None or cur[m] > best_cost):", TRACE_TESTS,
-           "the worst number of sizes is kept instead of the best"),
+    Mutant(
+        "trace-hull-keeps-useless-lines",
+        TR,
+        "if (b - b1) * (a1 - a2) <= (b2 - b1) * (a1 - a):",
+        "if (b - b1) * (a1 - a2) < (b2 - b1) * (a1 - a) and False:",
+        TRACE_TESTS,
+        "the lower envelope keeps lines it should drop (the walk then stops on a worse one)",
+    ),
+    Mutant(
+        "trace-walk-stops-early",
+        TR,
+        "slopes[head + 1] * x + inter[head + 1] <= slopes[head] * x + inter[head]",
+        "slopes[head + 1] * x + inter[head + 1] < slopes[head] * x + inter[head] - 1",
+        TRACE_TESTS,
+        "the query walk stops before the best line",
+    ),
+    Mutant(
+        "trace-cost-forgets-tokens",
+        TR,
+        "cur[j] = x * counts[j] - tokens[j] + slopes[head] * x + inter[head]",
+        "cur[j] = x * counts[j] + slopes[head] * x + inter[head]",
+        TRACE_TESTS,
+        "the padding of a layer ignores the real tokens",
+    ),
+    Mutant(
+        "trace-largest-not-forced",
+        TR,
+        "        if cur[m] is not None and (best_cost is None or cur[m] < best_cost):",
+        "        if cur[m] is not None and (best_cost is None or cur[m] > best_cost):",
+        TRACE_TESTS,
+        "the worst number of sizes is kept instead of the best",
+    ),
     # -- a lost CUDA context (faults.py, the plugin's handling of it) -----------------------------------
-    Mutant("faults-any-code-sticky", FA, "    if code not in STICKY_CODES:\n        return None",
-           "    if code is None:\n        return None", FAULT_TESTS,
-           "out of memory and an invalidated capture are told as a lost context"),
-    Mutant("faults-worker-not-ended", "pytest_cudagraph/plugin/workers.py", "            os._exit(self.EXIT)", "            pass", FAULT_TESTS,
-           "an xdist worker whose context is lost runs the tests after it"),
-    Mutant("faults-crash-counted-twice", PL, '            report.outcome = "passed"', "            pass",
-           FAULT_TESTS, "the replaced worker is also reported as a crash of the test"),
-    Mutant("faults-gpu-tests-run-after-loss", PL, "    if state.lost_here is not None and _needs_cuda(item):",
-           "    if False:", FAULT_TESTS, "serially, the GPU tests after a lost context fail as their own"),
-    Mutant("faults-phase-untagged", FA, "                exc.cudagraph_where = where  # type: ignore[attr-defined]",
-           "                pass", FAULT_TESTS, "a lost context does not say where it showed"),
-    Mutant("trace-shapes-ignored", CX, "        if self.given_batches is not None:",
-           "        if False:", TRACE_TESTS, "--cudagraph-trace shapes are not what the checks run"),
+    Mutant(
+        "faults-any-code-sticky",
+        FA,
+        "    if code not in STICKY_CODES:\n        return None",
+        "    if code is None:\n        return None",
+        FAULT_TESTS,
+        "out of memory and an invalidated capture are told as a lost context",
+    ),
+    Mutant(
+        "faults-worker-not-ended",
+        "pytest_cudagraph/plugin/workers.py",
+        "            os._exit(self.EXIT)",
+        "            pass",
+        FAULT_TESTS,
+        "an xdist worker whose context is lost runs the tests after it",
+    ),
+    Mutant(
+        "faults-crash-counted-twice",
+        "pytest_cudagraph/plugin/workers.py",
+        '            report.outcome = "passed"',
+        "            pass",
+        FAULT_TESTS,
+        "the replaced worker is also reported as a crash of the test",
+    ),
+    Mutant(
+        "faults-gpu-tests-run-after-loss",
+        PL,
+        "    if state.lost_here is not None and _needs_cuda(item):",
+        "    if False:",
+        FAULT_TESTS,
+        "serially, the GPU tests after a lost context fail as their own",
+    ),
+    Mutant(
+        "faults-phase-untagged",
+        FA,
+        "                exc.cudagraph_where = where  # type: ignore[attr-defined]",
+        "                pass",
+        FAULT_TESTS,
+        "a lost context does not say where it showed",
+    ),
+    Mutant(
+        "trace-shapes-ignored",
+        CX,
+        "        if self.given_batches is not None:",
+        "        if False:",
+        TRACE_TESTS,
+        "--cudagraph-trace shapes are not what the checks run",
+    ),
     # -- checks/floor.py: results of different shapes against the measured floor (issue #25) ----------
-    Mutant("floor-no-multiple", FL, "atol=a + FLOOR_MAX * s.max_f, figures=False)", "atol=a + 1e9, figures=False)",
-           FLOOR_TESTS, "any difference from unpadded eager passes the floor's largest-difference test"),
-    Mutant("floor-is-the-graph", FL, "f = torch.where(ok, pd - ed, 0.0)", "f = torch.where(ok, gd - ed, 0.0)",
-           FLOOR_TESTS, "the floor is measured on the graph itself: no difference is ever beyond it"),
-    Mutant("floor-systematic-off", FL, "if fit.share > max(SYSTEMATIC, CHANCE * chance) and _material(",
-           "if False and _material(", (*FLOOR_TESTS, SCALE_TESTS),
-           "a systematic difference (a few-percent scale from a branch on the token count) passes"),
-    Mutant("floor-never-material", FL, "if bool(((part.abs() > atol + rtol * ed.abs()) & ok).any()):",
-           "if False:", FLOOR_TESTS, "no systematic part is ever large enough to matter"),
-    Mutant("floor-no-cap", FL, "if rms_e > 0 and rms_d > CAP * u * rms_e + tol_rms:", "if False:",
-           (*FLOOR_TESTS, pair("BatchStatistics")), "a difference beyond what rounding can do passes on the floor"),
-    Mutant("floor-nonfinite-dropped", FL, "if not torch.equal(finite_g, finite_e):", "if False:", FLOOR_TESTS,
-           "NaN where eager is finite is measured as rounding"),
-    Mutant("floor-integers-explained", FL, "unexplained = off & (g != p)", "unexplained = off & False",
-           FLOOR_TESTS, "a token id no eager run gives passes as a flip"),
-    Mutant("floor-always-measured", FL, "    if diff is None:\n        return Verdict(True, figures=_largest(got, expected))",
-           "    if False:\n        return Verdict(True, figures=_largest(got, expected))", FLOOR_TESTS,
-           "the floor is measured even where the tolerance settles it (a forward more per batch)"),
-    Mutant("suite-smallest-batch-dropped", CX, "return batches if len(batches) <= 2 else [batches[0], batches[-1]]",
-           "return batches[-1:]", (pair("BatchStatistics"), SCALE_TESTS),
-           "real_batches runs only the batch without padding"),
+    Mutant(
+        "floor-no-multiple",
+        FL,
+        "atol=a + FLOOR_MAX * s.max_f, figures=False)",
+        "atol=a + 1e9, figures=False)",
+        FLOOR_TESTS,
+        "any difference from unpadded eager passes the floor's largest-difference test",
+    ),
+    Mutant(
+        "floor-is-the-graph",
+        FL,
+        "f = torch.where(ok, pd - ed, 0.0)",
+        "f = torch.where(ok, gd - ed, 0.0)",
+        FLOOR_TESTS,
+        "the floor is measured on the graph itself: no difference is ever beyond it",
+    ),
+    Mutant(
+        "floor-systematic-off",
+        FL,
+        "if fit.share > max(SYSTEMATIC, CHANCE * chance) and _material(",
+        "if False and _material(",
+        (*FLOOR_TESTS, SCALE_TESTS),
+        "a systematic difference (a few-percent scale from a branch on the token count) passes",
+    ),
+    Mutant(
+        "floor-never-material",
+        FL,
+        "if bool(((part.abs() > atol + rtol * ed.abs()) & ok).any()):",
+        "if False:",
+        FLOOR_TESTS,
+        "no systematic part is ever large enough to matter",
+    ),
+    Mutant(
+        "floor-no-cap",
+        FL,
+        "if rms_e > 0 and rms_d > CAP * u * rms_e + tol_rms:",
+        "if False:",
+        (*FLOOR_TESTS, pair("BatchStatistics")),
+        "a difference beyond what rounding can do passes on the floor",
+    ),
+    Mutant(
+        "floor-nonfinite-dropped",
+        FL,
+        "if not torch.equal(finite_g, finite_e):",
+        "if False:",
+        FLOOR_TESTS,
+        "NaN where eager is finite is measured as rounding",
+    ),
+    Mutant(
+        "floor-integers-explained",
+        FL,
+        "unexplained = off & (g != p)",
+        "unexplained = off & False",
+        FLOOR_TESTS,
+        "a token id no eager run gives passes as a flip",
+    ),
+    Mutant(
+        "floor-always-measured",
+        FL,
+        "    if diff is None:\n        return Verdict(True, figures=_largest(got, expected))",
+        "    if False:\n        return Verdict(True, figures=_largest(got, expected))",
+        FLOOR_TESTS,
+        "the floor is measured even where the tolerance settles it (a forward more per batch)",
+    ),
+    Mutant(
+        "suite-smallest-batch-dropped",
+        CX,
+        "return batches if len(batches) <= 2 else [batches[0], batches[-1]]",
+        "return batches[-1:]",
+        (pair("BatchStatistics"), SCALE_TESTS),
+        "real_batches runs only the batch without padding",
+    ),
     # -- observe.py and what verification copies --------------------------------------------------------
-    Mutant("observe-writes-unmarked", OB, "if arg.alias_info is not None and arg.alias_info.is_write:", "if False:",
-           OBSERVE_TESTS, "no write is seen: what forwards write is found by fingerprint only, or not at all"),
-    Mutant("observe-batch-norm", OB, 'p: (3, 4, "running_mean", "running_var")', "p: ()", OBSERVE_TESTS,
-           "batch norm's running statistics are not writes"),
-    Mutant("observe-not-put-back", OB, "                        live[name].copy_(saved)",
-           "                        pass", OBSERVE_TESTS, "restoring leaves what the forwards wrote"),
-    Mutant("observe-tf32-ignored", OB, "return TF32 if device.type == \"cuda\" and _tf32_convolutions() else 2.0**-24",
-           "return 2.0**-24", OBSERVE_TESTS, "TF32 convolutions taken for fp32 (resnet18 fails real_batches)"),
-    Mutant("observe-fingerprint-unweighted", OB, "total[1] += weights.mul_(chunk).sum()", "total[1] += chunk.sum()",
-           OBSERVE_TESTS, "two elements swapped keep the fingerprint"),
-    Mutant("context-snapshot-everything", X,
-           "snap = Snapshot({name: t.detach().clone() for name, t in self.observer.written_items()})",
-           "snap = Snapshot({name: t.detach().clone() for name, t in self.observer.tensors()})", OBSERVE_TESTS,
-           "every snapshot copies the weights (four copies of an 8B model at once)"),
-    Mutant("engine-no-learning", E, "                _learn_writes(ctx, selected)", "                pass",
-           OBSERVE_TESTS, "verification leaves what its forwards wrote in the module"),
-    Mutant("engine-unseen-write-silent", E, "            f\"forward writes {names} where no op shows it",
-           "            f\"\" if True else f\"forward writes {names} where no op shows it", OBSERVE_TESTS,
-           "a write found by fingerprint is not said"),
-    Mutant("engine-safety-not-listed", E, "            if capture_check is not None and error.op:",
-           "            if False:", (*sensitivity("test_capture_safety_lists_every_op_at_every_descriptor_before_capture"),),
-           "a descriptor the capture's guard stopped names its first op only"),
-    Mutant("suite-state-eager-inputs", S, "eager_inputs = {name: padded[name] for name in graph_inputs}",
-           "eager_inputs = graph_inputs", (pair("MutatesInput"),),
-           "state compares the graph's inputs with themselves: a mutated input passes"),
-    Mutant("cost-forwards-uncounted", CO, "cost.forwards += self.forwards - forwards", "cost.forwards += 0",
-           OBSERVE_TESTS, "the report says no check ran a forward"),
+    Mutant(
+        "observe-writes-unmarked",
+        OB,
+        "if arg.alias_info is not None and arg.alias_info.is_write:",
+        "if False:",
+        OBSERVE_TESTS,
+        "no write is seen: what forwards write is found by fingerprint only, or not at all",
+    ),
+    Mutant(
+        "observe-batch-norm",
+        OB,
+        'p: (3, 4, "running_mean", "running_var")',
+        "p: ()",
+        OBSERVE_TESTS,
+        "batch norm's running statistics are not writes",
+    ),
+    Mutant(
+        "observe-not-put-back",
+        OB,
+        "                        live[name].copy_(saved)",
+        "                        pass",
+        OBSERVE_TESTS,
+        "restoring leaves what the forwards wrote",
+    ),
+    Mutant(
+        "observe-tf32-ignored",
+        OB,
+        'return TF32 if device.type == "cuda" and _tf32_convolutions() else 2.0**-24',
+        "return 2.0**-24",
+        OBSERVE_TESTS,
+        "TF32 convolutions taken for fp32 (resnet18 fails real_batches)",
+    ),
+    Mutant(
+        "observe-fingerprint-unweighted",
+        OB,
+        "total[1] += weights.mul_(chunk).sum()",
+        "total[1] += chunk.sum()",
+        OBSERVE_TESTS,
+        "two elements swapped keep the fingerprint",
+    ),
+    Mutant(
+        "context-snapshot-everything",
+        X,
+        "snap = Snapshot({name: t.detach().clone() for name, t in self.observer.written_items()})",
+        "snap = Snapshot({name: t.detach().clone() for name, t in self.observer.tensors()})",
+        OBSERVE_TESTS,
+        "every snapshot copies the weights (four copies of an 8B model at once)",
+    ),
+    Mutant(
+        "engine-no-learning",
+        E,
+        "                _learn_writes(ctx, selected)",
+        "                pass",
+        OBSERVE_TESTS,
+        "verification leaves what its forwards wrote in the module",
+    ),
+    Mutant(
+        "engine-unseen-write-silent",
+        E,
+        '            f"forward writes {names} where no op shows it',
+        '            f"" if True else f"forward writes {names} where no op shows it',
+        OBSERVE_TESTS,
+        "a write found by fingerprint is not said",
+    ),
+    Mutant(
+        "engine-safety-not-listed",
+        E,
+        "            if capture_check is not None and error.op:",
+        "            if False:",
+        (*sensitivity("test_capture_safety_lists_every_op_at_every_descriptor_before_capture"),),
+        "a descriptor the capture's guard stopped names its first op only",
+    ),
+    Mutant(
+        "suite-state-eager-inputs",
+        S,
+        "eager_inputs = {name: padded[name] for name in graph_inputs}",
+        "eager_inputs = graph_inputs",
+        (pair("MutatesInput"),),
+        "state compares the graph's inputs with themselves: a mutated input passes",
+    ),
+    Mutant(
+        "cost-forwards-uncounted",
+        CO,
+        "cost.forwards += self.forwards - forwards",
+        "cost.forwards += 0",
+        OBSERVE_TESTS,
+        "the report says no check ran a forward",
+    ),
     # -- issue #26: integer padding, state on padded batches, the true cause named ----------------------
-    Mutant("observe-randomness-unseen", OB, "        elif draws_random(func):", "        elif False:",
-           (*DIAGNOSES, pair("ReseedsInForward")), "no module draws random numbers: real_batches runs on noise"),
-    Mutant("context-python-not-restored", X, "            _set_python_value(self.module, dotted, value)",
-           "            pass", DIAGNOSES, "a Python counter is not put back between runs, nor after verification"),
-    Mutant("observe-unwritten-read-unseen", OB, "                elif self.unwritten_read is None:",
-           "                elif False:", (*OBSERVE_TESTS, pair("SplitKIntoEmpty")),
-           "a read of memory nobody wrote is not seen"),
-    Mutant("observe-writes-taken-for-reads", OB, "if place in written and not (place == 0 and in_place):",
-           "if False:", OBSERVE_TESTS, "an op's out= (or a copy_) counts as a read of what it writes"),
-    Mutant("context-uninitialized-unconfirmed", X, "if first_difference(outs[0], outs[1]) is not None:\n"
-           "                    self._uninitialized = (", "if True:\n                    self._uninitialized = (",
-           DIAGNOSES, "a read no poison changes the results of is a finding"),
-    Mutant("engine-cause-not-named", E, "    if uninitialized and uninitialized not in outcome.message:",
-           "    if False:", DIAGNOSES, "other failures of a module reading unwritten memory blame their own check"),
-    Mutant("suite-integers-not-filled", S, "    for label, int_fill in _INT_FILLS:", "    for label, int_fill in []:",
-           (pair("HashRoutedLoad"),), "padded integer rows keep their pad value"),
-    Mutant("suite-declared-pads-filled", S, "            and name not in declared and", "            and",
-           ("examples/real_models/test_hf_bugs.py::test_fix_passes",),
-           "a pad value the caller declared (padded positions are 0) is overwritten"),
-    Mutant("suite-state-padded-skipped", S, "    return _state_padded(ctx, desc) or Outcome(\"state\", desc, True)",
-           "    return Outcome(\"state\", desc, True)", DIAGNOSES, "state never compared after a padded batch"),
-    Mutant("engine-eager-failure-per-descriptor", E, "    if len(failures) == len(shapes):", "    if False:",
-           DIAGNOSES, "a module whose eager forward fails everywhere gets a capture failure per descriptor"),
-    Mutant("engine-eager-failure-hides-capture-bug", E, "        if told is not None and told.ops:",
-           "        if False:", DIAGNOSES,
-           "a forward that fails everywhere at an op a graph cannot hold is told as eager's own failure"),
-    Mutant("suite-op-before-failure-unnamed", S, "                if met:\n", "                if False:\n",
-           DIAGNOSES, "a forward that fails eagerly names no op a graph cannot hold met on its way"),
-    Mutant("report-quick-reads-as-failed", PR,
-           'f"{captured} of {planned} descriptors verified (quick mode)" if quick and calls else',
-           'f"{captured}/{planned} descriptors captured" if quick and calls else',
-           ("tests/test_plugin.py::test_terminal_summary_section",), "a passing quick run reads \"2/3 captured\""),
-    Mutant("compare-ulps-across-signs", C, "signed = finite & _same_sign(gp, ep)", "signed = finite", COMPARE_TESTS,
-           "ULPs counted across a sign change (two billion for 0.3 against -0.2)"),
-    Mutant("suite-snapshot-before-make", S,
-           "        inputs = ctx.make(batch)\n        with ctx.preserved_state() as state0:\n"
-           "            ctx.seed_all(ctx.seed)\n            got = ctx.run(",
-           "        with ctx.preserved_state() as state0:\n            inputs = ctx.make(batch)\n"
-           "            ctx.seed_all(ctx.seed)\n            got = ctx.run(", DIAGNOSES,
-           "real_batches snapshots before make_inputs, the other checks after it"),
-    Mutant("emulate-one-poison", EM, "data[offset : offset + size].fill_(POISON_BYTES[which])",
-           "data[offset : offset + size].fill_(POISON_BYTES[0])", DIAGNOSES,
-           "the graph's free memory is poisoned one way only: a replay reading it is never told"),
-    Mutant("suite-graph-poison-unread", S, "        graph_diff = first_difference(outs[2], outs[0])",
-           "        graph_diff = None", DIAGNOSES,
-           "replays that read graph memory nobody wrote, below the dispatcher, pass determinism"),
+    Mutant(
+        "observe-randomness-unseen",
+        OB,
+        "        elif draws_random(func):",
+        "        elif False:",
+        (*DIAGNOSES, pair("ReseedsInForward")),
+        "no module draws random numbers: real_batches runs on noise",
+    ),
+    Mutant(
+        "context-python-not-restored",
+        X,
+        "            _set_python_value(self.module, dotted, value)",
+        "            pass",
+        DIAGNOSES,
+        "a Python counter is not put back between runs, nor after verification",
+    ),
+    Mutant(
+        "observe-unwritten-read-unseen",
+        OB,
+        "                elif self.unwritten_read is None:",
+        "                elif False:",
+        (*OBSERVE_TESTS, pair("SplitKIntoEmpty")),
+        "a read of memory nobody wrote is not seen",
+    ),
+    Mutant(
+        "observe-writes-taken-for-reads",
+        OB,
+        "if place in written and not (place == 0 and in_place):",
+        "if False:",
+        OBSERVE_TESTS,
+        "an op's out= (or a copy_) counts as a read of what it writes",
+    ),
+    Mutant(
+        "context-uninitialized-unconfirmed",
+        X,
+        "if first_difference(outs[0], outs[1]) is not None:\n                    self._uninitialized = (",
+        "if True:\n                    self._uninitialized = (",
+        DIAGNOSES,
+        "a read no poison changes the results of is a finding",
+    ),
+    Mutant(
+        "engine-cause-not-named",
+        E,
+        "    if uninitialized and uninitialized not in outcome.message:",
+        "    if False:",
+        DIAGNOSES,
+        "other failures of a module reading unwritten memory blame their own check",
+    ),
+    Mutant(
+        "suite-integers-not-filled",
+        S,
+        "    for label, int_fill in _INT_FILLS:",
+        "    for label, int_fill in []:",
+        (pair("HashRoutedLoad"),),
+        "padded integer rows keep their pad value",
+    ),
+    Mutant(
+        "suite-declared-pads-filled",
+        S,
+        "        and name not in declared\n",
+        "",
+        ("examples/real_models/test_hf_bugs.py::test_fix_passes",),
+        "a pad value the caller declared (padded positions are 0) is overwritten",
+    ),
+    Mutant(
+        "suite-state-padded-skipped",
+        S,
+        '    return _state_padded(ctx, desc) or Outcome("state", desc, True)',
+        '    return Outcome("state", desc, True)',
+        DIAGNOSES,
+        "state never compared after a padded batch",
+    ),
+    Mutant(
+        "engine-eager-failure-per-descriptor",
+        E,
+        "    if len(failures) == len(shapes):",
+        "    if False:",
+        DIAGNOSES,
+        "a module whose eager forward fails everywhere gets a capture failure per descriptor",
+    ),
+    Mutant(
+        "engine-eager-failure-hides-capture-bug",
+        E,
+        "        if told is not None and told.ops:",
+        "        if False:",
+        DIAGNOSES,
+        "a forward that fails everywhere at an op a graph cannot hold is told as eager's own failure",
+    ),
+    Mutant(
+        "suite-op-before-failure-unnamed",
+        S,
+        "                if met:\n",
+        "                if False:\n",
+        DIAGNOSES,
+        "a forward that fails eagerly names no op a graph cannot hold met on its way",
+    ),
+    Mutant(
+        "report-quick-reads-as-failed",
+        PR,
+        'f"{captured} of {planned} descriptors verified (quick mode)"\n        if quick and calls',
+        'f"{captured}/{planned} descriptors captured"\n        if quick and calls',
+        ("tests/test_plugin.py::test_terminal_summary_section",),
+        'a passing quick run reads "2/3 captured"',
+    ),
+    Mutant(
+        "compare-ulps-across-signs",
+        C,
+        "signed = finite & _same_sign(gp, ep)",
+        "signed = finite",
+        COMPARE_TESTS,
+        "ULPs counted across a sign change (two billion for 0.3 against -0.2)",
+    ),
+    Mutant(
+        "suite-snapshot-before-make",
+        S,
+        "        inputs = ctx.make(batch)\n        with ctx.preserved_state() as state0:\n"
+        "            ctx.seed_all(ctx.seed)\n            got = ctx.run(",
+        "        with ctx.preserved_state() as state0:\n            inputs = ctx.make(batch)\n"
+        "            ctx.seed_all(ctx.seed)\n            got = ctx.run(",
+        DIAGNOSES,
+        "real_batches snapshots before make_inputs, the other checks after it",
+    ),
+    Mutant(
+        "emulate-one-poison",
+        EM,
+        "data[offset : offset + size].fill_(POISON_BYTES[which])",
+        "data[offset : offset + size].fill_(POISON_BYTES[0])",
+        DIAGNOSES,
+        "the graph's free memory is poisoned one way only: a replay reading it is never told",
+    ),
+    Mutant(
+        "suite-graph-poison-unread",
+        S,
+        "        graph_diff = first_difference(outs[2], outs[0])",
+        "        graph_diff = None",
+        DIAGNOSES,
+        "replays that read graph memory nobody wrote, below the dispatcher, pass determinism",
+    ),
     # -- issue #27: the capturability table learned on a GPU -----------------------------------------
-    Mutant("guard-table-unasked", GD,
-           "        if found is None and self.by_provenance and not self.suspended and table is not None and not",
-           "        if False and found is None and self.by_provenance and not self.suspended and table is not None and not",
-           (*CAPTURABILITY, pair("InvertsInForward")), "the emulator passes an op the table says CUDA refuses"),
-    Mutant("guard-learned-outranked", GD, "            learned = self._learned(table, func, args, kwargs, exact=True)",
-           "            learned = None", CAPTURABILITY,
-           "a write through a host boolean mask, which CUDA captures, is refused by the general rule"),
-    Mutant("guard-not-known-silent", GD, "                self.tracker.not_known.setdefault(str(func), self.tracker.path)",
-           "                pass", CAPTURABILITY, "an op the table does not cover passes in silence"),
-    Mutant("compare-new-failure-missed", "pytest_cudagraph/plugin/compare_report.py",
-           'if status == "failed" and was != "failed":', "if False:",
-           ("tests/test_compare_report.py",
-            "tests/test_plugin.py::test_compare_names_new_failures_and_new_passes_and_can_fail_the_run"),
-           "--cudagraph-compare misses a check that newly fails"),
-    Mutant("compare-fail-ignored", "pytest_cudagraph/plugin/__init__.py",
-           "if run.compare_fail and state.comparison.new_failures and session.exitstatus == pytest.ExitCode.OK:",
-           "if False:", ("tests/test_plugin.py::test_compare_names_new_failures_and_new_passes_and_can_fail_the_run",),
-           "--cudagraph-compare-fail passes a run with a new failure"),
-    Mutant("report-skipped-passes", "pytest_cudagraph/checks/report.py",
-           '"passed": None if self.skipped else self.passed,', '"passed": self.passed,',
-           ("tests/test_plugin.py::test_json_report_content",), "a skipped check reported as passed (issue #29)"),
-    Mutant("junit-failed-uncounted", "pytest_cudagraph/plugin/report.py", 'failed += status == "failed"',
-           "failed += 0", ("tests/test_plugin.py::test_the_schema_holds_the_reports_fields_and_fails_a_report_without_them",),
-           "junit XML says no check failed"),
-    Mutant("registry-deselect-ignored", "pytest_cudagraph/checks/registry.py",
-           "chosen = [c for c in chosen if c not in dropped]", "chosen = list(chosen)",
-           ("tests/test_registry.py::test_a_leading_minus_deselects_a_check",
-            "tests/test_plugin.py::test_checks_option_and_ini_select_and_deselect_and_the_marker_wins"),
-           "--cudagraph-checks=-determinism runs determinism all the same"),
-    Mutant("isolate-timeout-ignored", "pytest_cudagraph/plugin/isolate.py",
-           "stdout, stderr = child.communicate(timeout=limit)", "stdout, stderr = child.communicate(timeout=None)",
-           ("tests/test_isolate.py::test_a_hung_child_is_killed_with_its_group_and_named_with_its_phase",),
-           "a hung isolated child hangs the run"),
-    Mutant("capturability-empty-unseen", CB, "elif value.numel() == 0:", "elif False:", CAPTURABILITY,
-           "an empty tensor lettered as a full one (an empty matrix refused where CUDA holds it)"),
-    Mutant("capturability-empty-takes-refusal", CB, "if full is not None and full.kind == HELD:",
-           "if full is not None:", CAPTURABILITY, "an empty tensor refused because a full one is"),
-    Mutant("capturability-numbers-matter", CB, 'tensors = letters.replace("s", "")', "tensors = letters",
-           CAPTURABILITY, "an op learned with a dim argument is not known without it"),
-    Mutant("capturability-any-kind-carries", CB, "            if all(letter in seen for letter in tensors):",
-           "            if True:", CAPTURABILITY,
-           "a verdict learned for integer indices carries over to a boolean mask"),
-    Mutant("emulate-shape-change-replayed", EM,
-           'if getattr(func, "overloadpacket", None) in _METADATA_IN_PLACE and args',
-           'if False and getattr(func, "overloadpacket", None) in _METADATA_IN_PLACE and args', CAPTURABILITY,
-           "an in-place transpose_ is replayed as a step: replay fails on shapes"),
-    Mutant("emulate-steps-not-frozen", EM, "            step.swap(lambda value: frozen if value is t else value)",
-           "            pass", CAPTURABILITY, "steps before an in-place shape change read the tensor as it ends"),
+    Mutant(
+        "guard-table-unasked",
+        GD,
+        "            found is None\n            and self.by_provenance\n            and not self.suspended\n            and table is not None\n            and not _is_view(func)",
+        "            False\n            and self.by_provenance\n            and not self.suspended\n            and table is not None\n            and not _is_view(func)",
+        (*CAPTURABILITY, pair("InvertsInForward")),
+        "the emulator passes an op the table says CUDA refuses",
+    ),
+    Mutant(
+        "guard-learned-outranked",
+        GD,
+        "            learned = self._learned(table, func, args, kwargs, exact=True)",
+        "            learned = None",
+        CAPTURABILITY,
+        "a write through a host boolean mask, which CUDA captures, is refused by the general rule",
+    ),
+    Mutant(
+        "guard-not-known-silent",
+        GD,
+        "                self.tracker.not_known.setdefault(str(func), self.tracker.path)",
+        "                pass",
+        CAPTURABILITY,
+        "an op the table does not cover passes in silence",
+    ),
+    Mutant(
+        "compare-new-failure-missed",
+        "pytest_cudagraph/plugin/compare_report.py",
+        'if status == "failed" and was != "failed":',
+        "if False:",
+        (
+            "tests/test_compare_report.py",
+            "tests/test_plugin.py::test_compare_names_new_failures_and_new_passes_and_can_fail_the_run",
+        ),
+        "--cudagraph-compare misses a check that newly fails",
+    ),
+    Mutant(
+        "compare-fail-ignored",
+        "pytest_cudagraph/plugin/__init__.py",
+        "                run.compare_fail\n                and state.comparison.new_failures",
+        "                False\n                and state.comparison.new_failures",
+        ("tests/test_plugin.py::test_compare_names_new_failures_and_new_passes_and_can_fail_the_run",),
+        "--cudagraph-compare-fail passes a run with a new failure",
+    ),
+    Mutant(
+        "report-skipped-passes",
+        "pytest_cudagraph/checks/report.py",
+        '"passed": None if self.skipped else self.passed,',
+        '"passed": self.passed,',
+        ("tests/test_plugin.py::test_json_report_content",),
+        "a skipped check reported as passed (issue #29)",
+    ),
+    Mutant(
+        "junit-failed-uncounted",
+        "pytest_cudagraph/plugin/report.py",
+        'failed += status == "failed"',
+        "failed += 0",
+        ("tests/test_plugin.py::test_the_schema_holds_the_reports_fields_and_fails_a_report_without_them",),
+        "junit XML says no check failed",
+    ),
+    Mutant(
+        "registry-deselect-ignored",
+        "pytest_cudagraph/checks/registry.py",
+        "chosen = [c for c in chosen if c not in dropped]",
+        "chosen = list(chosen)",
+        (
+            "tests/test_registry.py::test_a_leading_minus_deselects_a_check",
+            "tests/test_plugin.py::test_checks_option_and_ini_select_and_deselect_and_the_marker_wins",
+        ),
+        "--cudagraph-checks=-determinism runs determinism all the same",
+    ),
+    Mutant(
+        "isolate-timeout-ignored",
+        "pytest_cudagraph/plugin/isolate.py",
+        "stdout, stderr = child.communicate(timeout=limit)",
+        "stdout, stderr = child.communicate(timeout=None)",
+        ("tests/test_isolate.py::test_a_hung_child_is_killed_with_its_group_and_named_with_its_phase",),
+        "a hung isolated child hangs the run",
+    ),
+    Mutant(
+        "capturability-empty-unseen",
+        CB,
+        "elif value.numel() == 0:",
+        "elif False:",
+        CAPTURABILITY,
+        "an empty tensor lettered as a full one (an empty matrix refused where CUDA holds it)",
+    ),
+    Mutant(
+        "capturability-empty-takes-refusal",
+        CB,
+        "if full is not None and full.kind == HELD:",
+        "if full is not None:",
+        CAPTURABILITY,
+        "an empty tensor refused because a full one is",
+    ),
+    Mutant(
+        "capturability-numbers-matter",
+        CB,
+        'tensors = letters.replace("s", "")',
+        "tensors = letters",
+        CAPTURABILITY,
+        "an op learned with a dim argument is not known without it",
+    ),
+    Mutant(
+        "capturability-any-kind-carries",
+        CB,
+        "            if all(letter in seen for letter in tensors):",
+        "            if True:",
+        CAPTURABILITY,
+        "a verdict learned for integer indices carries over to a boolean mask",
+    ),
+    Mutant(
+        "emulate-shape-change-replayed",
+        EM,
+        '            getattr(func, "overloadpacket", None) in _METADATA_IN_PLACE\n            and args',
+        "            False\n            and args",
+        CAPTURABILITY,
+        "an in-place transpose_ is replayed as a step: replay fails on shapes",
+    ),
+    Mutant(
+        "emulate-steps-not-frozen",
+        EM,
+        "            step.swap(lambda value: frozen if value is t else value)",
+        "            pass",
+        CAPTURABILITY,
+        "steps before an in-place shape change read the tensor as it ends",
+    ),
     # -- issue #28: a uniform decode graph for every query length -------------------------------------
-    Mutant("plan-one-query-length", CP, "                for q in cfg.query_lens:",
-           "                for q in (cfg.decode_query_len,):", ("tests/test_plan_reference.py",),
-           "decode_query_lens are ignored: shorter decode batches get no graph of their own"),
-    Mutant("config-lengths-unbounded", "pytest_cudagraph/plan/config.py",
-           "            above = [q for q in lens if q > decode_query_len]", "            above = []",
-           ("tests/test_plan_validation.py",), "a query length above decode_query_len is accepted"),
-    Mutant("suite-capture-path-unnamed", S, "        cause = _capture_path(ctx, inputs, batch, state0)",
-           '        cause = ""', (pair("PlannedPerRequestCount"),),
-           "a module that computes something else under capture is blamed on the padded batch size"),
-    Mutant("layout-probe-beyond-requests", L, "if t <= max_tokens and r <= max_reqs and t > r]",
-           "if t <= max_tokens and t > r]", ("tests/test_manager_rows.py",),
-           "the output probe runs the module with more requests than the plan holds (a device assert on a GPU)"),
-    Mutant("settings-ini-bool-keyless", "pytest_cudagraph/plugin/settings.py",
-           "    except (ValueError, pytest.UsageError) as exc:  # pytest 9 raises UsageError, without the key",
-           "    except ValueError as exc:", ("tests/test_usage_errors.py",), "a bad ini boolean does not name its key"),
+    Mutant(
+        "plan-one-query-length",
+        CP,
+        "                for q in cfg.query_lens:",
+        "                for q in (cfg.decode_query_len,):",
+        ("tests/test_plan_reference.py",),
+        "decode_query_lens are ignored: shorter decode batches get no graph of their own",
+    ),
+    Mutant(
+        "config-lengths-unbounded",
+        "pytest_cudagraph/plan/config.py",
+        "            above = [q for q in lens if q > decode_query_len]",
+        "            above = []",
+        ("tests/test_plan_validation.py",),
+        "a query length above decode_query_len is accepted",
+    ),
+    Mutant(
+        "suite-capture-path-unnamed",
+        S,
+        "        cause = _capture_path(ctx, inputs, batch, state0, got, None if ctx.batch_invariant else padded, rows)",
+        '        cause = ""',
+        (pair("PlannedPerRequestCount"),),
+        "a module that computes something else under capture is blamed on the padded batch size",
+    ),
+    Mutant(
+        "layout-probe-beyond-requests",
+        L,
+        "if t <= max_tokens and r <= max_reqs and t > r]",
+        "if t <= max_tokens and t > r]",
+        ("tests/test_manager_rows.py",),
+        "the output probe runs the module with more requests than the plan holds (a device assert on a GPU)",
+    ),
+    Mutant(
+        "settings-ini-bool-keyless",
+        "pytest_cudagraph/plugin/settings.py",
+        "    except (ValueError, pytest.UsageError) as exc:  # pytest 9 raises UsageError, without the key",
+        "    except ValueError as exc:",
+        ("tests/test_usage_errors.py",),
+        "a bad ini boolean does not name its key",
+    ),
 ]
 
 
@@ -569,12 +1330,17 @@ _NOT_SOURCE = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cac
 def tree_files(tree: Path) -> list[str]:
     """What git would commit: tracked files and untracked ones it does not ignore (files only:
     a tracked file deleted in the working tree is left out). Outside git: every file but caches."""
-    proc = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=tree, capture_output=True)
+    proc = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=tree, capture_output=True
+    )
     if proc.returncode == 0:
         names = proc.stdout.decode().split("\0")
     else:
-        names = [str(p.relative_to(tree)) for p in tree.rglob("*")
-                 if not _NOT_SOURCE & set(p.relative_to(tree).parts) and not p.name.endswith(".egg-info")]
+        names = [
+            str(p.relative_to(tree))
+            for p in tree.rglob("*")
+            if not _NOT_SOURCE & set(p.relative_to(tree).parts) and not p.name.endswith(".egg-info")
+        ]
     return sorted({name for name in names if name and (tree / name).is_file()})
 
 
@@ -599,8 +1365,10 @@ def locate(copy: Path, mutant: Mutant) -> tuple[Path, str, str]:
             return hits[0][0], original, replacement
         where = ", ".join(f"{p.relative_to(copy)} x{n}" for p, n in hits) or "nowhere"
         seen.append(f"{original!r} found {where}")
-    raise Stale(f"stale mutant {mutant.id}: snippet {'; '.join(seen)} (wanted once, in {mutant.file} or in "
-                "one file of the package)")
+    raise Stale(
+        f"stale mutant {mutant.id}: snippet {'; '.join(seen)} (wanted once, in {mutant.file} or in "
+        "one file of the package)"
+    )
 
 
 def _env(copy: Path) -> dict[str, str]:
@@ -614,16 +1382,18 @@ def _env(copy: Path) -> dict[str, str]:
 
 def import_error(copy: Path, module: str) -> str | None:
     """None when the package imports from ``copy`` (checked by its ``__file__``) with ``module`` in it."""
-    code = (f"import {PACKAGE}, importlib; importlib.import_module({module!r}); "
-            f"print({PACKAGE}.__file__)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=copy, env=_env(copy), capture_output=True, text=True,
-                          timeout=300)
+    code = f"import {PACKAGE}, importlib; importlib.import_module({module!r}); print({PACKAGE}.__file__)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=copy, env=_env(copy), capture_output=True, text=True, timeout=300
+    )
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()
         return lines[-1] if lines else f"exit status {proc.returncode}"
     where = Path(proc.stdout.strip().splitlines()[-1]).resolve()
     if not where.is_relative_to(copy.resolve()):
-        raise RuntimeError(f"{PACKAGE} imports from {where}, not from the copy {copy}: PYTHONPATH does not win")
+        raise RuntimeError(
+            f"{PACKAGE} imports from {where}, not from the copy {copy}: PYTHONPATH does not win"
+        )
     return None
 
 
@@ -638,8 +1408,14 @@ def _first_failure(output: str) -> str:
 def pytest_run(copy: Path, args: Sequence[str], timeout: float) -> tuple[int | None, str]:
     """(exit status or None on timeout, the first failing test or the output's tail)."""
     try:
-        proc = subprocess.run([sys.executable, *PYTEST, *args], cwd=copy, env=_env(copy), capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, *PYTEST, *args],
+            cwd=copy,
+            env=_env(copy),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         return None, f"timeout after {timeout:.0f} s"
     output = proc.stdout + proc.stderr
@@ -654,8 +1430,9 @@ def module_name(path: Path, copy: Path) -> str:
     return ".".join(path.relative_to(copy).with_suffix("").parts)
 
 
-def run_mutant(mutant: Mutant, tree: Path, files: list[str], *, fast: bool, timeout: float, keep: bool,
-               scratch: Path) -> Result:
+def run_mutant(
+    mutant: Mutant, tree: Path, files: list[str], *, fast: bool, timeout: float, keep: bool, scratch: Path
+) -> Result:
     start = time.monotonic()
     copy = Path(tempfile.mkdtemp(prefix=f"{mutant.id}-", dir=scratch))
     try:
@@ -673,12 +1450,19 @@ def run_mutant(mutant: Mutant, tree: Path, files: list[str], *, fast: bool, time
         for args in runs:
             code, first = pytest_run(copy, args, timeout)
             if code is None:
-                return Result(mutant, "killed", f"{' '.join(args)}: {first}", time.monotonic() - start, located)
+                return Result(
+                    mutant, "killed", f"{' '.join(args)}: {first}", time.monotonic() - start, located
+                )
             if code in (1, 2, 3):  # tests failed, interrupted (collection), internal error
                 return Result(mutant, "killed", first, time.monotonic() - start, located)
             if code != 0:  # usage error (a test id that does not exist), no tests collected
-                return Result(mutant, "error", f"pytest {' '.join(args)} exited {code}: {first}",
-                              time.monotonic() - start, located)
+                return Result(
+                    mutant,
+                    "error",
+                    f"pytest {' '.join(args)} exited {code}: {first}",
+                    time.monotonic() - start,
+                    located,
+                )
         what = "targeted tests" if fast else "targeted tests, tests/ and examples/"
         return Result(mutant, "survived", f"{what} passed", time.monotonic() - start, located)
     finally:
@@ -688,7 +1472,9 @@ def run_mutant(mutant: Mutant, tree: Path, files: list[str], *, fast: bool, time
             shutil.rmtree(copy, ignore_errors=True)
 
 
-def baseline(tree: Path, files: list[str], mutants: Sequence[Mutant], timeout: float, scratch: Path) -> str | None:
+def baseline(
+    tree: Path, files: list[str], mutants: Sequence[Mutant], timeout: float, scratch: Path
+) -> str | None:
     """None when the unmutated copy imports and passes every selected mutant's targeted tests."""
     copy = Path(tempfile.mkdtemp(prefix="baseline-", dir=scratch))
     try:
@@ -716,13 +1502,18 @@ def table(results: Sequence[Result]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = []
     for row in rows:
-        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True))
-                     + "  " + row[4].rjust(6))
+        lines.append(
+            "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True))
+            + "  "
+            + row[4].rjust(6)
+        )
     return "\n".join(lines)
 
 
 def summary(results: Sequence[Result]) -> str:
-    count = {s: sum(r.status == s for r in results) for s in ("killed", "survived", "invalid", "stale", "error")}
+    count = {
+        s: sum(r.status == s for r in results) for s in ("killed", "survived", "invalid", "stale", "error")
+    }
     valid = count["killed"] + count["survived"]
     rate = f"{100 * count['killed'] / valid:.1f}%" if valid else "n/a"
     parts = [f"kill rate {count['killed']}/{valid} = {rate}"]
@@ -731,12 +1522,17 @@ def summary(results: Sequence[Result]) -> str:
     survivors = [r.mutant.id for r in results if r.status == "survived"]
     if survivors:
         text += "\nsurvived: " + ", ".join(survivors)
-    return text + "\n(* = snippet looked for in the whole package if it moved: manager/*, checks/suite.py, checks/engine.py)"
+    return (
+        text
+        + "\n(* = snippet looked for in the whole package if it moved: manager/*, checks/suite.py, checks/engine.py)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--only", action="append", default=[], metavar="ID", help="run this mutant (repeatable)")
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="ID", help="run this mutant (repeatable)"
+    )
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default 1)")
     parser.add_argument("--fast", action="store_true", help="targeted tests only, not the whole suite")
@@ -756,7 +1552,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     selected = [m for m in MUTANTS if not args.only or m.id in args.only]
     if args.list:
         for m in selected:
-            print(f"{m.id}{' *' if m.moving else ''}\n    {m.file}: {m.about}\n    tests: {' '.join(m.tests)}")
+            print(
+                f"{m.id}{' *' if m.moving else ''}\n    {m.file}: {m.about}\n    tests: {' '.join(m.tests)}"
+            )
         print(f"{len(selected)} mutants")
         return 0
 
@@ -786,12 +1584,16 @@ def _run(args: argparse.Namespace, selected: Sequence[Mutant], scratch: Path) ->
         if problem is not None:
             print(f"baseline: {problem}", file=sys.stderr)
             return 2
-        print(f"baseline: the unmutated copy of {tree} passes the targeted tests "
-              f"({time.monotonic() - started:.0f} s)", flush=True)
+        print(
+            f"baseline: the unmutated copy of {tree} passes the targeted tests "
+            f"({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
 
     def one(mutant: Mutant) -> Result:
-        result = run_mutant(mutant, tree, files, fast=args.fast, timeout=args.timeout, keep=args.keep,
-                            scratch=scratch)
+        result = run_mutant(
+            mutant, tree, files, fast=args.fast, timeout=args.timeout, keep=args.keep, scratch=scratch
+        )
         print(f"  {result.status:8} {mutant.id} ({result.seconds:.1f} s) {result.by}", flush=True)
         return result
 
@@ -800,7 +1602,11 @@ def _run(args: argparse.Namespace, selected: Sequence[Mutant], scratch: Path) ->
     print()
     print(table(results))
     print()
-    mode = "targeted tests only (--fast)" if args.fast else "targeted tests, then tests/ and examples/ for survivors"
+    mode = (
+        "targeted tests only (--fast)"
+        if args.fast
+        else "targeted tests, then tests/ and examples/ for survivors"
+    )
     print(f"{len(results)} mutants of {tree}, {mode}, {time.monotonic() - started:.0f} s")
     print(summary(results))
     if any(r.status in ("stale", "error") for r in results):

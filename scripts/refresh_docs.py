@@ -45,8 +45,16 @@ END = "<!-- /refresh -->"
 DOC_GLOBS = ("README.md", "docs/*.md", "docs/**/*.md")
 
 # Lines of pytest's header that name this machine, not the run.
-_MACHINE_LINES = ("platform ", "benchmark:", "rootdir:", "configfile:", "plugins:", "cachedir:",
-                  "hypothesis profile", "Using --randomly")
+_MACHINE_LINES = (
+    "platform ",
+    "benchmark:",
+    "rootdir:",
+    "configfile:",
+    "plugins:",
+    "cachedir:",
+    "hypothesis profile",
+    "Using --randomly",
+)
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,11 @@ def _report_fields() -> list[str]:
             where = f"{path}.{name}" if path else name
             text = str(child.get("description", "")).replace("|", "\\|")
             rows.append(f"| `{where}` | {kind(child)} | {text} |")
-            nested = child.get("additionalProperties") if isinstance(child.get("additionalProperties"), dict) else None
+            nested = (
+                child.get("additionalProperties")
+                if isinstance(child.get("additionalProperties"), dict)
+                else None
+            )
             items = child.get("items") if isinstance(child.get("items"), dict) else None
             if nested and nested.get("properties"):
                 walk(nested, f"{where}.<key>")
@@ -143,8 +155,11 @@ def _short_example(out: str) -> list[str]:
     lines = out.splitlines()
     start = next(i for i, ln in enumerate(lines) if re.match(r"^\w+ on emulate \(cpu\)", ln))
     fails = [i for i in range(start + 1, len(lines)) if lines[i].startswith("FAIL ")]
-    end = fails[1] if len(fails) > 1 else next(
-        i for i in range(start + 1, len(lines)) if lines[i].startswith("====="))
+    end = (
+        fails[1]
+        if len(fails) > 1
+        else next(i for i in range(start + 1, len(lines)) if lines[i].startswith("====="))
+    )
     return [*lines[start:end], "..."]
 
 
@@ -153,7 +168,7 @@ def _dispatch_failure(out: str) -> list[str]:
     lines = out.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("E") and "DispatchPropertyError:" in ln)
     end = next(i for i in range(start, len(lines)) if re.match(r"^E\s+\)$", lines[i]))
-    return [re.sub(r" object at 0x[0-9a-f]+>", " object at 0x...>", ln) for ln in lines[start:end + 1]]
+    return [re.sub(r" object at 0x[0-9a-f]+>", " object at 0x...>", ln) for ln in lines[start : end + 1]]
 
 
 # -- what the blocks run in --------------------------------------------------------------------
@@ -166,7 +181,9 @@ def _readme_python_block(path: Path, marker: str) -> str:
 
 
 def _write_short_example(tmp: Path) -> None:
-    (tmp / "test_short_example.py").write_text(_readme_python_block(ROOT / "README.md", "readme-short-example"))
+    (tmp / "test_short_example.py").write_text(
+        _readme_python_block(ROOT / "README.md", "readme-short-example")
+    )
 
 
 def _write_downstream(tmp: Path) -> None:
@@ -180,36 +197,57 @@ _CPU = "Output on {cores} CPU cores with the emulator ({when}, {versions}; writt
 
 BLOCKS: dict[str, Block] = {
     "readme-run-it": Block(
-        "README.md", ("python", "-m", "pytest", "--cudagraph-verify", "examples/"), _readme_run_it,
+        "README.md",
+        ("python", "-m", "pytest", "--cudagraph-verify", "examples/"),
+        _readme_run_it,
         "Output from this repo on {cores} CPU cores ({when}, {versions}; abridged, written by "
-        "`scripts/refresh_docs.py`):"),
+        "`scripts/refresh_docs.py`):",
+    ),
     "readme-short-example": Block(
-        "README.md", ("python", "-m", "pytest", "-p", "no:cacheprovider", "test_short_example.py"),
+        "README.md",
+        ("python", "-m", "pytest", "-p", "no:cacheprovider", "test_short_example.py"),
         _short_example,
         "`pytest` fails it and names the bug (real output, CPU emulator, quick mode; {when}, {versions}; "
         "written by `scripts/refresh_docs.py`):",
-        setup=_write_short_example),
+        setup=_write_short_example,
+    ),
     "dispatch-broken-lora": Block(
-        "docs/dispatch.md", ("python", "-m", "pytest", "-p", "no:cacheprovider", "test_downstream.py"),
+        "docs/dispatch.md",
+        ("python", "-m", "pytest", "-p", "no:cacheprovider", "test_downstream.py"),
         _dispatch_failure,
         "Real output ({when}, {versions}, which shrank the batch; written by `scripts/refresh_docs.py`):",
-        setup=_write_downstream),
+        setup=_write_downstream,
+    ),
     "examples-mlp": Block(
-        "docs/examples/mlp.md", ("python", "-m", "pytest", "--cudagraph-verify", "examples/test_mlp.py"),
-        _session, _CPU),
+        "docs/examples/mlp.md",
+        ("python", "-m", "pytest", "--cudagraph-verify", "examples/test_mlp.py"),
+        _session,
+        _CPU,
+    ),
     "examples-decoder": Block(
-        "docs/examples/decoder.md", ("python", "-m", "pytest", "--cudagraph-verify", "examples/test_decoder.py"),
-        _session, _CPU),
+        "docs/examples/decoder.md",
+        ("python", "-m", "pytest", "--cudagraph-verify", "examples/test_decoder.py"),
+        _session,
+        _CPU,
+    ),
     "examples-lora": Block(
-        "docs/examples/lora.md", ("python", "-m", "pytest", "--cudagraph-verify", "examples/test_lora.py"),
-        _session, _CPU),
+        "docs/examples/lora.md",
+        ("python", "-m", "pytest", "--cudagraph-verify", "examples/test_lora.py"),
+        _session,
+        _CPU,
+    ),
     "examples-moe": Block(
-        "docs/examples/moe.md", ("python", "-m", "pytest", "--cudagraph-verify", "examples/test_moe.py"),
-        _session, _CPU),
+        "docs/examples/moe.md",
+        ("python", "-m", "pytest", "--cudagraph-verify", "examples/test_moe.py"),
+        _session,
+        _CPU,
+    ),
     "examples-buggy": Block(
-        "docs/examples/buggy.md", ("python", "-m", "pytest", "--cudagraph-verify", "examples/buggy", "-q"),
+        "docs/examples/buggy.md",
+        ("python", "-m", "pytest", "--cudagraph-verify", "examples/buggy", "-q"),
         _last_lines(3),
-        "Output (last lines; {cores} CPU cores, emulator, {when}, {versions}; written by `scripts/refresh_docs.py`):"),
+        "Output (last lines; {cores} CPU cores, emulator, {when}, {versions}; written by `scripts/refresh_docs.py`):",
+    ),
     # Markdown the code makes, not a run's output: no command, no caption.
     "checks-table": Block("docs/checks.md", (), lambda out: [], "", generate=_checks_table),
     "runner-checks-table": Block("docs/runners.md", (), lambda out: [], "", generate=_runner_checks_table),
@@ -269,8 +307,12 @@ def _versions(names: tuple[str, ...]) -> str:
 def run(name: str) -> tuple[str, list[str]]:
     """Run block ``name``'s command; return its caption and lines."""
     block = BLOCKS[name]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep), COLUMNS="80", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        COLUMNS="80",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
     env.pop("PYTEST_ADDOPTS", None)
     env.pop("CI", None)  # the default hypothesis profile, as a user's run has it
     argv = [sys.executable, *block.command[1:]]
@@ -284,8 +326,9 @@ def run(name: str) -> tuple[str, list[str]]:
     try:
         lines = block.select(out)
     except StopIteration:
-        raise SystemExit(f"refresh_docs: {name}: the output of {' '.join(block.command)} lacks the "
-                         f"expected lines:\n{out}") from None
+        raise SystemExit(
+            f"refresh_docs: {name}: the output of {' '.join(block.command)} lacks the expected lines:\n{out}"
+        ) from None
     names = ("torch", "transformers") if name != "dispatch-broken-lora" else ("hypothesis",)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     caption = block.caption.format(when=when, versions=_versions(names), cores=os.cpu_count())
@@ -320,7 +363,7 @@ def normalise(lines: list[str]) -> list[str]:
 def code_lines(block_lines: list[str]) -> list[str]:
     """The lines of the first fenced code block."""
     fences = [i for i, ln in enumerate(block_lines) if ln.startswith("```")]
-    return block_lines[fences[0] + 1: fences[1]] if len(fences) >= 2 else []
+    return block_lines[fences[0] + 1 : fences[1]] if len(fences) >= 2 else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,28 +389,32 @@ def main(argv: list[str] | None = None) -> int:
         block = BLOCKS[name]
         path = ROOT / block.file
         text = path.read_text().splitlines()
-        (begin, end), = [(b, e) for n, b, e in markers(path) if n == name]
+        ((begin, end),) = [(b, e) for n, b, e in markers(path) if n == name]
         if block.generate is not None:
             print(f"refresh_docs: {name}: generated from the code", flush=True)
             lines = block.generate()
-            if text[begin + 1: end] != lines:
+            if text[begin + 1 : end] != lines:
                 if args.check:
                     drifted.append(name)
                     continue
-                text[begin + 1: end] = lines
+                text[begin + 1 : end] = lines
                 path.write_text("\n".join(text) + "\n")
             continue
         print(f"refresh_docs: {name}: {' '.join(block.command)}", flush=True)
         caption, lines = run(name)
         if args.check:
-            old, new = normalise(code_lines(text[begin + 1: end])), normalise(lines)
+            old, new = normalise(code_lines(text[begin + 1 : end])), normalise(lines)
             if old != new:
                 drifted.append(name)
                 import difflib
 
-                print("\n".join(difflib.unified_diff(old, new, f"{block.file} ({name})", "this run", lineterm="")))
+                print(
+                    "\n".join(
+                        difflib.unified_diff(old, new, f"{block.file} ({name})", "this run", lineterm="")
+                    )
+                )
             continue
-        text[begin + 1: end] = render(caption, lines)
+        text[begin + 1 : end] = render(caption, lines)
         path.write_text("\n".join(text) + "\n")
     if drifted:
         print(f"refresh_docs: drifted: {', '.join(drifted)} (run python scripts/refresh_docs.py)")

@@ -1,6 +1,6 @@
 """Per test of a --cudagraph-report JSON: descriptors, and how each check fared on them.
 
-    python scripts/summarize_report.py report.json [--match decoder]
+python scripts/summarize_report.py report.json [--match decoder]
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ def main() -> None:
                 state = "skipped" if o["skipped"] else "passed" if o["passed"] else "FAILED"
                 counts.setdefault(o["check"], Counter())[state] += 1
             labels = sorted({o["descriptor"]["label"] for o in r["outcomes"] if o.get("descriptor")})
-            print(f"{name}: {r['backend']} {r['device']} {r['mode']}, {len(r['descriptors'])} descriptors "
-                  f"({', '.join(labels)})")
+            print(
+                f"{name}: {r['backend']} {r['device']} {r['mode']}, {len(r['descriptors'])} descriptors "
+                f"({', '.join(labels)})"
+            )
             for check, c in counts.items():
                 print(f"  {check}: " + ", ".join(f"{n} {k}" for k, n in sorted(c.items())))
 

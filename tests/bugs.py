@@ -31,7 +31,17 @@ from examples.buggy.uninitialized import SplitKIntoEmpty, SplitKIntoWritten
 from examples.buggy.unregistered_state import RegisteredState, UnregisteredState
 from examples.speculative import spec_inputs
 
-__all__ = ["PAIRS", "D", "IdentityMemo", "NoMemo", "Pair", "PythonCounter", "id_inputs", "spec_inputs", "token_inputs"]
+__all__ = [
+    "PAIRS",
+    "D",
+    "IdentityMemo",
+    "NoMemo",
+    "Pair",
+    "PythonCounter",
+    "id_inputs",
+    "spec_inputs",
+    "token_inputs",
+]
 
 
 @dataclass(frozen=True)
@@ -52,44 +62,110 @@ INPUTS = {"token_inputs": token_inputs, "id_inputs": id_inputs, "spec_inputs": s
 
 
 PAIRS = [
-    Pair("capture_safety", HostSync, HostSyncFixed, r"Tensor\.item\(\) \(host sync\) in the top-level module"),
-    Pair("capture_safety", WritesPythonCount, CountsOnDevice,
-         r"aten\.copy_\.default \(host-to-device copy: a value made on the host .* in the top-level module"),
+    Pair(
+        "capture_safety", HostSync, HostSyncFixed, r"Tensor\.item\(\) \(host sync\) in the top-level module"
+    ),
+    Pair(
+        "capture_safety",
+        WritesPythonCount,
+        CountsOnDevice,
+        r"aten\.copy_\.default \(host-to-device copy: a value made on the host .* in the top-level module",
+    ),
     # An op whose CUDA kernel code syncs: known on the CPU from the table learned on a GPU.
-    Pair("capture_safety", InvertsInForward, InvertsWithoutCheck,
-         r"aten\._linalg_check_errors\.default \(a CUDA graph capture refuses it"),
+    Pair(
+        "capture_safety",
+        InvertsInForward,
+        InvertsWithoutCheck,
+        r"aten\._linalg_check_errors\.default \(a CUDA graph capture refuses it",
+    ),
     # A Python list index: copied to the device below every dispatcher (learned on the H200).
-    Pair("capture_safety", PermutesWithList, PermutesWithBuffer,
-         r"(Tensor\.__getitem__ with a Python list index|aten\.lift_fresh\.default) \(host-to-device copy"),
-    Pair("replay_matches_eager", PythonCounter, BufferCounter, r"Python state changes on every forward \(calls:"),
+    Pair(
+        "capture_safety",
+        PermutesWithList,
+        PermutesWithBuffer,
+        r"(Tensor\.__getitem__ with a Python list index|aten\.lift_fresh\.default) \(host-to-device copy",
+    ),
+    Pair(
+        "replay_matches_eager",
+        PythonCounter,
+        BufferCounter,
+        r"Python state changes on every forward \(calls:",
+    ),
     Pair("fresh_inputs", IdentityMemo, NoMemo, r"with fresh inputs after capture, replay differs from eager"),
     # Speculative decoding: metadata planned per request count, shared by graphs of several query lengths.
-    Pair("real_batches", PlannedPerRequestCount, PlannedPerGraph, r"the module computes something else when it is "
-         r"captured: on the unpadded batch itself, eager on its capture path",
-         {"mode": "FULL_DECODE_ONLY", "decode_query_len": 4, "decode_query_lens": (1, 2, 3, 4)}, "spec_inputs"),
-    Pair("real_batches", BatchStatistics, TokenStatistics,
-         r"real rows (are off systematically|differ from eager on the unpadded batch by)"),
+    Pair(
+        "real_batches",
+        PlannedPerRequestCount,
+        PlannedPerGraph,
+        r"the module computes something else when it is "
+        r"captured: on the unpadded batch itself, eager on its capture path",
+        {"mode": "FULL_DECODE_ONLY", "decode_query_len": 4, "decode_query_lens": (1, 2, 3, 4)},
+        "spec_inputs",
+    ),
+    Pair(
+        "real_batches",
+        BatchStatistics,
+        TokenStatistics,
+        r"real rows (are off systematically|differ from eager on the unpadded batch by)",
+    ),
     # Integer rows of padding: ids a router counts (hash-routed expert loads).
-    Pair("padding_isolation", HashRoutedLoad, MaskedHashRoutedLoad,
-         r"module state 'load' changes when padded rows of 'ids' hold .* instead of their pad value: padded rows "
-         r"write into state", inputs="id_inputs"),
-    Pair("padding_isolation", PoolsPaddedRows, MaskBySelect,
-         r"real rows change when padded rows of 'x' hold random values instead of zeros: padding leaks into real "
-         r"rows"),
+    Pair(
+        "padding_isolation",
+        HashRoutedLoad,
+        MaskedHashRoutedLoad,
+        r"module state 'load' changes when padded rows of 'ids' hold .* instead of their pad value: padded rows "
+        r"write into state",
+        inputs="id_inputs",
+    ),
+    Pair(
+        "padding_isolation",
+        PoolsPaddedRows,
+        MaskBySelect,
+        r"real rows change when padded rows of 'x' hold random values instead of zeros: padding leaks into real "
+        r"rows",
+    ),
     # Non-finite padding is a strictness beyond what engines do; its failures say so.
-    Pair("padding_isolation", MaskByMultiply, MaskBySelect,
-         r"real rows change when padded rows of 'x' hold NaN instead of zeros: padding leaks into real rows "
-         r".*found by nonfinite_padding=True", kwargs={"nonfinite_padding": True}),
-    Pair("state", MutatesInput, CopiesInput, r"input \['x'\] is mutated in place by eager but not by run\(\)"),
-    Pair("side_outputs", StoresHidden, ReturnsHidden,
-         r"forward stores a new tensor in the plain attribute 'hidden' on every call.*still holds the tensor "
-         r"stored at capture"),
-    Pair("determinism", SplitKIntoEmpty, SplitKIntoWritten,
-         r"forward reads memory nobody wrote: aten\.add_\.Tensor reads what aten\.empty\.memory_format handed back"),
-    Pair("determinism", UnregisteredState, RegisteredState,
-         r"two replays of the same inputs, from the same module state and seed, differ"),
-    Pair("output_lifetime", ReturnsStatsBuffer, ReturnsStatsCopy,
-         r"an output returned by run\(\) on the eager \(NONE\) path changed when later batches ran"),
-    Pair("address_stability", RebindsBuffer, UpdatesBufferInPlace, r"module tensor 'running' moved: it was rebound to another tensor"),
+    Pair(
+        "padding_isolation",
+        MaskByMultiply,
+        MaskBySelect,
+        r"real rows change when padded rows of 'x' hold NaN instead of zeros: padding leaks into real rows "
+        r".*found by nonfinite_padding=True",
+        kwargs={"nonfinite_padding": True},
+    ),
+    Pair(
+        "state", MutatesInput, CopiesInput, r"input \['x'\] is mutated in place by eager but not by run\(\)"
+    ),
+    Pair(
+        "side_outputs",
+        StoresHidden,
+        ReturnsHidden,
+        r"forward stores a new tensor in the plain attribute 'hidden' on every call.*still holds the tensor "
+        r"stored at capture",
+    ),
+    Pair(
+        "determinism",
+        SplitKIntoEmpty,
+        SplitKIntoWritten,
+        r"forward reads memory nobody wrote: aten\.add_\.Tensor reads what aten\.empty\.memory_format handed back",
+    ),
+    Pair(
+        "determinism",
+        UnregisteredState,
+        RegisteredState,
+        r"two replays of the same inputs, from the same module state and seed, differ",
+    ),
+    Pair(
+        "output_lifetime",
+        ReturnsStatsBuffer,
+        ReturnsStatsCopy,
+        r"an output returned by run\(\) on the eager \(NONE\) path changed when later batches ran",
+    ),
+    Pair(
+        "address_stability",
+        RebindsBuffer,
+        UpdatesBufferInPlace,
+        r"module tensor 'running' moved: it was rebound to another tensor",
+    ),
     Pair("rng", ReseedsInForward, DrawsNoise, r"under the same seed, replay draws differ from eager draws"),
 ]

@@ -107,9 +107,15 @@ class RequestHead(nn.Module):
         super().__init__()
         self.proj = nn.Linear(d, d)
 
-    def forward(self, x: torch.Tensor, last_token: torch.Tensor, query_start_loc: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, last_token: torch.Tensor, query_start_loc: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         h = self.proj(x)
-        return {"hidden": h, "logits": h[last_token] * 2.0, "lens": query_start_loc[1:] - query_start_loc[:-1]}
+        return {
+            "hidden": h,
+            "logits": h[last_token] * 2.0,
+            "lens": query_start_loc[1:] - query_start_loc[:-1],
+        }
 
 
 def request_inputs(d: int = 16, *, device: str | torch.device = "cpu", seed: int = 0):

@@ -51,7 +51,12 @@ def _layer_rows() -> list[tuple[str, list[str]]]:
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if not line.startswith("|") or len(cells) < 3 or cells[0] in ("layer", "") or set(cells[0]) <= set("-: "):
+        if (
+            not line.startswith("|")
+            or len(cells) < 3
+            or cells[0] in ("layer", "")
+            or set(cells[0]) <= set("-: ")
+        ):
             continue
         names = [n for n in re.findall(r"`([^`]+)`", cells[1]) if re.fullmatch(r"[\w/]+(\.py|/)", n)]
         rows.append((cells[0], names))
@@ -82,7 +87,9 @@ def _layers() -> tuple[list[str], dict[str, str]]:
                 for m in inside:
                     claims.setdefault(m, set()).add(layer)
                 continue
-            if "/" in name:  # `manager/graph_manager.py`: this file, and the folder of the bare names after it
+            if (
+                "/" in name
+            ):  # `manager/graph_manager.py`: this file, and the folder of the bare names after it
                 folder, path = name.rsplit("/", 1)[0], name
             else:
                 path = f"{folder}/{name}" if folder else name
@@ -101,7 +108,9 @@ def _layers() -> tuple[list[str], dict[str, str]]:
             if module in layer_of:
                 continue
             around = {layer_of[m] for m in modules if m.startswith(folder + "/") and m in layer_of}
-            assert len(around) == 1, f"{folder}/ spans layers {sorted(around)}: its __init__.py has no one layer"
+            assert len(around) == 1, (
+                f"{folder}/ spans layers {sorted(around)}: its __init__.py has no one layer"
+            )
             layer_of[module] = around.pop()
     missing = [m for m in modules if m not in layer_of]
     assert not missing, f"docs/architecture.md's layer table has no row for {missing}"
@@ -115,7 +124,8 @@ def _dotted(module: str) -> str:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
@@ -200,8 +210,9 @@ def test_imports_run_up_the_layer_table() -> None:
     for module, targets in sorted(_imports().items()):
         for target in sorted(targets):
             if rank[layer_of[target]] > rank[layer_of[module]]:
-                upward[(module, target)] = (f"{module} ({layer_of[module]}) imports {target} "
-                                            f"({layer_of[target]}), listed after it")
+                upward[(module, target)] = (
+                    f"{module} ({layer_of[module]}) imports {target} ({layer_of[target]}), listed after it"
+                )
     new = [line for key, line in upward.items() if key not in ALLOWED_UPWARD]
     gone = [f"{a} -> {b}" for a, b in ALLOWED_UPWARD if (a, b) not in upward]
     assert not new, "imports against docs/architecture.md's layer table:\n" + "\n".join(new)
@@ -216,8 +227,16 @@ def test_no_import_circles() -> None:
 
 def test_the_reader_sees_lazy_and_relative_imports() -> None:
     """The import reader itself: function-level imports count, TYPE_CHECKING ones do not."""
-    modules = {"__init__.py", "faults.py", "plan/__init__.py", "plan/config.py", "manager/__init__.py",
-               "manager/capture.py", "manager/layout.py", "checks/__init__.py"}
+    modules = {
+        "__init__.py",
+        "faults.py",
+        "plan/__init__.py",
+        "plan/config.py",
+        "manager/__init__.py",
+        "manager/capture.py",
+        "manager/layout.py",
+        "checks/__init__.py",
+    }
     source = (
         "from typing import TYPE_CHECKING\n"
         "import torch\n"
@@ -228,9 +247,18 @@ def test_the_reader_sees_lazy_and_relative_imports() -> None:
         "    from ..checks import VerifyReport\n"
         "def f():\n"
         "    from .layout import infer_layout\n"
-        "    from . import layout\n")
+        "    from . import layout\n"
+    )
     assert _edges("manager/capture.py", source, modules) == {
-        "faults.py", "plan/__init__.py", "plan/config.py", "manager/layout.py"}
+        "faults.py",
+        "plan/__init__.py",
+        "plan/config.py",
+        "manager/layout.py",
+    }
     assert _edges("manager/__init__.py", "from . import capture\nfrom .capture import X\n", modules) == {
-        "manager/capture.py"}
-    assert _cycles({"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "a"], ["a", "b", "c", "a"]]
+        "manager/capture.py"
+    }
+    assert _cycles({"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"a"}}) == [
+        ["a", "b", "a"],
+        ["a", "b", "c", "a"],
+    ]

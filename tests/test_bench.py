@@ -22,7 +22,9 @@ MIB = 1 << 20
 
 def test_time_rounds_counts_rounds_and_calls() -> None:
     calls = []
-    timing = time_rounds(lambda: calls.append(1), device=torch.device("cpu"), rounds=4, calls_per_round=3, warmup=2)
+    timing = time_rounds(
+        lambda: calls.append(1), device=torch.device("cpu"), rounds=4, calls_per_round=3, warmup=2
+    )
     assert len(calls) == 2 + 4 * 3
     assert len(timing.rounds) == 4 and timing.per_round_calls == 3
     assert timing.minimum <= timing.median
@@ -32,9 +34,13 @@ def test_time_rounds_counts_rounds_and_calls() -> None:
 
 def test_time_interleaved_takes_rounds_in_turn_with_the_first_rotating() -> None:
     order: list[str] = []
-    timed = time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b"),
-                              "c": lambda: order.append("c")},
-                             device=torch.device("cpu"), rounds=3, calls_per_round=2, warmup=1)
+    timed = time_interleaved(
+        {"a": lambda: order.append("a"), "b": lambda: order.append("b"), "c": lambda: order.append("c")},
+        device=torch.device("cpu"),
+        rounds=3,
+        calls_per_round=2,
+        warmup=1,
+    )
     # warm-up once each, then per round a turn of each function, each turn starting one later
     assert order == ["a", "b", "c", *"aabbcc", *"bbccaa", *"ccaabb"]
     assert {name: len(t.rounds) for name, t in timed.items()} == {"a": 3, "b": 3, "c": 3}
@@ -56,8 +62,9 @@ def test_extrapolate_is_vllms_estimate_with_two_samples() -> None:
 
 def test_measure_manager_on_the_emulator_makes_no_speedup_claim() -> None:
     module = models.MLP()
-    manager = GraphManager(module, models.mlp_inputs(), CaptureConfig(capture_sizes=[1, 4], max_num_reqs=4),
-                           backend="emulate")
+    manager = GraphManager(
+        module, models.mlp_inputs(), CaptureConfig(capture_sizes=[1, 4], max_num_reqs=4), backend="emulate"
+    )
     with pytest.raises(ValueError, match="needs a captured manager"):
         measure_manager(manager)
     manager.capture()
@@ -70,8 +77,12 @@ def test_measure_manager_on_the_emulator_makes_no_speedup_claim() -> None:
 
 
 def test_memory_estimate_on_the_emulator() -> None:
-    manager = GraphManager(models.MLP(), models.mlp_inputs(), CaptureConfig(capture_sizes=[1, 2, 4, 8],
-                           max_num_reqs=8), backend="emulate")
+    manager = GraphManager(
+        models.MLP(),
+        models.mlp_inputs(),
+        CaptureConfig(capture_sizes=[1, 2, 4, 8], max_num_reqs=8),
+        backend="emulate",
+    )
     manager.capture()
     measured = sum(manager.device_memory.values())
     estimate = estimate_full_graph_memory(manager, measured=measured)
@@ -83,8 +94,12 @@ def test_memory_estimate_on_the_emulator() -> None:
 
 
 def test_pool_replica_needs_cuda() -> None:
-    manager = GraphManager(models.MLP(), models.mlp_inputs(), CaptureConfig(capture_sizes=[1, 2], max_num_reqs=2),
-                           backend="emulate")
+    manager = GraphManager(
+        models.MLP(),
+        models.mlp_inputs(),
+        CaptureConfig(capture_sizes=[1, 2], max_num_reqs=2),
+        backend="emulate",
+    )
     with pytest.raises(ValueError, match="needs the cuda backend; this manager uses 'emulate'"):
         estimate_pool_replica(manager)
 
@@ -95,8 +110,13 @@ def test_pool_replica_estimate_is_close_to_capturing_every_graph() -> None:
     # 1 MiB a graph does not see that, the replica does.
     device = torch.device("cuda")
     sizes = [1, 2, 4, *range(8, 257, 8)]
-    manager = GraphManager(models.MLP(d=256).to(device).eval(), models.mlp_inputs(d=256, device=device),
-                           CaptureConfig(capture_sizes=sizes, max_num_reqs=256), backend="cuda", progress=False)
+    manager = GraphManager(
+        models.MLP(d=256).to(device).eval(),
+        models.mlp_inputs(d=256, device=device),
+        CaptureConfig(capture_sizes=sizes, max_num_reqs=256),
+        backend="cuda",
+        progress=False,
+    )
     manager.capture()
     try:
         # Pool memory, which other xdist workers on the same GPU cannot disturb.
@@ -126,7 +146,9 @@ def test_mlp(cudagraph_benchmark, cudagraph_device):
 
 
 @pytest.fixture
-def bench_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None) -> pytest.Pytester:
+def bench_pytester(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None
+) -> pytest.Pytester:
     isolate_plugins(monkeypatch)
     monkeypatch.setenv("PYTEST_PLUGINS", "pytest_cudagraph.plugin,pytest_benchmark.plugin,xdist.plugin")
     # When this suite itself runs under xdist, the inner run must not think it does.
@@ -136,13 +158,21 @@ def bench_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, v
 
 
 def test_fixture_makes_one_benchmark_entry_per_descriptor_and_kind(bench_pytester: pytest.Pytester) -> None:
-    result = bench_pytester.runpytest("-p", "no:cacheprovider", "--benchmark-json=bench.json",
-                                      "--cudagraph-bench-report=bench.md", "--cudagraph-backend=emulate")
+    result = bench_pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        "--benchmark-json=bench.json",
+        "--cudagraph-bench-report=bench.md",
+        "--cudagraph-backend=emulate",
+    )
     result.assert_outcomes(passed=1)
     data = json.loads((bench_pytester.path / "bench.json").read_text())
     names = sorted(b["name"] for b in data["benchmarks"])
-    assert names == sorted(f"test_mlp[{kind}-FULL-{shape}]" for kind in ("eager", "run", "replay")
-                           for shape in ("T8-R8", "T1-R1"))
+    assert names == sorted(
+        f"test_mlp[{kind}-FULL-{shape}]"
+        for kind in ("eager", "run", "replay")
+        for shape in ("T8-R8", "T1-R1")
+    )
     for bench in data["benchmarks"]:
         assert bench["group"] == "MLP"
         info = bench["extra_info"]
@@ -158,8 +188,9 @@ def test_fixture_makes_one_benchmark_entry_per_descriptor_and_kind(bench_pyteste
 
 
 def test_fixture_under_xdist_warns_and_times_nothing(bench_pytester: pytest.Pytester) -> None:
-    result = bench_pytester.runpytest("-p", "no:cacheprovider", "-n", "2", "--cudagraph-backend=emulate",
-                                      "-W", "always")
+    result = bench_pytester.runpytest(
+        "-p", "no:cacheprovider", "-n", "2", "--cudagraph-backend=emulate", "-W", "always"
+    )
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*benchmarks are disabled*nothing was timed*"])
 
@@ -169,12 +200,26 @@ def test_report_plots_speedup_per_test_when_matplotlib_is_installed(tmp_path) ->
     from pytest_cudagraph.bench.markdown import write_bench_report
 
     rows = [
-        {"test": f"t.py::test[{d}]", "module": "Stack", "backend": "cuda", "descriptor": f"FULL-T{n}",
-         "tokens": n, "real_tokens": n, "eager_s": 3e-4, "run_s": 1e-4 * d, "replay_s": 1e-4, "speedup": 3.0 / d,
-         "graph_memory_bytes": 1 << 20, "emulated": False}
-        for d in (1, 2) for n in (1, 8)
+        {
+            "test": f"t.py::test[{d}]",
+            "module": "Stack",
+            "backend": "cuda",
+            "descriptor": f"FULL-T{n}",
+            "tokens": n,
+            "real_tokens": n,
+            "eager_s": 3e-4,
+            "run_s": 1e-4 * d,
+            "replay_s": 1e-4,
+            "speedup": 3.0 / d,
+            "graph_memory_bytes": 1 << 20,
+            "emulated": False,
+        }
+        for d in (1, 2)
+        for n in (1, 8)
     ]
     written = write_bench_report(rows, tmp_path / "bench.md")
     assert [p.suffix for p in written] == [".md", ".png"]
-    assert "| t.py::test[1] | Stack | cuda | FULL-T1 | 1 | 300.0 µs | 100.0 µs | 100.0 µs | 3.00x | 1.0 MiB |" \
+    assert (
+        "| t.py::test[1] | Stack | cuda | FULL-T1 | 1 | 300.0 µs | 100.0 µs | 100.0 µs | 3.00x | 1.0 MiB |"
         in (tmp_path / "bench.md").read_text()
+    )

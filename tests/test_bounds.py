@@ -64,8 +64,12 @@ def test_replace_is_bounded_too():
 
 
 def test_a_plan_at_the_bound_costs_what_its_descriptors_do():
-    config = CaptureConfig(capture_sizes=[1, 512, MAX_CAPTURE_TOKENS], max_num_reqs=256,
-                           mode="FULL", lora_cases=[0, 1, 4, MAX_LORA_CASE])
+    config = CaptureConfig(
+        capture_sizes=[1, 512, MAX_CAPTURE_TOKENS],
+        max_num_reqs=256,
+        mode="FULL",
+        lora_cases=[0, 1, 4, MAX_LORA_CASE],
+    )
     plan = CapturePlan(config)
     # Nothing is precomputed per token count or per adapter count.
     assert plan._candidate_memo == {}
@@ -95,14 +99,22 @@ class Wide(nn.Module):
 
 
 def _manager(sizes=(1, 4, 16), **kw) -> GraphManager:
-    return GraphManager(Wide().eval(), lambda t, r: {"x": torch.randn(t, 16)},
-                        CaptureConfig(capture_sizes=sizes, max_num_reqs=4), backend="emulate", progress=False, **kw)
+    return GraphManager(
+        Wide().eval(),
+        lambda t, r: {"x": torch.randn(t, 16)},
+        CaptureConfig(capture_sizes=sizes, max_num_reqs=4),
+        backend="emulate",
+        progress=False,
+        **kw,
+    )
 
 
 def test_a_capture_that_does_not_fit_is_refused_and_the_manager_stays_usable(monkeypatch):
     mgr = _manager()
     monkeypatch.setattr(estimate, "available_memory", lambda device: 1000)
-    with pytest.raises(CaptureError, match=r"refused before it started.*needs about .*1000 B available in RAM") as info:
+    with pytest.raises(
+        CaptureError, match=r"refused before it started.*needs about .*1000 B available in RAM"
+    ) as info:
         mgr.capture()
     assert info.value.descriptor is not None and info.value.descriptor.num_tokens == 16
     assert "fewer or smaller sizes" in str(info.value)
@@ -164,19 +176,38 @@ def test_extrapolation_follows_a_quadratic():
 def test_static_inputs_that_will_not_fit_are_refused():
     probes = [{"x": torch.zeros(t, 1024)} for t, _ in PROBES]
     need = 65536 * 1024 * 4
-    estimate.check_input_memory(probes, PROBES, max_tokens=65536, max_reqs=256, device=torch.device("cpu"),
-                                available=lambda device: 4 * need)
+    estimate.check_input_memory(
+        probes,
+        PROBES,
+        max_tokens=65536,
+        max_reqs=256,
+        device=torch.device("cpu"),
+        available=lambda device: 4 * need,
+    )
     with pytest.raises(ValueError, match=r"static input buffers .*65536 tokens.*512\.0 MiB"):
-        estimate.check_input_memory(probes, PROBES, max_tokens=65536, max_reqs=256, device=torch.device("cpu"),
-                                    available=lambda device: need)
+        estimate.check_input_memory(
+            probes,
+            PROBES,
+            max_tokens=65536,
+            max_reqs=256,
+            device=torch.device("cpu"),
+            available=lambda device: need,
+        )
 
 
 # -- progress per descriptor ----------------------------------------------------------------
 
 
 def _verify(progress):
-    return verify(Wide(), lambda t, r: {"x": torch.randn(t, 16)}, capture_sizes=[1, 2, 4], max_num_reqs=4,
-                  backend="emulate", checks=["replay_matches_eager"], progress=progress)
+    return verify(
+        Wide(),
+        lambda t, r: {"x": torch.randn(t, 16)},
+        capture_sizes=[1, 2, 4],
+        max_num_reqs=4,
+        backend="emulate",
+        checks=["replay_matches_eager"],
+        progress=progress,
+    )
 
 
 def test_progress_shows_when_asked(capsys):
@@ -205,9 +236,14 @@ class Scratch(nn.Module):
 
 def _cuda_manager(module: nn.Module):
     device = torch.device("cuda", torch.cuda.current_device())
-    return GraphManager(module.to(device).eval(), lambda t, r: {"x": torch.randn(t, 16, device=device)},
-                        CaptureConfig(capture_sizes=(1, 4, 256), max_num_reqs=4), backend="cuda", device=device,
-                        progress=False), device
+    return GraphManager(
+        module.to(device).eval(),
+        lambda t, r: {"x": torch.randn(t, 16, device=device)},
+        CaptureConfig(capture_sizes=(1, 4, 256), max_num_reqs=4),
+        backend="cuda",
+        device=device,
+        progress=False,
+    ), device
 
 
 @pytest.mark.cuda
@@ -227,14 +263,18 @@ def test_the_warm_up_reading_is_the_forwards_own_peak_when_it_sets_one():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("loose", "room", "captured", "remeasured"), [
-    (True, 2 << 30, True, 1),   # the bound (an old peak) would refuse: measured again, it fits
-    (True, 1000, False, 1),     # measured again, it still does not fit: refused
-    (False, 1000, False, 0),    # the warm-up set the peak: its reading refuses alone
-    (False, 2 << 30, True, 0),
-])
+@pytest.mark.parametrize(
+    ("loose", "room", "captured", "remeasured"),
+    [
+        (True, 2 << 30, True, 1),  # the bound (an old peak) would refuse: measured again, it fits
+        (True, 1000, False, 1),  # measured again, it still does not fit: refused
+        (False, 1000, False, 0),  # the warm-up set the peak: its reading refuses alone
+        (False, 2 << 30, True, 0),
+    ],
+)
 def test_the_fast_cuda_capture_refuses_from_its_warm_up_and_never_on_a_bound_alone(
-        monkeypatch, loose, room, captured, remeasured):
+    monkeypatch, loose, room, captured, remeasured
+):
     mgr, device = _cuda_manager(Scratch())
     calls = []
     real = estimate.measure_forward

@@ -22,8 +22,14 @@ SIZES = (1, 2, 4)
 
 def _verify(module: nn.Module, device: torch.device, backend: str, **kwargs: Any) -> Any:
     torch.manual_seed(0)
-    return verify(module.to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend,
-                  **kwargs)
+    return verify(
+        module.to(device),
+        token_inputs(device),
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend=backend,
+        **kwargs,
+    )
 
 
 def test_the_shipped_table_loads_and_says_where_it_was_learned() -> None:
@@ -76,8 +82,13 @@ def test_the_pattern_tells_an_empty_tensor() -> None:
 def test_an_empty_tensor_takes_a_full_ones_held_verdict_but_never_its_refusal() -> None:
     from pytest_cudagraph.capturability import Verdict
 
-    table = Table("t", "d", "now", 1, {"aten.solve.default": {"T": Verdict(REFUSED, "sync")},
-                                      "aten.add.Tensor": {"TT": Verdict(HELD, "")}})
+    table = Table(
+        "t",
+        "d",
+        "now",
+        1,
+        {"aten.solve.default": {"T": Verdict(REFUSED, "sync")}, "aten.add.Tensor": {"TT": Verdict(HELD, "")}},
+    )
     assert table.verdict("aten.add.Tensor", "eT") == Verdict(HELD, "")  # less work than a full one
     assert table.verdict("aten.solve.default", "e") is None  # CUDA's solvers return early on an empty one
     assert table.verdict("aten.add.Tensor", "eT", exact=True) is None
@@ -87,17 +98,30 @@ def test_the_shipped_table_holds_an_empty_matrix_where_it_refuses_a_full_one() -
     """Learned on the GPU: an empty matrix needs no error check read back to the host."""
     table = load_table()
     assert table is not None
-    both = [op for op, patterns in table.ops.items()
-            if patterns.get("T", None) is not None and patterns["T"].kind == REFUSED
-            and patterns.get("e", None) is not None and patterns["e"].kind == HELD]
+    both = [
+        op
+        for op, patterns in table.ops.items()
+        if patterns.get("T", None) is not None
+        and patterns["T"].kind == REFUSED
+        and patterns.get("e", None) is not None
+        and patterns["e"].kind == HELD
+    ]
     assert len(both) >= 3, both
 
 
 def test_a_verdict_carries_over_numbers_but_not_other_tensor_kinds() -> None:
     from pytest_cudagraph.capturability import Verdict
 
-    table = Table("t", "d", "now", 1, {"aten.x.default": {"TTs": Verdict(HELD, "")},
-                                      "aten.y.default": {"T": Verdict(HELD, ""), "T0": Verdict(REFUSED, "r")}})
+    table = Table(
+        "t",
+        "d",
+        "now",
+        1,
+        {
+            "aten.x.default": {"TTs": Verdict(HELD, "")},
+            "aten.y.default": {"T": Verdict(HELD, ""), "T0": Verdict(REFUSED, "r")},
+        },
+    )
     assert table.verdict("aten.x.default", "TT") == Verdict(HELD, "")  # another count of numbers
     assert table.verdict("aten.x.default", "TbT") is None  # a boolean mask it never saw
     assert table.verdict("aten.x.default", "Ts") == Verdict(HELD, "")  # one answer, its kinds all seen
@@ -114,8 +138,11 @@ def test_the_emulator_refuses_what_the_table_says_cuda_refuses_and_passes_its_tw
     report = _verify(InvertsInForward(), torch.device("cpu"), "emulate", checks=["capture_safety"])
     told = [o for o in report.failures if o.check == "capture_safety"]
     assert told and len(told) == len(SIZES)
-    assert all("aten._linalg_check_errors.default (a CUDA graph capture refuses it" in o.message
-               and "learned on" in o.message for o in told)
+    assert all(
+        "aten._linalg_check_errors.default (a CUDA graph capture refuses it" in o.message
+        and "learned on" in o.message
+        for o in told
+    )
     assert _verify(InvertsWithoutCheck(), torch.device("cpu"), "emulate").ok
 
 
@@ -209,8 +236,9 @@ class StridesInPlace(nn.Linear):
 
 
 @pytest.mark.parametrize("cls", [TransposesInPlace, SqueezesInPlace, ResizesInPlace, StridesInPlace])
-def test_in_place_shape_changes_replay_as_a_graph_replays_them(cls: type[nn.Linear], backend: str,
-                                                                device: torch.device) -> None:
+def test_in_place_shape_changes_replay_as_a_graph_replays_them(
+    cls: type[nn.Linear], backend: str, device: torch.device
+) -> None:
     report = _verify(cls(D, D), device, backend)
     assert report.ok, report.format()
 
@@ -225,8 +253,10 @@ def test_a_sparse_tensor_is_a_finding_on_the_emulator_never_an_internal_error() 
     with guard.no_capturability_table():  # the emulator's own refusal, not the table's
         report = _verify(SparseMix(D, D), torch.device("cpu"), "emulate")
     told = [o for o in report.failures if o.check == "capture_safety"]
-    assert told and all("sparse tensor (torch.sparse_coo): the emulator records ops on strided tensors only"
-                        in o.message for o in told)
+    assert told and all(
+        "sparse tensor (torch.sparse_coo): the emulator records ops on strided tensors only" in o.message
+        for o in told
+    )
     assert not any("could not run" in o.message or "storage" in o.message for o in report.failures)
 
 
@@ -249,4 +279,6 @@ def test_an_op_that_fails_a_cuda_capture_is_a_finding_that_names_it() -> None:
 def test_a_sparse_tensor_does_not_break_the_cuda_guard() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     report = _verify(SparseMix(D, D), device, "cuda")
-    assert not any("Cannot access storage" in o.message or "could not run" in o.message for o in report.outcomes)
+    assert not any(
+        "Cannot access storage" in o.message or "could not run" in o.message for o in report.outcomes
+    )

@@ -45,8 +45,14 @@ def make_inputs(device: torch.device):
 
 def manager(backend: str, device: torch.device, *, mode: str = "FULL", **keywords) -> GraphManager:
     config = CaptureConfig(capture_sizes=SIZES, max_num_reqs=4, mode=mode)
-    return GraphManager(SyncsAtOneSize(keywords.pop("bad_op", "item")).to(device).eval(), make_inputs(device),
-                        config, backend=backend, device=device, **keywords)
+    return GraphManager(
+        SyncsAtOneSize(keywords.pop("bad_op", "item")).to(device).eval(),
+        make_inputs(device),
+        config,
+        backend=backend,
+        device=device,
+        **keywords,
+    )
 
 
 def assert_replay_matches_eager(mgr: GraphManager, device: torch.device, num_tokens: int) -> None:
@@ -64,7 +70,9 @@ def test_the_other_descriptors_are_captured_and_replay_equals_eager(backend, dev
     assert set(mgr.graph_memory) == set(mgr.captured_descriptors)
     for num_tokens in SIZES:
         if num_tokens != BAD:
-            assert mgr.dispatch(num_reqs=min(num_tokens, 4), num_tokens=num_tokens) in mgr.captured_descriptors
+            assert (
+                mgr.dispatch(num_reqs=min(num_tokens, 4), num_tokens=num_tokens) in mgr.captured_descriptors
+            )
             assert_replay_matches_eager(mgr, device, num_tokens)
 
 
@@ -157,17 +165,25 @@ print("ok")
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=False, reason=(
-    "seen on an H200 (torch 2.11): after a fast capture invalidated on the device, the CUDA generator stays "
-    "in capture mode (the next torch.randn raises 'Offset increment outside graph capture encountered "
-    "unexpectedly'): CudaBackend._recover does not restore it in this case"))
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "seen on an H200 (torch 2.11): after a fast capture invalidated on the device, the CUDA generator stays "
+        "in capture mode (the next torch.randn raises 'Offset increment outside graph capture encountered "
+        "unexpectedly'): CudaBackend._recover does not restore it in this case"
+    ),
+)
 def test_cuda_fast_capture_keeps_going_after_an_op_that_invalidates_the_capture():
     # The fast capture meets torch.nonzero on the device, which invalidates
     # the capture; the backend must leave the device (and the generator) fit
     # for the next graph. In a process of its own: a generator left in
     # capture mode would fail every later test's random op.
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "CUDA_VISIBLE_DEVICES":
-           str(torch.cuda.current_device()) if "CUDA_VISIBLE_DEVICES" not in os.environ
-           else os.environ["CUDA_VISIBLE_DEVICES"].split(",")[torch.cuda.current_device()]}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "CUDA_VISIBLE_DEVICES": str(torch.cuda.current_device())
+        if "CUDA_VISIBLE_DEVICES" not in os.environ
+        else os.environ["CUDA_VISIBLE_DEVICES"].split(",")[torch.cuda.current_device()],
+    }
     done = subprocess.run([sys.executable, "-c", _FAST], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.splitlines()[-1:] == ["ok"], done.stderr[-3000:]

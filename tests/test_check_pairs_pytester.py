@@ -20,14 +20,18 @@ def test_module(cudagraph_verify, cudagraph_device):
 
 
 @pytest.fixture
-def run_inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None, backend: str):
+def run_inner(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None, backend: str
+):
     isolate_plugins(monkeypatch)
 
     def run(cls: type, kwargs: dict[str, object], inputs: str = "token_inputs") -> pytest.RunResult:
         # A pair caught under a strictness passes it through the marker, as a user would.
         extra = "".join(f", {k}={v!r}" for k, v in kwargs.items())
         pytester.makepyfile(test_pair=TEST_FILE.format(cls=cls.__name__, extra=extra, inputs=inputs))
-        return pytester.runpytest(f"--cudagraph-backend={backend}", "--cudagraph-verify", "-p", "no:cacheprovider")
+        return pytester.runpytest(
+            f"--cudagraph-backend={backend}", "--cudagraph-verify", "-p", "no:cacheprovider"
+        )
 
     return run
 
@@ -47,6 +51,8 @@ def test_correct_twin_passes_through_the_plugin(pair: Pair, run_inner) -> None:
     result = run_inner(pair.correct, pair.kwargs, pair.inputs)
     result.assert_outcomes(passed=1)
     result.stdout.re_match_lines(
-        [r".*test_module: (on cuda:\d+, )?(\d+/\d+ descriptors captured|\d+ of \d+ descriptors verified \(quick mode\)), "
-         r"\d+ checks passed, 0 failed.*"]
+        [
+            r".*test_module: (on cuda:\d+, )?(\d+/\d+ descriptors captured|\d+ of \d+ descriptors verified \(quick mode\)), "
+            r"\d+ checks passed, 0 failed.*"
+        ]
     )

@@ -93,7 +93,9 @@ class CountsInOneElement(CountsInOneColumn):
 
 
 @pytest.mark.parametrize("module_cls", [CountsInOneColumn, CountsInOneElement])
-def test_a_bug_in_one_column_or_one_element_fails_replay_and_fresh_inputs(module_cls: type[nn.Module]) -> None:
+def test_a_bug_in_one_column_or_one_element_fails_replay_and_fresh_inputs(
+    module_cls: type[nn.Module],
+) -> None:
     report = run(module_cls(), checks=["replay_matches_eager", "fresh_inputs"])
     assert not report.ok
     for check in ("replay_matches_eager", "fresh_inputs"):

@@ -16,8 +16,9 @@ SIZES = (1, 2, 4, 8)
 def run(module_cls: type, backend: str, device: torch.device, inputs: Any = token_inputs, **kwargs):
     torch.manual_seed(0)
     module = module_cls().to(device)
-    return verify(module, inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend,
-                  device=device, **kwargs)
+    return verify(
+        module, inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend, device=device, **kwargs
+    )
 
 
 def test_every_check_has_a_pair():
@@ -89,12 +90,17 @@ def test_quick_mode_verifies_smallest_and_largest_per_mode(backend, device):
     from tests.bugs import NoMemo
 
     full = run(NoMemo, backend, device, mode="FULL_AND_PIECEWISE", checks=["replay_matches_eager"])
-    quick = run(NoMemo, backend, device, mode="FULL_AND_PIECEWISE", checks=["replay_matches_eager"],
-                exhaustive=False)
+    quick = run(
+        NoMemo, backend, device, mode="FULL_AND_PIECEWISE", checks=["replay_matches_eager"], exhaustive=False
+    )
     # Uniform decode stops at max_num_reqs * decode_query_len = 4 tokens.
     assert len(full.descriptors) == full.planned == 7
     assert sorted((d.mode.name, d.num_tokens) for d in quick.descriptors) == [
-        ("FULL", 1), ("FULL", 4), ("PIECEWISE", 1), ("PIECEWISE", 8)]
+        ("FULL", 1),
+        ("FULL", 4),
+        ("PIECEWISE", 1),
+        ("PIECEWISE", 8),
+    ]
 
 
 def test_bad_arguments_are_value_errors(device, backend):
@@ -125,7 +131,9 @@ def test_exhaustive_verification_property_tests_the_managers_dispatch(backend, d
     from pytest_cudagraph import GraphManager, GraphMode
     from tests.bugs import NoMemo
 
-    report = run(NoMemo, backend, device, checks=["replay_matches_eager", "dispatch"], mode="FULL_AND_PIECEWISE")
+    report = run(
+        NoMemo, backend, device, checks=["replay_matches_eager", "dispatch"], mode="FULL_AND_PIECEWISE"
+    )
     (outcome,) = [o for o in report.outcomes if o.check == "dispatch"]
     assert outcome.passed and not outcome.skipped and outcome.figures["examples"] == 200
 
@@ -144,13 +152,19 @@ def test_exhaustive_verification_property_tests_the_managers_dispatch(backend, d
         return answer
 
     monkeypatch.setattr(GraphManager, "dispatch", drops_odd)
-    broken = run(NoMemo, backend, device, checks=["replay_matches_eager", "dispatch"], mode="FULL_AND_PIECEWISE")
-    assert not [o for o in run(NoMemo, backend, device, checks=["replay_matches_eager"]).outcomes
-                if o.check == "dispatch"]  # not selected, not run
+    broken = run(
+        NoMemo, backend, device, checks=["replay_matches_eager", "dispatch"], mode="FULL_AND_PIECEWISE"
+    )
+    assert not [
+        o
+        for o in run(NoMemo, backend, device, checks=["replay_matches_eager"]).outcomes
+        if o.check == "dispatch"
+    ]  # not selected, not run
     (outcome,) = [o for o in broken.outcomes if o.check == "dispatch"]
     assert not outcome.passed
-    assert "dispatch property" in outcome.message and ("completeness" in outcome.message
-                                                       or "reachability" in outcome.message)
+    assert "dispatch property" in outcome.message and (
+        "completeness" in outcome.message or "reachability" in outcome.message
+    )
 
 
 def test_rng_catches_a_graph_that_never_advances_the_generator(monkeypatch):
@@ -165,8 +179,10 @@ def test_rng_catches_a_graph_that_never_advances_the_generator(monkeypatch):
 
     monkeypatch.setattr(EmulatedGraph, "replay", frozen)
     report = run(DrawsNoise, "emulate", torch.device("cpu"), checks=["rng"])
-    assert any(o.check == "rng" and "two successive replays drew the same random values" in o.message
-               for o in report.failures), report.format()
+    assert any(
+        o.check == "rng" and "two successive replays drew the same random values" in o.message
+        for o in report.failures
+    ), report.format()
 
 
 def test_verify_puts_module_state_and_the_generator_back(backend, device):
@@ -176,8 +192,9 @@ def test_verify_puts_module_state_and_the_generator_back(backend, device):
     module = RegisteredState().to(device)
     before = module.acc.clone()
     rng_before = torch.random.get_rng_state()
-    report = verify(module, token_inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend,
-                    device=device)
+    report = verify(
+        module, token_inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend, device=device
+    )
     assert report.ok
     assert torch.equal(module.acc, before)  # the counter buffer ran hundreds of times, then was put back
     assert torch.equal(torch.random.get_rng_state(), rng_before)

@@ -105,8 +105,12 @@ def test_signed_zeros_differ_bit_for_bit(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_signed_zeros_are_equal_within_tolerance(dtype: torch.dtype) -> None:
-    assert first_difference(torch.tensor([0.0], dtype=dtype), torch.tensor([-0.0], dtype=dtype),
-                            rtol=None, atol=None) is None
+    assert (
+        first_difference(
+            torch.tensor([0.0], dtype=dtype), torch.tensor([-0.0], dtype=dtype), rtol=None, atol=None
+        )
+        is None
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
@@ -136,7 +140,9 @@ def test_ulps_are_counted_where_signs_agree_and_for_negative_values() -> None:
     # Across a sign change a ULP count measures the whole range between the values (0.3 against
     # -0.2 is two billion ULPs): no figure, where no element of one sign differs.
     assert _differs(up, -up).max_ulp is None
-    across = _differs(torch.tensor([0.3, 1.0]), torch.tensor([-0.2, torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))]))
+    across = _differs(
+        torch.tensor([0.3, 1.0]), torch.tensor([-0.2, torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))])
+    )
     assert across.max_ulp == 1
     minus_one = torch.tensor([-1.0])
     below = torch.nextafter(minus_one, torch.tensor([-2.0]))
@@ -147,7 +153,7 @@ def test_max_abs_and_max_ulp_are_the_largest_over_the_tensor() -> None:
     expected = torch.tensor([1.0, 2.0, 4.0, 8.0])
     got = expected.clone()
     got[1] = 2.5
-    got[3] = 8.0 + 2 ** -20  # a few ULPs at 8
+    got[3] = 8.0 + 2**-20  # a few ULPs at 8
     diff = _differs(got, expected)
     assert diff.index == (1,)  # the first, not the largest
     assert diff.max_abs == pytest.approx(0.5)
@@ -200,15 +206,25 @@ def test_shape_mismatch_is_reported_with_both_shapes() -> None:
     assert _differs(torch.zeros(6), torch.zeros(1, 6)).reason == "shape (6,) but eager gives (1, 6)"
 
 
-@pytest.mark.parametrize(("got", "expected"), [
-    (torch.float32, torch.float16), (torch.float16, torch.bfloat16), (torch.float32, torch.float64),
-    (torch.int32, torch.int64), (torch.int64, torch.float32), (torch.bool, torch.uint8),
-], ids=str)
+@pytest.mark.parametrize(
+    ("got", "expected"),
+    [
+        (torch.float32, torch.float16),
+        (torch.float16, torch.bfloat16),
+        (torch.float32, torch.float64),
+        (torch.int32, torch.int64),
+        (torch.int64, torch.float32),
+        (torch.bool, torch.uint8),
+    ],
+    ids=str,
+)
 def test_dtype_mismatch_is_reported_even_for_equal_values(got: torch.dtype, expected: torch.dtype) -> None:
     diff = _differs(torch.ones(3, dtype=got), torch.ones(3, dtype=expected))
     assert diff.reason == f"dtype {got} but eager gives {expected}"
-    assert _differs(torch.ones(3, dtype=got), torch.ones(3, dtype=expected), rtol=None, atol=None).reason \
+    assert (
+        _differs(torch.ones(3, dtype=got), torch.ones(3, dtype=expected), rtol=None, atol=None).reason
         == diff.reason
+    )
 
 
 def test_strides_are_compared_only_when_asked() -> None:
@@ -306,9 +322,9 @@ def test_default_tolerances_grow_as_precision_shrinks() -> None:
 # "within" value is also one that the next more precise dtype rejects.
 TOLERANCE_CASES = [
     (torch.float64, 1.0 + 1e-8, 1.0 + 1e-6),
-    (torch.float32, 1.0 + 2 ** -20, 1.0 + 2 ** -12),
-    (torch.float16, 1.0 + 2 ** -10, 1.0 + 2 ** -6),
-    (torch.bfloat16, 1.0 + 2 ** -7, 1.0 + 2 ** -4),
+    (torch.float32, 1.0 + 2**-20, 1.0 + 2**-12),
+    (torch.float16, 1.0 + 2**-10, 1.0 + 2**-6),
+    (torch.bfloat16, 1.0 + 2**-7, 1.0 + 2**-4),
 ]
 
 
@@ -333,15 +349,16 @@ def test_default_tolerance_is_the_dtypes_own(dtype: torch.dtype, within: float, 
 
 
 def test_the_same_difference_is_within_fp16_tolerance_but_not_fp32() -> None:
-    delta = 2 ** -10
+    delta = 2**-10
     for dtype, close in ((torch.float16, True), (torch.float32, False), (torch.float64, False)):
-        diff = first_difference(torch.tensor([1.0 + delta], dtype=dtype), torch.tensor([1.0], dtype=dtype),
-                                rtol=None, atol=None)
+        diff = first_difference(
+            torch.tensor([1.0 + delta], dtype=dtype), torch.tensor([1.0], dtype=dtype), rtol=None, atol=None
+        )
         assert (diff is None) == close, dtype
 
 
 def test_tolerance_is_chosen_per_leaf() -> None:
-    delta = 2 ** -10  # within fp16's tolerance, not fp32's
+    delta = 2**-10  # within fp16's tolerance, not fp32's
     got = {"half": torch.tensor([1.0 + delta], dtype=torch.float16), "single": torch.tensor([1.0 + delta])}
     expected = {"half": torch.tensor([1.0], dtype=torch.float16), "single": torch.tensor([1.0])}
     diff = _differs(got, expected, rtol=None, atol=None)
@@ -373,9 +390,14 @@ def test_leaves_name_paths_of_nested_structures() -> None:
     t = torch.zeros(1)
     value = {"a": [t, (1, None)], "b": Pair(t, "x"), "c": Output(t, {"k": 2.5})}
     assert leaves(value) == [
-        ("['a'][0]", t), ("['a'][1][0]", 1), ("['a'][1][1]", None),
-        ("['b'].logits", t), ("['b'].extra", "x"),
-        ("['c'].hidden", t), ("['c'].aux['k']", 2.5), ("['c'].note", "ok"),
+        ("['a'][0]", t),
+        ("['a'][1][0]", 1),
+        ("['a'][1][1]", None),
+        ("['b'].logits", t),
+        ("['b'].extra", "x"),
+        ("['c'].hidden", t),
+        ("['c'].aux['k']", 2.5),
+        ("['c'].note", "ok"),
     ]
     assert leaves(t) == [("", t)]
 
@@ -400,13 +422,16 @@ def _nested(changed: str | None = None) -> dict[str, Any]:
     return value
 
 
-@pytest.mark.parametrize(("changed", "path", "index"), [
-    ("middle", "['outs'][1]", (2, 1)),
-    ("int", "['outs'][2][1]", (4,)),
-    ("namedtuple", "['pair'].logits", (0, 2)),
-    ("field", "['data'].hidden", (1, 0)),
-    ("deep", "['data'].aux['k']", (2,)),
-])
+@pytest.mark.parametrize(
+    ("changed", "path", "index"),
+    [
+        ("middle", "['outs'][1]", (2, 1)),
+        ("int", "['outs'][2][1]", (4,)),
+        ("namedtuple", "['pair'].logits", (0, 2)),
+        ("field", "['data'].hidden", (1, 0)),
+        ("deep", "['data'].aux['k']", (2,)),
+    ],
+)
 def test_one_element_of_one_output_among_many(changed: str, path: str, index: tuple[int, ...]) -> None:
     expected = _nested()
     assert first_difference(_nested(), expected) is None
@@ -421,10 +446,20 @@ def test_the_first_differing_output_is_reported() -> None:
     assert _differs(got, expected).path == "[1]"
 
 
-@pytest.mark.parametrize(("got", "expected"), [
-    (1, 2), (1.5, 2.5), ("a", "b"), (None, 0), (0, None), (True, False), (torch.float32, torch.float16),
-    (torch.device("cpu"), torch.device("meta")), (b"x", b"y"),
-])
+@pytest.mark.parametrize(
+    ("got", "expected"),
+    [
+        (1, 2),
+        (1.5, 2.5),
+        ("a", "b"),
+        (None, 0),
+        (0, None),
+        (True, False),
+        (torch.float32, torch.float16),
+        (torch.device("cpu"), torch.device("meta")),
+        (b"x", b"y"),
+    ],
+)
 def test_plain_leaves_that_differ(got: Any, expected: Any) -> None:
     diff = _differs((torch.zeros(1), got), (torch.zeros(1), expected))
     assert diff.path == "[1]"
@@ -433,7 +468,9 @@ def test_plain_leaves_that_differ(got: Any, expected: Any) -> None:
     assert diff.index is None and not diff.opaque
 
 
-@pytest.mark.parametrize("value", [1, 1.5, "text", None, True, math.nan, torch.float16, torch.Size([1, 2]), b"x"])
+@pytest.mark.parametrize(
+    "value", [1, 1.5, "text", None, True, math.nan, torch.float16, torch.Size([1, 2]), b"x"]
+)
 def test_plain_leaves_that_are_equal(value: Any) -> None:
     assert first_difference({"v": value, "t": torch.ones(2)}, {"v": value, "t": torch.ones(2)}) is None
 

@@ -63,7 +63,9 @@ def test_manager(cudagraph_manager, cudagraph_device):
 
 
 @pytest.fixture
-def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None) -> pytest.Pytester:
+def suite(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None
+) -> pytest.Pytester:
     isolate_plugins(monkeypatch)
     pytester.makepyfile(test_readme=README_SUITE)
     return pytester
@@ -100,7 +102,9 @@ def test_nothing_moves_off_cuda() -> None:
 def test_follow_device_moves_module_and_inputs() -> None:
     module = torch.nn.Linear(2, 2)
     device = torch.device("cuda", torch.cuda.current_device())
-    moved = follow_device(module, lambda t, r: {"input": torch.randn(t, 2), "pair": (torch.ones(1), 3)}, device)
+    moved = follow_device(
+        module, lambda t, r: {"input": torch.randn(t, 2), "pair": (torch.ones(1), 3)}, device
+    )
     assert module.weight.device == device
     inputs = moved(3, 2)
     assert inputs["input"].device == device and inputs["pair"][0].device == device and inputs["pair"][1] == 3

@@ -22,8 +22,14 @@ SIZES = (1, 2, 4, 8)
 
 def _verify(module: nn.Module, make_inputs: Any = None, **kwargs: Any) -> Any:
     torch.manual_seed(0)
-    return verify(module, make_inputs or token_inputs(), capture_sizes=SIZES, max_num_reqs=4, backend="emulate",
-                  **kwargs)
+    return verify(
+        module,
+        make_inputs or token_inputs(),
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend="emulate",
+        **kwargs,
+    )
 
 
 def _outcomes(report: Any, check: str) -> list[Any]:
@@ -93,9 +99,12 @@ def test_a_module_whose_eager_forward_fails_everywhere_is_one_error_with_eagers_
     def wrong_keyword(num_tokens: int, num_reqs: int) -> dict[str, Any]:
         return {"inputs": torch.randn(num_tokens, D)}  # forward takes "input"
 
-    with pytest.raises(EagerFailure, match=r"Linear's eager forward fails on make_inputs' batches at "
-                                           r"\(num_tokens=1, num_reqs=1\), \(num_tokens=8, num_reqs=4\), before "
-                                           r"anything is captured: TypeError: .*inputs") as info:
+    with pytest.raises(
+        EagerFailure,
+        match=r"Linear's eager forward fails on make_inputs' batches at "
+        r"\(num_tokens=1, num_reqs=1\), \(num_tokens=8, num_reqs=4\), before "
+        r"anything is captured: TypeError: .*inputs",
+    ) as info:
         _verify(nn.Linear(D, D), wrong_keyword)
     assert isinstance(info.value.__cause__, TypeError)
 
@@ -183,7 +192,9 @@ def test_every_failure_of_a_module_reading_unwritten_memory_names_it_first() -> 
 
     report = _verify(SplitKIntoEmpty())
     assert {o.check for o in report.failures} >= {"determinism", "replay_matches_eager"}
-    assert all(o.message.startswith("forward reads memory nobody wrote: aten.add_.Tensor") for o in report.failures)
+    assert all(
+        o.message.startswith("forward reads memory nobody wrote: aten.add_.Tensor") for o in report.failures
+    )
 
 
 def test_state_after_a_padded_batch_names_a_count_of_the_pad_id() -> None:
@@ -191,8 +202,12 @@ def test_state_after_a_padded_batch_names_a_count_of_the_pad_id() -> None:
 
     report = _verify(HashRoutedLoad(), id_inputs(), checks=["state"])
     assert report.failures and all(o.check == "state" for o in report.failures)
-    assert all(o.message.startswith("after a padded batch, module state 'load' differs from what eager leaves on "
-                                     "its real rows") for o in report.failures)
+    assert all(
+        o.message.startswith(
+            "after a padded batch, module state 'load' differs from what eager leaves on its real rows"
+        )
+        for o in report.failures
+    )
     assert all(o.finding is not None and o.finding.output == "load" for o in report.failures)
     assert _verify(MaskedHashRoutedLoad(), id_inputs(), checks=["state"]).ok
 
@@ -218,35 +233,58 @@ def test_a_forward_that_fails_everywhere_at_an_op_a_graph_cannot_hold_is_capture
 
 
 def test_a_replay_reading_graph_memory_nobody_wrote_is_named_though_no_op_is_seen_reading_it(
-        backend: str, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend: str, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from examples.buggy.uninitialized import SplitKIntoEmpty, SplitKIntoWritten
     from pytest_cudagraph import observe
 
     # Blind to torch.empty, as to an extension's own buffer: neither seen read nor poisoned eagerly.
     monkeypatch.setattr(observe, "_ALLOCATES", frozenset())
     torch.manual_seed(0)
-    report = verify(SplitKIntoEmpty().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
-                    backend=backend, checks=["determinism"])
+    report = verify(
+        SplitKIntoEmpty().to(device),
+        token_inputs(device),
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend=backend,
+        checks=["determinism"],
+    )
     told = _outcomes(report, "determinism")
     assert told and not any(o.passed for o in told)
     for outcome in told:
-        assert outcome.message.startswith("a replay reads graph memory nobody wrote: with the graph's free memory "
-                                          "poisoned one way"), outcome.message
+        assert outcome.message.startswith(
+            "a replay reads graph memory nobody wrote: with the graph's free memory poisoned one way"
+        ), outcome.message
     torch.manual_seed(0)
-    assert verify(SplitKIntoWritten().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
-                  backend=backend, checks=["determinism"]).ok
+    assert verify(
+        SplitKIntoWritten().to(device),
+        token_inputs(device),
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend=backend,
+        checks=["determinism"],
+    ).ok
 
 
-def test_a_replay_of_a_module_reading_unwritten_memory_is_shown_reading_it_too(backend: str,
-                                                                             device: torch.device) -> None:
+def test_a_replay_of_a_module_reading_unwritten_memory_is_shown_reading_it_too(
+    backend: str, device: torch.device
+) -> None:
     from examples.buggy.uninitialized import SplitKIntoEmpty
 
     torch.manual_seed(0)
-    report = verify(SplitKIntoEmpty().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
-                    backend=backend, checks=["determinism"])
+    report = verify(
+        SplitKIntoEmpty().to(device),
+        token_inputs(device),
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend=backend,
+        checks=["determinism"],
+    )
     for outcome in _outcomes(report, "determinism"):
-        assert outcome.message.startswith("forward reads memory nobody wrote: aten.add_.Tensor reads what "
-                                          "aten.empty.memory_format handed back"), outcome.message
+        assert outcome.message.startswith(
+            "forward reads memory nobody wrote: aten.add_.Tensor reads what "
+            "aten.empty.memory_format handed back"
+        ), outcome.message
         assert "; a replay reads it too: with the graph's free memory poisoned one way" in outcome.message
 
 
@@ -270,8 +308,16 @@ def test_a_cuda_replay_reading_an_extension_buffer_nobody_wrote_is_named() -> No
     # The emulator replays the op's own allocation from the host heap, outside its pool: CUDA only.
     torch.manual_seed(0)
     device = torch.device("cuda", torch.cuda.current_device())
-    report = verify(SplitKInsideAnOp(D, D).to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
-                    backend="cuda", checks=["determinism"])
+    report = verify(
+        SplitKInsideAnOp(D, D).to(device),
+        token_inputs(device),
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend="cuda",
+        checks=["determinism"],
+    )
     told = _outcomes(report, "determinism")
     assert told and not any(o.passed for o in told)
-    assert all(o.message.startswith("a replay reads graph memory nobody wrote") for o in told), told[0].message
+    assert all(o.message.startswith("a replay reads graph memory nobody wrote") for o in told), told[
+        0
+    ].message

@@ -41,8 +41,11 @@ def brute_force(plan: CapturePlan, batch: Batch) -> BatchDescriptor:
     loras = count if count <= 0 or not cases else next((c for c in cases if c >= count), cases[-1])
     if batch.num_tokens > 0:
         for mode in (FULL, PIECEWISE):
-            holding = [d for d in plan.descriptors
-                       if d.mode is mode and d.num_active_loras == loras and d.num_tokens >= batch.num_tokens]
+            holding = [
+                d
+                for d in plan.descriptors
+                if d.mode is mode and d.num_active_loras == loras and d.num_tokens >= batch.num_tokens
+            ]
             if not holding:
                 continue
             smallest = min(d.num_tokens for d in holding)
@@ -51,20 +54,29 @@ def brute_force(plan: CapturePlan, batch: Batch) -> BatchDescriptor:
                     continue
                 if d.uniform_token_count is not None and d.uniform_token_count != batch.uniform_token_count:
                     continue
-                if d.max_query_len is not None and (batch.max_query_len is None or batch.max_query_len > d.max_query_len):
+                if d.max_query_len is not None and (
+                    batch.max_query_len is None or batch.max_query_len > d.max_query_len
+                ):
                     continue
                 if d.num_reqs is not None and batch.num_reqs > d.num_reqs:
                     continue
                 if d.num_ubatches != batch.num_ubatches:
                     continue
                 return d
-    return BatchDescriptor(mode=NONE, num_tokens=batch.num_tokens, num_reqs=batch.num_reqs,
-                           num_active_loras=loras, num_ubatches=batch.num_ubatches)
+    return BatchDescriptor(
+        mode=NONE,
+        num_tokens=batch.num_tokens,
+        num_reqs=batch.num_reqs,
+        num_active_loras=loras,
+        num_ubatches=batch.num_ubatches,
+    )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=capture_configs(), data=st.data())
-def test_every_property_holds_and_dispatch_equals_brute_force(config: CaptureConfig, data: st.DataObject) -> None:
+def test_every_property_holds_and_dispatch_equals_brute_force(
+    config: CaptureConfig, data: st.DataObject
+) -> None:
     plan = CapturePlan(config)
     check_reachability(plan)
     for _ in range(10):
@@ -73,10 +85,13 @@ def test_every_property_holds_and_dispatch_equals_brute_force(config: CaptureCon
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=capture_configs(modes=["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"], varlen=False, speculative=True),
-       data=st.data())
+@given(
+    config=capture_configs(modes=["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"], varlen=False, speculative=True),
+    data=st.data(),
+)
 def test_a_speculative_decode_batch_is_served_by_the_graph_of_its_own_length_or_says_why_not(
-        config: CaptureConfig, data: st.DataObject) -> None:
+    config: CaptureConfig, data: st.DataObject
+) -> None:
     from pytest_cudagraph.plan.trace import fallback_reason
 
     plan = CapturePlan(config)
@@ -89,10 +104,17 @@ def test_a_speculative_decode_batch_is_served_by_the_graph_of_its_own_length_or_
         # Not its own length's graph: none of the graphs dispatch may try for its tokens serves it.
         loras = plan.effective_loras(batch.num_active_loras)
         assert not any(
-            d.uniform_token_count == batch.uniform_token_count and d.is_compatible(
-                num_reqs=batch.num_reqs, num_tokens=batch.num_tokens, uniform_token_count=batch.uniform_token_count,
-                num_active_loras=loras, max_query_len=batch.max_query_len, num_ubatches=batch.num_ubatches)
-            for d in plan.candidates(batch.num_tokens, batch.num_active_loras))
+            d.uniform_token_count == batch.uniform_token_count
+            and d.is_compatible(
+                num_reqs=batch.num_reqs,
+                num_tokens=batch.num_tokens,
+                uniform_token_count=batch.uniform_token_count,
+                num_active_loras=loras,
+                max_query_len=batch.max_query_len,
+                num_ubatches=batch.num_ubatches,
+            )
+            for d in plan.candidates(batch.num_tokens, batch.num_active_loras)
+        )
         if desc.mode is NONE:
             assert fallback_reason(plan, batch)
 
@@ -138,17 +160,28 @@ class NoLoraClamp(CapturePlan):
         return super().effective_loras(num_active_loras)
 
 
-def _first(plan: CapturePlan, batch_args: dict[str, Any], skip: Callable[[BatchDescriptor], bool],
-           order: tuple[GraphMode, ...] = (FULL, PIECEWISE), pick_largest: bool = False) -> BatchDescriptor:
+def _first(
+    plan: CapturePlan,
+    batch_args: dict[str, Any],
+    skip: Callable[[BatchDescriptor], bool],
+    order: tuple[GraphMode, ...] = (FULL, PIECEWISE),
+    pick_largest: bool = False,
+) -> BatchDescriptor:
     """A dispatcher with one rule bent: ``skip`` says which compatibility test to ignore."""
     n = batch_args["num_tokens"]
     loras = plan.effective_loras(batch_args["num_active_loras"])
     for mode in order:
-        holding = sorted((d for d in plan.descriptors
-                          if d.mode is mode and d.num_active_loras == loras and d.num_tokens >= n),
-                         key=lambda d: d.num_tokens, reverse=pick_largest)
+        holding = sorted(
+            (
+                d
+                for d in plan.descriptors
+                if d.mode is mode and d.num_active_loras == loras and d.num_tokens >= n
+            ),
+            key=lambda d: d.num_tokens,
+            reverse=pick_largest,
+        )
         for d in holding:
-            if (not pick_largest and d.num_tokens != holding[0].num_tokens):
+            if not pick_largest and d.num_tokens != holding[0].num_tokens:
                 break
             relaxed = dict(batch_args, num_active_loras=loras)
             if skip(d):
@@ -161,17 +194,21 @@ def _first(plan: CapturePlan, batch_args: dict[str, Any], skip: Callable[[BatchD
 
 def uniform_to_mixed(plan: CapturePlan) -> Callable[..., BatchDescriptor]:
     """Serves uniform decode graphs to any batch."""
+
     def dispatch(**kw: Any) -> BatchDescriptor:
         plan.dispatch(**kw)  # keep the validation
         return _first(plan, kw, lambda d: d.uniform_token_count is not None)
+
     return dispatch
 
 
 def varlen_to_prefill(plan: CapturePlan) -> Callable[..., BatchDescriptor]:
     """Serves varlen decode graphs to batches with a prefill."""
+
     def dispatch(**kw: Any) -> BatchDescriptor:
         plan.dispatch(**kw)
         return _first(plan, kw, lambda d: d.max_query_len is not None and d.uniform_token_count is None)
+
     return dispatch
 
 
@@ -179,32 +216,39 @@ def piecewise_first(plan: CapturePlan) -> Callable[..., BatchDescriptor]:
     def dispatch(**kw: Any) -> BatchDescriptor:
         plan.dispatch(**kw)
         return _first(plan, kw, lambda d: False, order=(PIECEWISE, FULL))
+
     return dispatch
 
 
 def over_pads_odd(plan: CapturePlan) -> Callable[..., BatchDescriptor]:
     """Odd token counts get the largest compatible graph of the mode."""
+
     def dispatch(**kw: Any) -> BatchDescriptor:
         plan.dispatch(**kw)
         return _first(plan, kw, lambda d: False, pick_largest=kw["num_tokens"] % 2 == 1)
+
     return dispatch
 
 
 def over_pads(plan: CapturePlan) -> Callable[..., BatchDescriptor]:
     """Every batch gets the largest compatible graph of the mode."""
+
     def dispatch(**kw: Any) -> BatchDescriptor:
         plan.dispatch(**kw)
         return _first(plan, kw, lambda d: False, pick_largest=True)
+
     return dispatch
 
 
 def drops_odd(plan: CapturePlan) -> Callable[..., BatchDescriptor]:
     """Runs odd token counts eagerly."""
+
     def dispatch(**kw: Any) -> BatchDescriptor:
         answer = plan.dispatch(**kw)
         if kw["num_tokens"] % 2:
             return BatchDescriptor(mode=NONE, num_tokens=kw["num_tokens"], num_reqs=kw["num_reqs"])
         return answer
+
     return dispatch
 
 
@@ -213,6 +257,7 @@ def raises_on_oversize(plan: CapturePlan) -> Callable[..., BatchDescriptor]:
         if kw["num_tokens"] > plan.config.largest_capture_size:
             raise KeyError(kw["num_tokens"])
         return plan.dispatch(**kw)
+
     return dispatch
 
 
@@ -222,6 +267,7 @@ def accepts_invalid(plan: CapturePlan) -> Callable[..., BatchDescriptor]:
             return plan.dispatch(**kw)
         except ValueError:
             return BatchDescriptor(mode=NONE, num_tokens=0)
+
     return dispatch
 
 
@@ -231,8 +277,12 @@ def hides_largest(plan: CapturePlan) -> Callable[..., BatchDescriptor]:
 
     def dispatch(**kw: Any) -> BatchDescriptor:
         answer = plan.dispatch(**kw)
-        return BatchDescriptor(mode=NONE, num_tokens=kw["num_tokens"], num_reqs=kw["num_reqs"]) \
-            if answer == largest else answer
+        return (
+            BatchDescriptor(mode=NONE, num_tokens=kw["num_tokens"], num_reqs=kw["num_reqs"])
+            if answer == largest
+            else answer
+        )
+
     return dispatch
 
 
@@ -242,7 +292,12 @@ BROKEN: list[tuple[str, str, Any, dict[str, Any]]] = [
     ("lora_clamp_removed", "lora", NoLoraClamp, {"lora": True}),
     ("uniform_decode_served_to_mixed", "uniform_decode", uniform_to_mixed, {"varlen": False}),
     # Query lengths are no part of varlen decode (a varlen graph takes 1..q a request): not drawn.
-    ("varlen_decode_served_to_prefill", "varlen_decode", varlen_to_prefill, {"varlen": True, "speculative": False}),
+    (
+        "varlen_decode_served_to_prefill",
+        "varlen_decode",
+        varlen_to_prefill,
+        {"varlen": True, "speculative": False},
+    ),
     ("piecewise_before_full", "minimal_padding", piecewise_first, {}),
     ("over_pads", "minimal_padding", over_pads, {}),
     ("over_pads_odd_counts", "monotonicity", over_pads_odd, {}),
@@ -252,10 +307,17 @@ BROKEN: list[tuple[str, str, Any, dict[str, Any]]] = [
 ]
 
 
-def _broken_run(factory: Any, bounds: dict[str, Any], prop: str | None,
-                seen: list[Batch] | None = None) -> Callable[[], None]:
-    @settings(max_examples=400, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+def _broken_run(
+    factory: Any, bounds: dict[str, Any], prop: str | None, seen: list[Batch] | None = None
+) -> Callable[[], None]:
+    @settings(
+        max_examples=400,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
     @given(config=capture_configs(max_sizes=6, max_size=24, max_num_reqs=8, **bounds), data=st.data())
     def run(config: CaptureConfig, data: st.DataObject) -> None:
         if isinstance(factory, type):
@@ -276,8 +338,9 @@ def _broken_run(factory: Any, bounds: dict[str, Any], prop: str | None,
 
 
 @pytest.mark.parametrize(("name", "prop", "factory", "bounds"), BROKEN, ids=[b[0] for b in BROKEN])
-def test_each_property_catches_its_broken_dispatcher(name: str, prop: str, factory: Any,
-                                                     bounds: dict[str, Any]) -> None:
+def test_each_property_catches_its_broken_dispatcher(
+    name: str, prop: str, factory: Any, bounds: dict[str, Any]
+) -> None:
     seen: list[Batch] = []
     with pytest.raises(DispatchPropertyError) as info:
         _broken_run(factory, bounds, prop, seen)()
@@ -311,8 +374,9 @@ def test_every_property_has_a_broken_dispatcher() -> None:
 
 
 @pytest.mark.parametrize(("name", "prop", "factory", "bounds"), BROKEN, ids=[b[0] for b in BROKEN])
-def test_all_properties_together_catch_every_broken_dispatcher(name: str, prop: str, factory: Any,
-                                                               bounds: dict[str, Any]) -> None:
+def test_all_properties_together_catch_every_broken_dispatcher(
+    name: str, prop: str, factory: Any, bounds: dict[str, Any]
+) -> None:
     with pytest.raises(DispatchPropertyError):
         _broken_run(factory, bounds, None)()
 
@@ -328,15 +392,23 @@ def test_unknown_property_names_are_rejected() -> None:
     ("call", "message"),
     [
         (lambda: capture_configs(min_sizes=0), r"min_sizes must be an integer >= 1; got 0"),
-        (lambda: capture_configs(min_sizes=5, max_sizes=2), r"min_sizes \(5\) must not exceed max_sizes \(2\)"),
-        (lambda: capture_configs(max_sizes=10, max_size=4), r"max_sizes \(10\) must not exceed max_size \(4\)"),
+        (
+            lambda: capture_configs(min_sizes=5, max_sizes=2),
+            r"min_sizes \(5\) must not exceed max_sizes \(2\)",
+        ),
+        (
+            lambda: capture_configs(max_sizes=10, max_size=4),
+            r"max_sizes \(10\) must not exceed max_size \(4\)",
+        ),
         (lambda: capture_configs(modes=["FAST"]), r"mode must be a GraphMode or one of"),
         (lambda: capture_configs(varlen="yes"), r"varlen must be True, False or None"),
         (lambda: capture_configs(lora=1), r"lora must be True, False or None"),
         (lambda: capture_configs(speculative="yes"), r"speculative must be True, False or None"),
         (lambda: batches("plan"), r"batches needs a CapturePlan; got str"),  # type: ignore[arg-type]
-        (lambda: batches(CapturePlan(CaptureConfig(capture_sizes=[1], max_num_reqs=1)), kinds=["prefill"]),
-         r"kinds must be a non-empty subset of"),
+        (
+            lambda: batches(CapturePlan(CaptureConfig(capture_sizes=[1], max_num_reqs=1)), kinds=["prefill"]),
+            r"kinds must be a non-empty subset of",
+        ),
         (lambda: descriptors(max_tokens=0), r"max_tokens must be an integer >= 1; got 0"),
         (lambda: invalid_batches(max_tokens=True), r"max_tokens must be an integer >= 1; got True"),
     ],
@@ -348,14 +420,23 @@ def test_strategy_arguments_are_validated(call: Callable[[], Any], message: str)
 
 @given(config=st.from_type(CaptureConfig), desc=st.from_type(BatchDescriptor), batch=st.from_type(Batch))
 def test_types_are_registered(config: CaptureConfig, desc: BatchDescriptor, batch: Batch) -> None:
-    assert isinstance(config, CaptureConfig) and isinstance(desc, BatchDescriptor) and isinstance(batch, Batch)
+    assert (
+        isinstance(config, CaptureConfig) and isinstance(desc, BatchDescriptor) and isinstance(batch, Batch)
+    )
     assert invalid_reason(batch) is None
 
 
 @given(data=st.data())
 def test_batches_draw_every_kind_validly(data: st.DataObject) -> None:
-    plan = CapturePlan(CaptureConfig(capture_sizes=[1, 2, 4, 8], max_num_reqs=4, decode_query_len=2,
-                                     mode="FULL_AND_PIECEWISE", varlen_decode=True))
+    plan = CapturePlan(
+        CaptureConfig(
+            capture_sizes=[1, 2, 4, 8],
+            max_num_reqs=4,
+            decode_query_len=2,
+            mode="FULL_AND_PIECEWISE",
+            varlen_decode=True,
+        )
+    )
     for kind in ("uniform_decode", "varlen_decode", "mixed", "oversize"):
         batch = data.draw(batches(plan, kinds=[kind]))
         assert invalid_reason(batch) is None
@@ -385,8 +466,9 @@ def test_the_root_conftest_loads_the_ci_profile_under_ci() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     plain = {k: v for k, v in os.environ.items() if k != "CI"}  # hypothesis reads any CI variable
     for env, expected in (({**plain, "CI": "true"}, "True"), (plain, "False")):
-        out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True
+        )
         assert out.stdout.strip() == expected
 
 
@@ -421,7 +503,9 @@ def test_broken_dispatch(cudagraph_dispatch_properties, batch):
 """
 
 
-def test_downstream_suite_uses_the_fixture_with_given(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_downstream_suite_uses_the_fixture_with_given(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tests.conftest import isolate_plugins
 
     isolate_plugins(monkeypatch)
@@ -433,8 +517,11 @@ def test_downstream_suite_uses_the_fixture_with_given(pytester: pytest.Pytester,
     # Hypothesis reports the shrunk example it raised on: its batch argument carries the values of the
     # batch the error names (asserted on values, not on hypothesis's wording).
     out = result.stdout.str()
-    match = re.search(r"DispatchPropertyError: dispatch property 'lora' broken: "
-                      r"Batch\(tokens=(\d+), reqs=(\d+), .*?loras=(\d+)\)", out)
+    match = re.search(
+        r"DispatchPropertyError: dispatch property 'lora' broken: "
+        r"Batch\(tokens=(\d+), reqs=(\d+), .*?loras=(\d+)\)",
+        out,
+    )
     assert match, out
     tokens, reqs, loras = match.groups()
     assert loras in {"2", "3"}  # shrunk: the smallest counts that fall between captured cases

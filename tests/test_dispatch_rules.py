@@ -60,6 +60,7 @@ def test_invalid_batches_are_rejected_with_value_error(batch: Batch) -> None:
 def _raising(error: type[Exception]) -> Callable[..., BatchDescriptor]:
     def dispatch(**kw: Any) -> BatchDescriptor:
         raise error("no")
+
     return dispatch
 
 
@@ -105,6 +106,7 @@ def _eager_below(plan: CapturePlan, tokens: int) -> Callable[..., BatchDescripto
         if kw["num_tokens"] <= tokens:
             return BatchDescriptor(mode=NONE, num_tokens=kw["num_tokens"], num_reqs=kw["num_reqs"])
         return plan.dispatch(**kw)
+
     return dispatch
 
 
@@ -147,8 +149,10 @@ def test_full_graphs_come_before_piecewise_ones() -> None:
     # A mixed batch is not served by the uniform decode graph: PIECEWISE.
     mixed = answer(plan, num_tokens=4, num_reqs=2)
     assert (mixed.mode, mixed.num_tokens) == (PIECEWISE, 4)
-    for batch in (Batch(num_tokens=4, num_reqs=2, uniform_token_count=2, max_query_len=2),
-                  Batch(num_tokens=4, num_reqs=2)):
+    for batch in (
+        Batch(num_tokens=4, num_reqs=2, uniform_token_count=2, max_query_len=2),
+        Batch(num_tokens=4, num_reqs=2),
+    ):
         assert check_dispatch(plan, batch) is not None
 
 
@@ -184,7 +188,9 @@ def test_candidate_ranges_partition_the_token_counts() -> None:
     assert ranges == {1: range(1, 2), 2: range(2, 3), 4: range(3, 5), 8: range(5, 9)}
 
 
-@pytest.mark.parametrize("batch", [Batch(num_tokens=3, num_reqs=4), Batch(num_tokens=1, num_reqs=2)], ids=repr)
+@pytest.mark.parametrize(
+    "batch", [Batch(num_tokens=3, num_reqs=4), Batch(num_tokens=1, num_reqs=2)], ids=repr
+)
 def test_more_requests_than_tokens_is_invalid_on_every_path(batch: Batch) -> None:
     plan = plan_of()
     for _ in range(2):  # the second call may be answered from the memo

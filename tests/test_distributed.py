@@ -13,13 +13,19 @@ from torch import nn
 from pytest_cudagraph import verify_distributed
 
 D, HIDDEN = 8, 16
-KW = {"capture_sizes": [1, 2, 4], "max_num_reqs": 4, "checks": ["replay_matches_eager", "real_batches", "state"]}
+KW = {
+    "capture_sizes": [1, 2, 4],
+    "max_num_reqs": 4,
+    "checks": ["replay_matches_eager", "real_batches", "state"],
+}
 
 
 class RowParallel(nn.Module):
     """Column-parallel then row-parallel, summed over the ranks: the full MLP on every rank."""
 
-    def __init__(self, rank: int, world_size: int, *, skip_on: int | None = None, branch_on: int | None = None):
+    def __init__(
+        self, rank: int, world_size: int, *, skip_on: int | None = None, branch_on: int | None = None
+    ):
         super().__init__()
         torch.manual_seed(0)
         up, down = nn.Linear(D, HIDDEN), nn.Linear(HIDDEN, D, bias=False)
@@ -27,9 +33,9 @@ class RowParallel(nn.Module):
         self.up = nn.Linear(D, shard)
         self.down = nn.Linear(shard, D, bias=False)
         with torch.no_grad():
-            self.up.weight.copy_(up.weight[rank * shard:(rank + 1) * shard])
-            self.up.bias.copy_(up.bias[rank * shard:(rank + 1) * shard])
-            self.down.weight.copy_(down.weight[:, rank * shard:(rank + 1) * shard])
+            self.up.weight.copy_(up.weight[rank * shard : (rank + 1) * shard])
+            self.up.bias.copy_(up.bias[rank * shard : (rank + 1) * shard])
+            self.down.weight.copy_(down.weight[:, rank * shard : (rank + 1) * shard])
         self.rank, self.skip_on, self.branch_on = rank, skip_on, branch_on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,8 +166,9 @@ def test_the_fixture_takes_world_size_from_the_call_or_the_option(pytester, monk
     isolate_plugins(monkeypatch)
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     pytester.makepyfile(test_ranks=_FIXTURE_TESTS)
-    result = pytester.runpytest_inprocess("--cudagraph-world-size=2", "--cudagraph-backend=emulate",
-                                          "-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess(
+        "--cudagraph-world-size=2", "--cudagraph-backend=emulate", "-p", "no:cacheprovider"
+    )
     result.assert_outcomes(passed=1, failed=1)
     assert "FAIL rank_agreement" in result.stdout.str()
 
@@ -175,13 +182,19 @@ def _results(*per_rank):
     return {r: RankResult(r, seen=[Seen(*s) for s in seen]) for r, seen in enumerate(per_rank)}
 
 
-@pytest.mark.parametrize(("rank1", "words"), [
-    ([(3, 3, "FULL-T4-R4", torch.ones(3))], None),
-    ([(3, 2, "FULL-T4-R4", torch.ones(3))], "batch shapes differ"),
-    ([(3, 3, "FULL-T8-R8", torch.ones(3))], "rank 0 served it with FULL-T4-R4 and rank 1 with FULL-T8-R8"),
-    ([(3, 3, "FULL-T4-R4", torch.tensor([1.0, 1.0, 2.0]))], "outputs that must be replicated differ"),
-    ([], "rank 1 ran 0 real batches and rank 0 1"),
-])
+@pytest.mark.parametrize(
+    ("rank1", "words"),
+    [
+        ([(3, 3, "FULL-T4-R4", torch.ones(3))], None),
+        ([(3, 2, "FULL-T4-R4", torch.ones(3))], "batch shapes differ"),
+        (
+            [(3, 3, "FULL-T8-R8", torch.ones(3))],
+            "rank 0 served it with FULL-T4-R4 and rank 1 with FULL-T8-R8",
+        ),
+        ([(3, 3, "FULL-T4-R4", torch.tensor([1.0, 1.0, 2.0]))], "outputs that must be replicated differ"),
+        ([], "rank 1 ran 0 real batches and rank 0 1"),
+    ],
+)
 def test_rank_agreement_names_what_differs(rank1, words):
     from pytest_cudagraph.distributed.verify import _agreement
 
@@ -201,18 +214,22 @@ def test_sharded_outputs_are_not_compared_when_not_replicated():
 
 
 def test_four_ranks_agree():
-    report = verify_distributed(build, make_inputs, world_size=4, backend="emulate",
-                                **{**KW, "checks": ["replay_matches_eager"]})
+    report = verify_distributed(
+        build, make_inputs, world_size=4, backend="emulate", **{**KW, "checks": ["replay_matches_eager"]}
+    )
     assert report.ok, report.format()
     assert {o.rank for o in report.outcomes if o.check == "replay_matches_eager"} == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize(("where", "backend", "noted"), [
-    ("after all_reduce of (4, 16)", "cuda", True),  # NCCL returned; the GPU waits
-    ("in all_reduce of (4, 16)", "cuda", False),  # the host itself is in the call
-    ("after all_reduce of (4, 16)", "emulate", False),  # gloo blocks the host: "after" means after
-    ("", "cuda", False),
-])
+@pytest.mark.parametrize(
+    ("where", "backend", "noted"),
+    [
+        ("after all_reduce of (4, 16)", "cuda", True),  # NCCL returned; the GPU waits
+        ("in all_reduce of (4, 16)", "cuda", False),  # the host itself is in the call
+        ("after all_reduce of (4, 16)", "emulate", False),  # gloo blocks the host: "after" means after
+        ("", "cuda", False),
+    ],
+)
 def test_a_hang_on_nccl_says_the_gpu_waits(where, backend, noted):
     from pytest_cudagraph.distributed.verify import _async_note
 

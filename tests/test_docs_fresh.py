@@ -42,7 +42,7 @@ def test_each_block_holds_a_caption_and_one_code_block(name: str) -> None:
     path = ROOT / block.file
     lines = path.read_text().splitlines()
     ((begin, end),) = [(b, e) for n, b, e in refresh.markers(path) if n == name]
-    inner = lines[begin + 1: end]
+    inner = lines[begin + 1 : end]
     if block.generate is not None:  # a table generated from the code: exactly what the code makes now
         assert inner == block.generate()
         return
@@ -54,8 +54,10 @@ def test_each_block_holds_a_caption_and_one_code_block(name: str) -> None:
 def test_the_readme_commands_are_what_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    for command in ('python -m pip install -e ".[hf]" && python -m pytest --cudagraph-verify examples/',
-                    'python -m pip install -e ".[test]" && python -m pytest'):
+    for command in (
+        'python -m pip install -e ".[hf]" && python -m pytest --cudagraph-verify examples/',
+        'python -m pip install -e ".[test]" && python -m pytest',
+    ):
         assert f"```bash\n{command}\n```" in readme
         assert f"\n{command}\n" in ci
 
@@ -63,10 +65,15 @@ def test_the_readme_commands_are_what_ci_runs() -> None:
 def test_check_masks_timings_and_hypothesis_wording_but_not_counts() -> None:
     norm = refresh.normalise
     assert norm(["x: 4/4 captured, 35 checks passed, capture 65 ms, graph memory 12.0 KiB"]) == norm(
-        ["x: 4/4 captured, 35 checks passed, capture 71 ms, graph memory 13.5 KiB"])
+        ["x: 4/4 captured, 35 checks passed, capture 71 ms, graph memory 13.5 KiB"]
+    )
     assert norm(["graph gave -3.83, eager gave 6.7e-05"]) == norm(["graph gave 1.51, eager gave -2.16"])
-    assert norm(["E           Falsifying example: test_x("]) == norm(["E           Failing test case: test_x("])
-    assert norm(["= 85 passed, 16 skipped in 48.81s ="]) == norm(["= 85 passed, 16 skipped in 64.02s (0:01:04) ="])
+    assert norm(["E           Falsifying example: test_x("]) == norm(
+        ["E           Failing test case: test_x("]
+    )
+    assert norm(["= 85 passed, 16 skipped in 48.81s ="]) == norm(
+        ["= 85 passed, 16 skipped in 64.02s (0:01:04) ="]
+    )
     assert norm(["38 checks passed"]) != norm(["34 checks passed"])
     assert norm(["(calls: 6 -> 7)"]) != norm(["(calls: 8 -> 9)"])
 
@@ -86,9 +93,14 @@ def test_the_architecture_page_names_every_module() -> None:
     root = Path(__file__).resolve().parents[1]
     page = (root / "docs" / "architecture.md").read_text()
     package = root / "pytest_cudagraph"
-    unnamed = [str(p.relative_to(package)) for p in sorted(package.rglob("*.py"))
-               if p.name != "__init__.py" and not any(f"`{name}`" in page for name in
-                                                      (p.name, p.relative_to(package).as_posix(), f"{p.parent.name}/"))]
+    unnamed = [
+        str(p.relative_to(package))
+        for p in sorted(package.rglob("*.py"))
+        if p.name != "__init__.py"
+        and not any(
+            f"`{name}`" in page for name in (p.name, p.relative_to(package).as_posix(), f"{p.parent.name}/")
+        )
+    ]
     assert not unnamed, f"docs/architecture.md does not name {unnamed}"
 
 

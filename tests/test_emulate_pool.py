@@ -39,10 +39,17 @@ def rounded(nbytes: int) -> int:
     return -(-nbytes // BLOCK) * BLOCK
 
 
-def emulated(module: nn.Module, make_inputs: Callable[[int, int], dict[str, Any]], sizes: tuple[int, ...],
-             **kw: Any) -> GraphManager:
-    return GraphManager(module.eval(), make_inputs, CaptureConfig(capture_sizes=sizes, max_num_reqs=8),
-                        backend="emulate", progress=False, **kw)
+def emulated(
+    module: nn.Module, make_inputs: Callable[[int, int], dict[str, Any]], sizes: tuple[int, ...], **kw: Any
+) -> GraphManager:
+    return GraphManager(
+        module.eval(),
+        make_inputs,
+        CaptureConfig(capture_sizes=sizes, max_num_reqs=8),
+        backend="emulate",
+        progress=False,
+        **kw,
+    )
 
 
 def rows_inputs(device: torch.device | str = CPU) -> Callable[[int, int], dict[str, torch.Tensor]]:
@@ -187,8 +194,15 @@ def test_run_views_of_an_earlier_graph_survive_later_graphs_but_not_the_reverse(
     # Captured largest first: graph 8 keeps its output, so graph 4 cannot
     # take that memory, but graph 4's output lands in graph 8's dead
     # intermediate h, rows 4..8 of it. A real shared pool does the same.
-    mgr = GraphManager(Doubled(), rows_inputs(device), CaptureConfig(capture_sizes=(4, 8), max_num_reqs=8),
-                       backend=backend, device=device, output_views=True, progress=False)
+    mgr = GraphManager(
+        Doubled(),
+        rows_inputs(device),
+        CaptureConfig(capture_sizes=(4, 8), max_num_reqs=8),
+        backend=backend,
+        device=device,
+        output_views=True,
+        progress=False,
+    )
     mgr.capture()
     x8, x4 = torch.randn(8, ROW, device=device), torch.randn(4, ROW, device=device)
     view8 = mgr.run(x=x8)
@@ -241,8 +255,16 @@ def test_a_tensor_the_module_stored_then_dropped_is_reused_by_the_next_graph(bac
     # (The checked capture warms each graph up just before its capture, the
     # order this sequence needs; the fast one warms them all up first.)
     module = Stash(keep_all)
-    mgr = GraphManager(module, rows_inputs(device), CaptureConfig(capture_sizes=(4, 8), max_num_reqs=8),
-                       backend=backend, device=device, output_views=True, progress=False, checked_capture=True)
+    mgr = GraphManager(
+        module,
+        rows_inputs(device),
+        CaptureConfig(capture_sizes=(4, 8), max_num_reqs=8),
+        backend=backend,
+        device=device,
+        output_views=True,
+        progress=False,
+        checked_capture=True,
+    )
     mgr.capture()
     x4 = torch.randn(4, ROW, device=device)
     view4 = mgr.run(x=x4)
@@ -441,13 +463,21 @@ print(json.dumps({{"rss_growth": grown, "pool": getattr(mgr._backend, "pool_byte
 def test_process_memory_grows_with_the_pool_not_with_every_graph(capsys):
     root = str(Path(__file__).resolve().parents[1])
     code = textwrap.dedent(_RSS.format(root=root, sizes=list(SIZES_35)))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     with capsys.disabled():
-        print(f"\n35 MLP graphs (d=64, hidden=2048): pool {figures['pool'] / 2**20:.1f} MiB, every capture's "
-              f"storages {figures['created'] / 2**20:.1f} MiB, resident set grew {figures['rss_growth'] / 2**20:.1f} MiB")
+        print(
+            f"\n35 MLP graphs (d=64, hidden=2048): pool {figures['pool'] / 2**20:.1f} MiB, every capture's "
+            f"storages {figures['created'] / 2**20:.1f} MiB, resident set grew {figures['rss_growth'] / 2**20:.1f} MiB"
+        )
     assert figures["pool"] * 8 < figures["created"]
     # Capture-time storages are freed once each capture ends: what stays
     # resident is the pool (and allocator slack), not every graph's storages.

@@ -49,8 +49,9 @@ def test_error_codes_are_read_through_causes_and_contexts() -> None:
     assert faults.cuda_error_code(OtherLibraryError()) is None
 
 
-@pytest.mark.parametrize(("code", "sticky"), [(700, True), (710, True), (719, True), (2, False), (901, False),
-                                               (900, False)])
+@pytest.mark.parametrize(
+    ("code", "sticky"), [(700, True), (710, True), (719, True), (2, False), (901, False), (900, False)]
+)
 def test_only_sticky_codes_lose_the_context(code: int, sticky: bool) -> None:
     # Out of memory (2) and an invalidated capture (901) leave the context usable.
     assert (faults.context_lost_error(FakeAcceleratorError(code)) is not None) is sticky
@@ -65,7 +66,11 @@ def test_a_phase_tags_the_sticky_error_with_where_it_showed() -> None:
             with faults.phase("warm-up", "OutOfRange", desc, torch.device("cpu")):
                 raise FakeAcceleratorError(710)
     where = info.value.cudagraph_where  # type: ignore[attr-defined]
-    assert (where.module, where.descriptor, where.phase) == ("OutOfRange", "FULL-T8-R8", "warm-up")  # innermost
+    assert (where.module, where.descriptor, where.phase) == (
+        "OutOfRange",
+        "FULL-T8-R8",
+        "warm-up",
+    )  # innermost
     lost = faults.context_lost_error(info.value)
     assert lost is not None and "in OutOfRange, warm-up of FULL-T8-R8" in str(lost)
     with pytest.raises(ValueError):  # anything else passes through untagged
@@ -151,38 +156,43 @@ def pytest_unconfigure(config):
 """
 
 
-def test_serially_the_gpu_tests_after_a_lost_context_are_not_run(pytester: pytest.Pytester,
-                                                                  monkeypatch: pytest.MonkeyPatch,
-                                                                  verify_imported: None) -> None:
+def test_serially_the_gpu_tests_after_a_lost_context_are_not_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None
+) -> None:
     isolate_plugins(monkeypatch)
     pytester.makepyfile(test_suite=SUITE)
     pytester.makeconftest(CONFTEST)
     result = pytester.runpytest("--cudagraph-backend=emulate", "-rs")
     result.assert_outcomes(passed=2, failed=1, skipped=1)
-    result.stdout.fnmatch_lines([
-        "*CUDA context lost: a device-side assert (cudaErrorAssert) in Asserts, eager of FULL-T4-R4*",
-        "cudagraph: test_suite.py::test_b_asserts lost the CUDA context of its process; 1 GPU test(s) after it "
-        "were not run in this process",
-        "SKIPPED*not run: this process lost its CUDA context in test_suite.py::test_b_asserts*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*CUDA context lost: a device-side assert (cudaErrorAssert) in Asserts, eager of FULL-T4-R4*",
+            "cudagraph: test_suite.py::test_b_asserts lost the CUDA context of its process; 1 GPU test(s) after it "
+            "were not run in this process",
+            "SKIPPED*not run: this process lost its CUDA context in test_suite.py::test_b_asserts*",
+        ]
+    )
     # The failure is told in words: no frame of the harness in it.
     assert "pytest_cudagraph/" not in result.stdout.str().split("FAILURES")[1].split("short test summary")[0]
 
 
-def test_under_xdist_the_worker_is_replaced_and_the_run_goes_on(pytester: pytest.Pytester,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_under_xdist_the_worker_is_replaced_and_the_run_goes_on(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     isolate_plugins(monkeypatch)
     pytester.makepyfile(test_suite=SUITE)
     pytester.makeconftest(CONFTEST)
     result = pytester.runpytest_subprocess("--cudagraph-backend=emulate", "-n", "1", "-p", "xdist", "-rA")
     # The test after the fault runs in a fresh worker and passes; the fault is one failure, not two.
     result.assert_outcomes(passed=3, failed=1)
-    result.stdout.fnmatch_lines([
-        "*replacing crashed worker*",
-        "cudagraph: test_suite.py::test_b_asserts lost the CUDA context of its process; its worker ended after "
-        "its report, and a fresh one ran the tests after it",
-        "PASSED test_suite.py::test_c_after",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*replacing crashed worker*",
+            "cudagraph: test_suite.py::test_b_asserts lost the CUDA context of its process; its worker ended after "
+            "its report, and a fresh one ran the tests after it",
+            "PASSED test_suite.py::test_c_after",
+        ]
+    )
     assert "crashed while running" not in result.stdout.str()
 
 
@@ -202,16 +212,21 @@ def test_out_of_memory_in_capture_is_a_finding_naming_what_was_asked(monkeypatch
     from pytest_cudagraph import verify
 
     monkeypatch.setattr(faults, "_last_oom", (0, 1, 1, 1))  # an earlier phase's reading: not this one's
-    report = verify(AsksTooMuch(), lambda t, r: {"x": torch.randn(t, 4)}, capture_sizes=[1, 2, 4],
-                    backend="emulate")
+    report = verify(
+        AsksTooMuch(), lambda t, r: {"x": torch.randn(t, 4)}, capture_sizes=[1, 2, 4], backend="emulate"
+    )
     failed = [f for f in report.failures if f.check == "capture_safety"]
     assert [f.descriptor.label() for f in failed] == ["FULL-T4-R4"], report.format()
-    assert ("out of device memory: an allocation of 256.0 GiB was asked for with 139.0 GiB free of 140.0 GiB "
-            "on cuda:0 (OutOfMemoryError)") in failed[0].message
+    assert (
+        "out of device memory: an allocation of 256.0 GiB was asked for with 139.0 GiB free of 140.0 GiB "
+        "on cuda:0 (OutOfMemoryError)"
+    ) in failed[0].message
     # The other descriptors were captured and verified: the process goes on. (A check that runs
     # the module at 4 rows eagerly meets the same refusal, and says so in the same words.)
     assert len(report.descriptors) == 2
-    assert all("an allocation of 256.0 GiB was asked for" in f.message for f in report.failures), report.format()
+    assert all("an allocation of 256.0 GiB was asked for" in f.message for f in report.failures), (
+        report.format()
+    )
 
 
 def test_out_of_memory_detail_without_the_observer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,22 +236,27 @@ def test_out_of_memory_detail_without_the_observer(monkeypatch: pytest.MonkeyPat
     assert detail == "out of memory: an allocation larger than what was free was asked for"
 
 
-def test_with_isolation_the_fault_costs_its_child_only(pytester: pytest.Pytester,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_with_isolation_the_fault_costs_its_child_only(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     isolate_plugins(monkeypatch)
     pytester.makepyfile(test_suite=SUITE)
     pytester.makeconftest(CONFTEST)
     result = pytester.runpytest_subprocess("--cudagraph-backend=emulate", "--cudagraph-isolate", "-rA")
     result.assert_outcomes(passed=3, failed=1)
-    result.stdout.fnmatch_lines([
-        "*CUDA context lost: a device-side assert (cudaErrorAssert) in Asserts, eager of FULL-T4-R4*",
-        "cudagraph: test_suite.py::test_b_asserts lost the CUDA context of its process (its own child process: "
-        "--cudagraph-isolate); the tests after it ran",
-        "PASSED test_suite.py::test_c_after",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*CUDA context lost: a device-side assert (cudaErrorAssert) in Asserts, eager of FULL-T4-R4*",
+            "cudagraph: test_suite.py::test_b_asserts lost the CUDA context of its process (its own child process: "
+            "--cudagraph-isolate); the tests after it ran",
+            "PASSED test_suite.py::test_c_after",
+        ]
+    )
 
 
-def test_a_check_that_runs_out_of_memory_fails_and_says_what_was_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_check_that_runs_out_of_memory_fails_and_says_what_was_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from pytest_cudagraph.checks.builtin import BUILTIN
     from pytest_cudagraph.checks.engine import could_not_run
 
@@ -244,5 +264,7 @@ def test_a_check_that_runs_out_of_memory_fails_and_says_what_was_asked(monkeypat
     check = next(iter(BUILTIN))
     outcome = could_not_run(check, None, torch.OutOfMemoryError("stand-in"))
     assert not outcome.passed and not outcome.skipped
-    assert outcome.message == ("the check could not run: out of device memory: an allocation of 3.0 GiB was asked "
-                               "for with 1.0 GiB free of 140.0 GiB on cuda:0 (OutOfMemoryError)")
+    assert outcome.message == (
+        "the check could not run: out of device memory: an allocation of 3.0 GiB was asked "
+        "for with 1.0 GiB free of 140.0 GiB on cuda:0 (OutOfMemoryError)"
+    )

@@ -23,23 +23,41 @@ BF16 = unit_roundoff(torch.bfloat16)
 FP32 = unit_roundoff(torch.float32)
 
 
-def _data(rows: int = 8, cols: int = 1000, noise: float = 0.01, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(
+    rows: int = 8, cols: int = 1000, noise: float = 0.01, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     expected = torch.randn(rows, cols, generator=gen)
     padded = expected + noise * torch.randn(rows, cols, generator=gen)
     return expected, padded
 
 
-def _verdict(got: torch.Tensor, expected: torch.Tensor, padded: torch.Tensor | None, *, roundoff: float = BF16,
-             dtype: torch.dtype = torch.bfloat16, **kwargs: object):
-    return across_shapes(got.to(dtype), expected.to(dtype), (lambda: padded.to(dtype)) if padded is not None else None,
-                         rtol=None, atol=None, roundoff=roundoff, **kwargs)
+def _verdict(
+    got: torch.Tensor,
+    expected: torch.Tensor,
+    padded: torch.Tensor | None,
+    *,
+    roundoff: float = BF16,
+    dtype: torch.dtype = torch.bfloat16,
+    **kwargs: object,
+):
+    return across_shapes(
+        got.to(dtype),
+        expected.to(dtype),
+        (lambda: padded.to(dtype)) if padded is not None else None,
+        rtol=None,
+        atol=None,
+        roundoff=roundoff,
+        **kwargs,
+    )
 
 
 def test_within_the_tolerance_nothing_more_runs() -> None:
     expected, _ = _data(noise=0.0)
     ran = []
-    verdict = across_shapes(expected, expected.clone(), lambda: ran.append(1), rtol=None, atol=None, roundoff=FP32)
+    verdict = across_shapes(
+        expected, expected.clone(), lambda: ran.append(1), rtol=None, atol=None, roundoff=FP32
+    )
     assert verdict.passed and not verdict.floor_used and not ran
     assert verdict.figures == {"max_abs": 0.0}
 
@@ -55,7 +73,9 @@ def test_rounding_of_the_floors_size_passes_and_says_both_figures() -> None:
 def test_noise_twice_the_floor_at_the_same_spread_passes_but_far_beyond_it_fails() -> None:
     expected, padded = _data()
     gen = torch.Generator().manual_seed(1)
-    other = expected + 0.01 * torch.randn(expected.shape, generator=gen)  # the graph ran other kernels: same size
+    other = expected + 0.01 * torch.randn(
+        expected.shape, generator=gen
+    )  # the graph ran other kernels: same size
     assert _verdict(other, expected, padded).passed
     far = expected + 0.2 * torch.randn(expected.shape, generator=gen)
     verdict = _verdict(far, expected, padded)
@@ -141,7 +161,9 @@ def test_non_finite_where_eager_is_finite_fails_as_such() -> None:
 def test_no_floor_means_the_tolerance_decides() -> None:
     expected, padded = _data()
     verdict = _verdict(padded, expected, None)
-    assert not verdict.passed and verdict.why.startswith("real rows differ from eager on the unpadded batch (")
+    assert not verdict.passed and verdict.why.startswith(
+        "real rows differ from eager on the unpadded batch ("
+    )
     assert not verdict.floor_used
 
 
@@ -152,7 +174,10 @@ def test_integers_may_flip_only_where_eager_at_the_padded_shape_flips() -> None:
     ok = across_shapes(flipped, expected, lambda: flipped.clone(), rtol=None, atol=None, roundoff=BF16)
     assert ok.passed
     wrong = across_shapes(flipped, expected, lambda: expected.clone(), rtol=None, atol=None, roundoff=BF16)
-    assert not wrong.passed and "integer values that eager at the graph's padded shape does not give" in wrong.why
+    assert (
+        not wrong.passed
+        and "integer values that eager at the graph's padded shape does not give" in wrong.why
+    )
     most = expected + 1
     many = across_shapes(most, expected, lambda: most.clone(), rtol=None, atol=None, roundoff=BF16)
     assert not many.passed and "more than rounding flips" in many.why
@@ -174,7 +199,9 @@ def test_a_large_output_is_compared_in_pieces_with_the_same_verdict() -> None:
 
 def test_an_fp32_output_of_bf16_products_gets_bf16_tolerance() -> None:
     expected, padded = _data(noise=0.001)
-    assert compute_dtype(BF16) is torch.bfloat16 and compute_dtype(unit_roundoff(torch.float16)) is torch.float16
+    assert (
+        compute_dtype(BF16) is torch.bfloat16 and compute_dtype(unit_roundoff(torch.float16)) is torch.float16
+    )
     verdict = across_shapes(padded, expected, None, rtol=None, atol=None, roundoff=BF16)
     assert verdict.passed and not verdict.floor_used  # within bf16's tolerance: no floor needed
     assert not across_shapes(padded, expected, None, rtol=None, atol=None, roundoff=FP32).passed

@@ -83,8 +83,13 @@ def _device_used() -> int:
 
 def _capture_once(cls: type[nn.Module], fails: bool) -> Callable[[], None]:
     def once() -> None:
-        manager = GraphManager(cls().cuda(), make_x, {"capture_sizes": SIZES, "max_num_reqs": 128},
-                               backend="cuda", progress=False)
+        manager = GraphManager(
+            cls().cuda(),
+            make_x,
+            {"capture_sizes": SIZES, "max_num_reqs": 128},
+            backend="cuda",
+            progress=False,
+        )
         try:
             if fails:
                 with pytest.raises(CaptureError):
@@ -93,12 +98,19 @@ def _capture_once(cls: type[nn.Module], fails: bool) -> Callable[[], None]:
                 manager.capture()
         finally:
             manager.release()
+
     return once
 
 
 def _verify_once() -> None:
-    report = verify(HostSync().cuda(), make_x, capture_sizes=SIZES, backend="cuda", progress=False,
-                    checks=["capture_safety", "replay_matches_eager"])
+    report = verify(
+        HostSync().cuda(),
+        make_x,
+        capture_sizes=SIZES,
+        backend="cuda",
+        progress=False,
+        checks=["capture_safety", "replay_matches_eager"],
+    )
     assert not report.ok
 
 
@@ -119,8 +131,10 @@ def test_a_failure_path_gives_back_what_it_took(path: str) -> None:
         once()
         used.append(_device_used())
     growth = used[-1] - used[WARM - 1]
-    assert growth <= SLACK, (f"{path}: device memory grew by {growth / 2**20:.1f} MiB over cycles "
-                             f"{WARM + 1}..{CYCLES} (per cycle: {[u - used[WARM - 1] for u in used[WARM:]]})")
+    assert growth <= SLACK, (
+        f"{path}: device memory grew by {growth / 2**20:.1f} MiB over cycles "
+        f"{WARM + 1}..{CYCLES} (per cycle: {[u - used[WARM - 1] for u in used[WARM:]]})"
+    )
 
 
 SCRIPT = """
@@ -148,8 +162,14 @@ except ContextLost as lost:
 
 
 def test_a_device_assert_is_told_as_a_lost_context_with_where_it_showed() -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert "LOST 710 OutOfRange FULL-T8-R8 eager" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
@@ -158,7 +178,9 @@ def test_a_suite_with_faults_runs_on(pytester: pytest.Pytester, monkeypatch: pyt
     from .conftest import isolate_plugins
 
     isolate_plugins(monkeypatch)  # this plugin whether installed or on PYTHONPATH; xdist by -p
-    pytester.makepyfile(test_faults_demo=(ROOT / "scripts" / "fault_suite" / "test_faults_demo.py").read_text())
+    pytester.makepyfile(
+        test_faults_demo=(ROOT / "scripts" / "fault_suite" / "test_faults_demo.py").read_text()
+    )
     result = pytester.runpytest_subprocess("-p", "xdist", "-n", "2", "-rA")
     result.assert_outcomes(passed=3, failed=3)
     out = result.stdout.str()

@@ -44,8 +44,9 @@ def make_inputs(device: torch.device | str = "cpu") -> Callable[[int, int], dict
 
 
 def verify(module: nn.Module, backend: str = "emulate", device: torch.device | str = "cpu") -> Any:
-    return pytest_cudagraph.verify(module.to(device), make_inputs(device), capture_sizes=SIZES,
-                                   backend=backend, device=device)
+    return pytest_cudagraph.verify(
+        module.to(device), make_inputs(device), capture_sizes=SIZES, backend=backend, device=device
+    )
 
 
 def guarded_violations(module: nn.Module, x: torch.Tensor | None = None) -> list[Violation]:
@@ -159,8 +160,14 @@ def test_the_capture_query_is_torchs_own_outside_a_guard():
 def test_a_hugging_face_llama_passes_capture_safety():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
 
     class Logits(nn.Module):
@@ -171,8 +178,13 @@ def test_a_hugging_face_llama_passes_capture_safety():
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
             return self.model(input_ids=input_ids[None], use_cache=False).logits[0]
 
-    report = pytest_cudagraph.verify(Logits(), lambda t, r: {"input_ids": torch.randint(0, 128, (t,))},
-                                     capture_sizes=[1, 2, 4, 8], max_num_reqs=1, backend="emulate")
+    report = pytest_cudagraph.verify(
+        Logits(),
+        lambda t, r: {"input_ids": torch.randint(0, 128, (t,))},
+        capture_sizes=[1, 2, 4, 8],
+        max_num_reqs=1,
+        backend="emulate",
+    )
     # transformers skips its `bool(torch.all(mask == 1))` when a stream is capturing.
     assert not capture_safety_failures(report), report.format()
 
@@ -199,7 +211,10 @@ class SyncsAtTwoLines(nn.Module):
 def test_a_violation_names_the_line_that_called_it():
     found = guarded_violations(SyncsAtTwoLines())
     assert [(v.op, v.module_path) for v in found] == [
-        ("Tensor.item()", ""), ("aten.nonzero.default", "inner"), ("Tensor.item()", "")]
+        ("Tensor.item()", ""),
+        ("aten.nonzero.default", "inner"),
+        ("Tensor.item()", ""),
+    ]
     assert_location(found[0].location, SyncsAtTwoLines.forward, "total += x.sum().item()")
     assert_location(found[1].location, Nonzero.forward, "torch.nonzero")
     assert_location(found[2].location, SyncsAtTwoLines.forward, "x.max().item()")
@@ -340,10 +355,21 @@ W, DATA, MOVE = guard_module._WRITE_REASON, guard_module._DATA_TO_DEVICE_REASON,
 CAUGHT = [
     # module, op and reason named on the emulator, the line that does it, a capturable twin
     (WritesNumberByIndex, "aten.copy_.default", W, "self.buf[0] = 3.0", FillsInPlace),
-    (WritesNumberAtIndices, "aten.index_put_.default", W, "self.buf[self.idx] = 2.0", WritesDeviceValueAtIndices),
+    (
+        WritesNumberAtIndices,
+        "aten.index_put_.default",
+        W,
+        "self.buf[self.idx] = 2.0",
+        WritesDeviceValueAtIndices,
+    ),
     (WritesHostTensor, "aten.copy_.default", W, "torch.tensor([1.0, 2.0])", CopiesDeviceTensor),
-    (AddsHostVector, "aten.add.Tensor", guard_module._OPERAND_REASON, "torch.tensor([1.0] * D)",
-     ScalesByHostScalar),
+    (
+        AddsHostVector,
+        "aten.add.Tensor",
+        guard_module._OPERAND_REASON,
+        "torch.tensor([1.0] * D)",
+        ScalesByHostScalar,
+    ),
     (WhereHostScalar, "aten.where.self", guard_module._WHERE_REASON, "torch.where", WherePythonNumber),
     (TensorOnDevice, "torch.tensor(..., device=...)", DATA, "torch.tensor(", FullOnDevice),
     (AsTensorOnDevice, "torch.as_tensor(..., device=...)", DATA, "torch.as_tensor(", FullOnDevice),
@@ -354,22 +380,33 @@ CAUGHT = [
 ]
 
 
-@pytest.mark.parametrize(("caught", "op", "reason", "line", "twin"), CAUGHT, ids=[c[0].__name__ for c in CAUGHT])
+@pytest.mark.parametrize(
+    ("caught", "op", "reason", "line", "twin"), CAUGHT, ids=[c[0].__name__ for c in CAUGHT]
+)
 def test_a_host_value_on_the_graphs_path_is_named_on_the_emulator(caught, op, reason, line, twin):
     found = guarded_violations(caught())
     assert [(v.op, v.reason, v.module_path) for v in found] == [(op, reason, "")]
     assert_location(found[0].location, caught.forward, line)
     # The emulated capture refuses it too, naming the same op.
-    mgr = GraphManager(caught().eval(), make_inputs(), CaptureConfig(capture_sizes=SIZES, max_num_reqs=4),
-                       backend="emulate", device=torch.device("cpu"))
+    mgr = GraphManager(
+        caught().eval(),
+        make_inputs(),
+        CaptureConfig(capture_sizes=SIZES, max_num_reqs=4),
+        backend="emulate",
+        device=torch.device("cpu"),
+    )
     with pytest.raises(CaptureError) as info:
         mgr.capture()
     assert info.value.op == op
     assert f"{line_of(caught.forward, line)} in forward" in str(info.value)
 
 
-@pytest.mark.parametrize(("caught", "op", "reason", "line", "twin"), CAUGHT, ids=[c[0].__name__ for c in CAUGHT])
-def test_a_host_value_fails_capture_safety_and_its_twin_passes(backend, device, caught, op, reason, line, twin):
+@pytest.mark.parametrize(
+    ("caught", "op", "reason", "line", "twin"), CAUGHT, ids=[c[0].__name__ for c in CAUGHT]
+)
+def test_a_host_value_fails_capture_safety_and_its_twin_passes(
+    backend, device, caught, op, reason, line, twin
+):
     torch.manual_seed(0)
     assert capture_safety_failures(verify(caught(), backend, device))
     torch.manual_seed(0)
@@ -404,7 +441,9 @@ def test_check_op_names_a_cpu_scalar_written_into_a_device_tensor():
     assert check_op(aten.copy_.default, (element, value), {}, cuda) == written
     assert check_op(aten.index_put_.default, (dest, [idx], value), {}, cuda) == ("aten.index_put_.default", W)
     assert check_op(aten.where.self, (dest > 0, dest, value), {}, cuda) == (
-        "aten.where.self", guard_module._WHERE_REASON)
+        "aten.where.self",
+        guard_module._WHERE_REASON,
+    )
     assert check_op(aten.lift_fresh.default, (lifted,), {}, cuda) == ("aten.lift_fresh.default", DATA)
     # A CPU scalar as an operand, or filled from, is taken by value: capturable.
     assert check_op(aten.mul.Tensor, (dest, value), {}, cuda) is None

@@ -107,20 +107,66 @@ def test_filter_args_drops_paths_and_unwanted_options(inner: pytest.Pytester) ->
     config = inner.parseconfig()
     arities = isolate.option_arities(config)
     assert arities["-p"] is None and arities["-x"] == 0 and arities["--cudagraph-isolate"] == 0
-    given = ["tests/test_a.py::test_x[1-2]", "-n2", "-n", "3", "--dist=load", "--dist", "loadfile", "-vx",
-             "--maxfail", "3", "--maxfail=4", "--cudagraph-report=r.json", "--cudagraph-report", "r2.json",
-             "--junitxml", "j.xml", "--cudagraph-isolate", "--lf", "--sw", "--basetemp=/tmp/x",
-             "-p", "no:cacheprovider", "-p", "xdist", "-pxdist", "-k", "not slow", "-o", "addopts=-n 4",
-             "-o", "xfail_strict=true", "--cudagraph-sizes", "1,2", "--cudagraph-backend=emulate",
-             "-rA", "tests", "-c", "pytest.ini", "--rootdir=.", "--", "other/test_b.py"]
+    given = [
+        "tests/test_a.py::test_x[1-2]",
+        "-n2",
+        "-n",
+        "3",
+        "--dist=load",
+        "--dist",
+        "loadfile",
+        "-vx",
+        "--maxfail",
+        "3",
+        "--maxfail=4",
+        "--cudagraph-report=r.json",
+        "--cudagraph-report",
+        "r2.json",
+        "--junitxml",
+        "j.xml",
+        "--cudagraph-isolate",
+        "--lf",
+        "--sw",
+        "--basetemp=/tmp/x",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "xdist",
+        "-pxdist",
+        "-k",
+        "not slow",
+        "-o",
+        "addopts=-n 4",
+        "-o",
+        "xfail_strict=true",
+        "--cudagraph-sizes",
+        "1,2",
+        "--cudagraph-backend=emulate",
+        "-rA",
+        "tests",
+        "-c",
+        "pytest.ini",
+        "--rootdir=.",
+        "--",
+        "other/test_b.py",
+    ]
     assert isolate.filter_args(given, arities) == [
-        "-v", "-p", "no:cacheprovider", "-k", "not slow", "-o", "xfail_strict=true",
-        "--cudagraph-sizes", "1,2", "--cudagraph-backend=emulate", "-rA",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "not slow",
+        "-o",
+        "xfail_strict=true",
+        "--cudagraph-sizes",
+        "1,2",
+        "--cudagraph-backend=emulate",
+        "-rA",
     ]
     # Without the parser's table, the dropped options' own arities still apply.
-    assert isolate.filter_args(["-n", "2", "-x", "--maxfail", "2", "--cudagraph-report", "r", "-q", "t.py"]) == [
-        "-q"
-    ]
+    assert isolate.filter_args(
+        ["-n", "2", "-x", "--maxfail", "2", "--cudagraph-report", "r", "-q", "t.py"]
+    ) == ["-q"]
 
 
 def test_child_reporter_round_trips_the_plugin_attributes(inner: pytest.Pytester, tmp_path: Path) -> None:
@@ -142,8 +188,14 @@ def test_child_reporter_round_trips_the_plugin_attributes(inner: pytest.Pytester
 # -- runs ----------------------------------------------------------------------
 def test_isolated_run_relays_outcomes_and_survives_dying_children(inner: pytest.Pytester) -> None:
     inner.makepyfile(test_inner=INNER)
-    result = inner.runpytest("--cudagraph-isolate", "--cudagraph-backend=emulate", "--cudagraph-sizes=1,2",
-                             "-rA", "-p", "no:randomly")
+    result = inner.runpytest(
+        "--cudagraph-isolate",
+        "--cudagraph-backend=emulate",
+        "--cudagraph-sizes=1,2",
+        "-rA",
+        "-p",
+        "no:randomly",
+    )
     result.assert_outcomes(passed=3, failed=3, skipped=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     plain_pid, plain_env = _pid(inner.path / "plain.pid")
@@ -152,28 +204,43 @@ def test_isolated_run_relays_outcomes_and_survives_dying_children(inner: pytest.
     assert plain_env == ""  # a test not using the plugin runs in the parent
     assert used_env != "" and len({plain_pid, used_pid, after_pid}) == 3  # each plugin test: a child
     out = result.stdout.str()
-    result.stdout.fnmatch_lines([
-        "*AssertionError: boom-from-the-child*",
-        "*child says hello*",  # the child's captured output, from its report's sections
-    ])
-    result.stdout.fnmatch_lines([
-        "*the child process running the test ended with exit code 3 without a report of its call phase*",
-    ])
-    result.stdout.fnmatch_lines([
-        "*the child process running the test was killed by signal 9 (SIGKILL) without a report of its call*",
-    ])
-    for line in ("PASSED test_inner.py::test_plain", "PASSED test_inner.py::test_used",
-                 "PASSED test_inner.py::test_after", "SKIPPED [[]1[]] test_inner.py:*: skipped-in-the-child",
-                 "FAILED test_inner.py::test_fails - AssertionError: boom-from-the-child*",
-                 "FAILED test_inner.py::test_exits - *", "FAILED test_inner.py::test_killed - *"):
+    result.stdout.fnmatch_lines(
+        [
+            "*AssertionError: boom-from-the-child*",
+            "*child says hello*",  # the child's captured output, from its report's sections
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*the child process running the test ended with exit code 3 without a report of its call phase*",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*the child process running the test was killed by signal 9 (SIGKILL) without a report of its call*",
+        ]
+    )
+    for line in (
+        "PASSED test_inner.py::test_plain",
+        "PASSED test_inner.py::test_used",
+        "PASSED test_inner.py::test_after",
+        "SKIPPED [[]1[]] test_inner.py:*: skipped-in-the-child",
+        "FAILED test_inner.py::test_fails - AssertionError: boom-from-the-child*",
+        "FAILED test_inner.py::test_exits - *",
+        "FAILED test_inner.py::test_killed - *",
+    ):
         result.stdout.fnmatch_lines([line])
-    assert "--basetemp" not in out.split("command:")[1].split("--basetemp", 1)[0]  # the parent's is not passed
+    assert (
+        "--basetemp" not in out.split("command:")[1].split("--basetemp", 1)[0]
+    )  # the parent's is not passed
 
 
 def _records(data: dict[str, Any]) -> list[tuple[int, list[str]]]:
     (test,) = data["tests"].values()
-    return [(v["report"]["planned_descriptors"], [d["label"] for d in v["report"]["descriptors"]])
-            for v in test["verifications"]]
+    return [
+        (v["report"]["planned_descriptors"], [d["label"] for d in v["report"]["descriptors"]])
+        for v in test["verifications"]
+    ]
 
 
 def test_json_report_holds_the_childs_records(inner: pytest.Pytester, verify_imported: None) -> None:
@@ -183,17 +250,23 @@ def test_json_report_holds_the_childs_records(inner: pytest.Pytester, verify_imp
     plain.assert_outcomes(passed=1)
     isolated = inner.runpytest(*options, "--cudagraph-isolate", "--cudagraph-report=isolated.json")
     isolated.assert_outcomes(passed=1)
-    isolated.stdout.fnmatch_lines(["*test_verifying.py::test_verifies: *"])  # the summary line, from the records
+    isolated.stdout.fnmatch_lines(
+        ["*test_verifying.py::test_verifies: *"]
+    )  # the summary line, from the records
     data_plain = json.loads((inner.path / "plain.json").read_text())
     data_isolated = json.loads((inner.path / "isolated.json").read_text())
     assert (data_isolated["complete"], data_isolated["passed"]) == (True, True)
     assert data_isolated["settings"]["isolate"] is True
     assert _records(data_isolated) == _records(data_plain)
-    assert [planned for planned, _ in _records(data_isolated)] == [2, 3]  # --cudagraph-sizes=1,2 reached the child
+    assert [planned for planned, _ in _records(data_isolated)] == [
+        2,
+        3,
+    ]  # --cudagraph-sizes=1,2 reached the child
 
 
 def test_exitfirst_stops_the_parent_after_a_failed_child(inner: pytest.Pytester) -> None:
-    inner.makepyfile(test_x="""
+    inner.makepyfile(
+        test_x="""
         import pytest
 
         @pytest.mark.cudagraph
@@ -202,7 +275,8 @@ def test_exitfirst_stops_the_parent_after_a_failed_child(inner: pytest.Pytester)
 
         def test_never():
             raise AssertionError("ran after -x")
-    """)
+    """
+    )
     result = inner.runpytest("--cudagraph-isolate", "--cudagraph-backend=emulate", "-x", "-p", "no:randomly")
     result.assert_outcomes(failed=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
@@ -238,11 +312,20 @@ def test_a_hung_child_is_killed_with_its_group_and_named_with_its_phase(inner: p
 
     inner.makepyfile(test_hangs=HANGS)
     inner.makeini("[pytest]\nmarkers =\n    timeout: pytest-timeout's\n")
-    result = inner.runpytest("--cudagraph-isolate", "--cudagraph-isolate-timeout=4", "-p", "no:randomly",
-                             "test_hangs.py::test_hangs")
+    result = inner.runpytest(
+        "--cudagraph-isolate",
+        "--cudagraph-isolate-timeout=4",
+        "-p",
+        "no:randomly",
+        "test_hangs.py::test_hangs",
+    )
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*the child process running the test was still running after 4 s*"
-                                 "was killed, with its process group, hung in its call phase*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*the child process running the test was still running after 4 s*"
+            "was killed, with its process group, hung in its call phase*"
+        ]
+    )
     grandchild = int((inner.path / "grandchild.pid").read_text())
     for _ in range(50):
         try:
@@ -271,4 +354,6 @@ def test_the_child_timeout_follows_the_option_else_pytest_timeouts_marker(inner:
     assert {isolate.child_timeout(i) for i in items} == {9.0}
     result = inner.runpytest("--cudagraph-isolate-timeout=soon")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--cudagraph-isolate-timeout: expected a positive number of seconds*'soon'*"])
+    result.stderr.fnmatch_lines(
+        ["*--cudagraph-isolate-timeout: expected a positive number of seconds*'soon'*"]
+    )

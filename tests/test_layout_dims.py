@@ -55,8 +55,11 @@ def test_tokens_in_dim_1_are_learned_and_logits_cut_along_dim_1(backend, device)
         assert out.shape == (1, t, VOCAB)
         torch.testing.assert_close(out, no_grad_eager(module, input_ids=x))
     # The message shows num_tokens where it belongs.
-    with pytest.raises(ValueError, match=r"input 'input_ids' has shape \(2, 5\); expected a torch.int64 tensor "
-                                         r"of shape \(1, num_tokens\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"input 'input_ids' has shape \(2, 5\); expected a torch.int64 tensor "
+        r"of shape \(1, num_tokens\)",
+    ):
         mgr.run(input_ids=torch.zeros(2, 5, dtype=torch.long, device=device))
 
 
@@ -75,8 +78,14 @@ class Flattening(nn.Module):
 @pytest.mark.parametrize("batch_dims", [None, {"x": 1}, {"x": -2}], ids=["learned", "explicit", "negative"])
 def test_b_t_h_input_follows_tokens_in_dim_1(backend, device, batch_dims):
     module = Flattening().to(device).eval()
-    mgr = GraphManager(module, lambda t, r: {"x": torch.randn(2, t, 6, device=device)}, CONFIG,
-                       backend=backend, device=device, batch_dims=batch_dims)
+    mgr = GraphManager(
+        module,
+        lambda t, r: {"x": torch.randn(2, t, 6, device=device)},
+        CONFIG,
+        backend=backend,
+        device=device,
+        batch_dims=batch_dims,
+    )
     assert mgr.input_specs["x"].dims == ((1, "tokens", 0),)
     assert mgr.input_specs["x"].expected() == "a torch.float32 tensor of shape (2, num_tokens, 6)"
     # The graph of a shape reads a contiguous window of the buffer, so view() works in it.
@@ -90,27 +99,50 @@ def test_b_t_h_input_follows_tokens_in_dim_1(backend, device, batch_dims):
 
 def test_explicit_batch_dims_are_validated(backend, device):
     make = ids_inputs(device)
-    build = lambda **kw: GraphManager(TokenLM().to(device), make, CONFIG, backend=backend, device=device, **kw)  # noqa: E731
-    with pytest.raises(ValueError, match=r"batch_dims names unknown input\(s\) \['ids'\]; inputs are \['input_ids'\]"):
+
+    def build(**kw):
+        return GraphManager(TokenLM().to(device), make, CONFIG, backend=backend, device=device, **kw)
+
+    with pytest.raises(
+        ValueError, match=r"batch_dims names unknown input\(s\) \['ids'\]; inputs are \['input_ids'\]"
+    ):
         build(batch_dims={"ids": 1})
-    with pytest.raises(ValueError, match=r"batch_dims\['input_ids'\] = 2 is out of range for its 2-dimensional "
-                                         r"input .* expected a dimension in \[-2, 1\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch_dims\['input_ids'\] = 2 is out of range for its 2-dimensional "
+        r"input .* expected a dimension in \[-2, 1\]",
+    ):
         build(batch_dims={"input_ids": 2})
-    with pytest.raises(ValueError, match=r"batch_dims\['input_ids'\] = 0, but dimension 0 is 1 at every shape "
-                                         r"seen, and dimension\(s\) \[1\] change with the batch instead"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch_dims\['input_ids'\] = 0, but dimension 0 is 1 at every shape "
+        r"seen, and dimension\(s\) \[1\] change with the batch instead",
+    ):
         build(batch_dims={"input_ids": 0})
     with pytest.raises(ValueError, match=r"batch_dims\['input_ids'\] must be an int"):
         build(batch_dims={"input_ids": "1"})
     with pytest.raises(ValueError, match="batch_dims must map input names"):
         build(batch_dims=[1])
     with pytest.raises(ValueError, match=r"batch_dims\['use_cache'\] names a Python value"):
-        GraphManager(TokenLM().to(device), lambda t, r: {**make(t, r), "use_cache": False}, CONFIG,
-                     backend=backend, device=device, batch_dims={"use_cache": 0})
+        GraphManager(
+            TokenLM().to(device),
+            lambda t, r: {**make(t, r), "use_cache": False},
+            CONFIG,
+            backend=backend,
+            device=device,
+            batch_dims={"use_cache": 0},
+        )
     # Given, but another dimension changes too: refused rather than padded wrong.
     with pytest.raises(ValueError, match=r"batch_dims\['m'\] = 0, but dimension\(s\) \[1\] also change"):
-        GraphManager(nn.Identity(), lambda t, r: {"input": torch.zeros(t, 2, device=device),
-                                                  "m": torch.zeros(t, t, device=device)}, CONFIG,
-                     backend=backend, device=device, batch_dims={"m": 0}, pad_values={"m": 0})
+        GraphManager(
+            nn.Identity(),
+            lambda t, r: {"input": torch.zeros(t, 2, device=device), "m": torch.zeros(t, t, device=device)},
+            CONFIG,
+            backend=backend,
+            device=device,
+            batch_dims={"m": 0},
+            pad_values={"m": 0},
+        )
 
 
 # -- inputs with several dimensions that follow the batch ------------------------------------
@@ -118,29 +150,52 @@ def causal_mask_inputs(device: torch.device) -> Any:
     def make_inputs(t: int, r: int) -> dict[str, Any]:
         mask = torch.triu(torch.full((t, t), float("-inf"), device=device), diagonal=1)
         return {"src": torch.randn(t, 1, 16, device=device), "src_mask": mask}
+
     return make_inputs
 
 
 def test_square_mask_requires_a_pad_value(backend, device):
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0).to(device).eval()
-    with pytest.raises(ValueError, match=r"input 'src_mask' has several dimensions that follow the batch \(dim 0 "
-                                         r"follows num_tokens, dim 1 follows num_tokens\).*Pass "
-                                         r"pad_values=\{'src_mask': float\('-inf'\)\}"):
+    with pytest.raises(
+        ValueError,
+        match=r"input 'src_mask' has several dimensions that follow the batch \(dim 0 "
+        r"follows num_tokens, dim 1 follows num_tokens\).*Pass "
+        r"pad_values=\{'src_mask': float\('-inf'\)\}",
+    ):
         GraphManager(layer, causal_mask_inputs(device), CONFIG, backend=backend, device=device)
     with pytest.raises(ValueError, match=r"pad_values\['src_mask'\] = 'edge' needs one dimension"):
-        GraphManager(layer, causal_mask_inputs(device), CONFIG, backend=backend, device=device,
-                     pad_values={"src_mask": "edge"})
+        GraphManager(
+            layer,
+            causal_mask_inputs(device),
+            CONFIG,
+            backend=backend,
+            device=device,
+            pad_values={"src_mask": "edge"},
+        )
     with pytest.raises(ValueError, match=r"input 'm' .*pad_values=\{'m': False\} or \{'m': True\}"):
-        GraphManager(nn.Identity(), lambda t, r: {"input": torch.zeros(t, device=device),
-                                                  "m": torch.ones(t, t, dtype=torch.bool, device=device)},
-                     CONFIG, backend=backend, device=device)
+        GraphManager(
+            nn.Identity(),
+            lambda t, r: {
+                "input": torch.zeros(t, device=device),
+                "m": torch.ones(t, t, dtype=torch.bool, device=device),
+            },
+            CONFIG,
+            backend=backend,
+            device=device,
+        )
 
 
 def test_square_mask_is_padded_as_a_block(backend, device):
     # nn.TransformerEncoderLayer, seq-first: src (T, 1, E) and an additive (T, T) mask.
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0).to(device).eval()
-    mgr = GraphManager(layer, causal_mask_inputs(device), CONFIG, backend=backend, device=device,
-                       pad_values={"src_mask": float("-inf")})
+    mgr = GraphManager(
+        layer,
+        causal_mask_inputs(device),
+        CONFIG,
+        backend=backend,
+        device=device,
+        pad_values={"src_mask": float("-inf")},
+    )
     spec = mgr.input_specs["src_mask"]
     assert spec.kind == "multi" and spec.dims == ((0, "tokens", 0), (1, "tokens", 0))
     assert spec.expected() == "a torch.float32 tensor of shape (num_tokens, num_tokens)"
@@ -168,15 +223,19 @@ class PerRequestSum(nn.Module):
 def request_inputs(device: torch.device) -> Any:
     def make_inputs(t: int, r: int) -> dict[str, Any]:
         owner = torch.arange(t, device=device) % r
-        return {"x": torch.randn(t, 4, device=device),
-                "assign": torch.nn.functional.one_hot(owner, r).to(torch.float32)}
+        return {
+            "x": torch.randn(t, 4, device=device),
+            "assign": torch.nn.functional.one_hot(owner, r).to(torch.float32),
+        }
+
     return make_inputs
 
 
 def test_input_whose_dims_follow_different_counts(backend, device):
     module = PerRequestSum()
-    mgr = GraphManager(module, request_inputs(device), CONFIG, backend=backend, device=device,
-                       pad_values={"assign": 0.0})
+    mgr = GraphManager(
+        module, request_inputs(device), CONFIG, backend=backend, device=device, pad_values={"assign": 0.0}
+    )
     spec = mgr.input_specs["assign"]
     assert spec.kind == "multi" and spec.dims == ((0, "tokens", 0), (1, "reqs", 0))
     assert spec.expected() == "a torch.float32 tensor of shape (num_tokens, num_reqs)"
@@ -194,8 +253,13 @@ def test_input_whose_dims_follow_different_counts(backend, device):
 # -- padding_views -----------------------------------------------------------------------------
 def test_padding_views_are_the_padded_part_of_each_buffer(backend, device):
     module = Flattening().to(device).eval()
-    mgr = GraphManager(module, lambda t, r: {"x": torch.randn(2, t, 6, device=device)}, CONFIG,
-                       backend=backend, device=device)
+    mgr = GraphManager(
+        module,
+        lambda t, r: {"x": torch.randn(2, t, 6, device=device)},
+        CONFIG,
+        backend=backend,
+        device=device,
+    )
     mgr.capture()
     x = torch.randn(2, 3, 6, device=device)
     batch = mgr.batch_of({"x": x})
@@ -232,12 +296,15 @@ def test_attention_weights_are_cut_on_both_dims(backend, device):
     module = AttentionWeights().to(device).eval()
 
     def make_inputs(t: int, r: int) -> dict[str, Any]:
-        return {"x": torch.randn(t, 1, 8, device=device),
-                "key_padding_mask": torch.zeros(1, t, dtype=torch.bool, device=device)}
+        return {
+            "x": torch.randn(t, 1, 8, device=device),
+            "key_padding_mask": torch.zeros(1, t, dtype=torch.bool, device=device),
+        }
 
     # Padded keys are masked out (True), so real queries never see them.
-    mgr = GraphManager(module, make_inputs, CONFIG, backend=backend, device=device,
-                       pad_values={"key_padding_mask": True})
+    mgr = GraphManager(
+        module, make_inputs, CONFIG, backend=backend, device=device, pad_values={"key_padding_mask": True}
+    )
     assert mgr.input_specs["key_padding_mask"].dims == ((1, "tokens", 0),)
     mgr.capture()
     inputs = make_inputs(3, 1)
@@ -320,8 +387,11 @@ def test_structured_outputs_come_back_in_their_type_cut(backend, device, kind):
     expected = no_grad_eager(module, input_ids=x)
     _same_structure(out, expected)
     first = out[0] if kind == "nested" else out
-    hidden = first["last_hidden_state"] if kind == "model_output" else (
-        first["hidden"] if kind == "dict" else first.hidden)
+    hidden = (
+        first["last_hidden_state"]
+        if kind == "model_output"
+        else (first["hidden"] if kind == "dict" else first.hidden)
+    )
     assert hidden.shape == (1, 3, 8)  # cut along dim 1 from the 4-token graph's (1, 4, 8)
     if kind == "model_output":
         assert out.hidden_states is None and out.attentions is None
@@ -357,11 +427,19 @@ class Unrelated(nn.Module):
 
 @pytest.mark.parametrize(("where", "path"), [("dict", r"\['logits'\]"), ("tuple", r"\[1\]")])
 def test_output_unrelated_to_the_batch_is_refused(backend, device, where, path):
-    mgr = GraphManager(Unrelated(where), lambda t, r: {"x": torch.randn(t, 2, device=device)}, CONFIG,
-                       backend=backend, device=device)
-    with pytest.raises(ValueError, match=rf"output {path} has shape \(14,\) at \(num_tokens=7, num_reqs=3\) and "
-                                         r"\(10,\) at \(num_tokens=5, num_reqs=2\).* can only cut dimensions that "
-                                         r"follow num_tokens or num_reqs"):
+    mgr = GraphManager(
+        Unrelated(where),
+        lambda t, r: {"x": torch.randn(t, 2, device=device)},
+        CONFIG,
+        backend=backend,
+        device=device,
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"output {path} has shape \(14,\) at \(num_tokens=7, num_reqs=3\) and "
+        r"\(10,\) at \(num_tokens=5, num_reqs=2\).* can only cut dimensions that "
+        r"follow num_tokens or num_reqs",
+    ):
         mgr.capture()
     assert not mgr.captured
 
@@ -395,8 +473,12 @@ def test_without_probes_descriptors_settle_which_dims_follow(backend, device):
 def tiny_llama() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
@@ -411,8 +493,14 @@ def test_llama_for_causal_lm_takes_input_ids_1_by_t(backend, device):
     def make_inputs(t: int, r: int) -> dict[str, Any]:
         return {"input_ids": torch.randint(0, 128, (1, t), device=device), "use_cache": False}
 
-    mgr = GraphManager(model, make_inputs, {"capture_sizes": [1, 2, 4, 8], "max_num_reqs": 1},
-                       backend=backend, device=device, pad_values={"input_ids": 0})
+    mgr = GraphManager(
+        model,
+        make_inputs,
+        {"capture_sizes": [1, 2, 4, 8], "max_num_reqs": 1},
+        backend=backend,
+        device=device,
+        pad_values={"input_ids": 0},
+    )
     assert mgr.input_specs["input_ids"].dims == ((1, "tokens", 0),)
     assert mgr.input_specs["use_cache"].kind == "const"
     mgr.capture()

@@ -35,12 +35,7 @@ def eager(module, **inputs):
 
 def tree_equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return (
-            isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-            and torch.equal(a, b)
-        )
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(tree_equal(a[k], b[k]) for k in a)
     if isinstance(a, (tuple, list)):
@@ -58,7 +53,10 @@ def test_mlp_replay_is_bit_exact_at_every_capture_size(backend, device, mode):
     for desc in mgr.captured_descriptors:
         x = torch.randn(desc.num_tokens, 32, device=device)
         out = mgr.run(x=x)
-        assert mgr.dispatch(num_reqs=min(desc.num_tokens, 8), num_tokens=desc.num_tokens).mode is not GraphMode.NONE
+        assert (
+            mgr.dispatch(num_reqs=min(desc.num_tokens, 8), num_tokens=desc.num_tokens).mode
+            is not GraphMode.NONE
+        )
         assert tree_equal(out, eager(module, x=x)), desc
 
 
@@ -110,8 +108,15 @@ def test_real_batches_of_every_size_match_unpadded_eager(backend, device, mode):
 def test_outputs_cut_per_token_and_per_request(backend, device):
     module = models.RequestHead()
     make_inputs = models.request_inputs(device=device)
-    mgr = make(module, make_inputs, backend, device, capture_sizes=(4, 8, 16), max_num_reqs=4,
-               pad_values={"query_start_loc": "edge", "last_token": 0})
+    mgr = make(
+        module,
+        make_inputs,
+        backend,
+        device,
+        capture_sizes=(4, 8, 16),
+        max_num_reqs=4,
+        pad_values={"query_start_loc": "edge", "last_token": 0},
+    )
     assert mgr.input_specs["query_start_loc"].kind == "reqs"
     assert mgr.input_specs["query_start_loc"].offset == 1
     mgr.capture()
@@ -120,7 +125,11 @@ def test_outputs_cut_per_token_and_per_request(backend, device):
             inputs = make_inputs(n, r)
             out = mgr.run(**inputs)
             ref = eager(module, **inputs)
-            assert out["hidden"].shape == (n, 16) and out["logits"].shape == (r, 16) and out["lens"].shape == (r,)
+            assert (
+                out["hidden"].shape == (n, 16)
+                and out["logits"].shape == (r, 16)
+                and out["lens"].shape == (r,)
+            )
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -144,8 +153,15 @@ def test_padded_rows_get_pad_values_and_the_mask(backend, device):
 
 
 def test_edge_padding_repeats_the_last_real_row(backend, device):
-    mgr = make(models.RequestHead(), models.request_inputs(device=device), backend, device,
-               capture_sizes=(8,), max_num_reqs=8, pad_values={"query_start_loc": "edge"})
+    mgr = make(
+        models.RequestHead(),
+        models.request_inputs(device=device),
+        backend,
+        device,
+        capture_sizes=(8,),
+        max_num_reqs=8,
+        pad_values={"query_start_loc": "edge"},
+    )
     mgr.capture()
     inputs = models.request_inputs(device=device)(6, 3)
     qsl = mgr.static_inputs["query_start_loc"]
@@ -239,7 +255,10 @@ def test_bad_inputs_raise_value_errors_naming_the_input(backend, device):
     mgr = make(models.TransformerBlock(), models.block_inputs(device=device), backend, device)
     mgr.capture()
     good = models.block_inputs(device=device)(4, 2)
-    with pytest.raises(ValueError, match=r"input 'x' has dtype torch.float64; expected a torch.float32 tensor of shape \(num_tokens, 32\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"input 'x' has dtype torch.float64; expected a torch.float32 tensor of shape \(num_tokens, 32\)",
+    ):
         mgr.run(**{**good, "x": good["x"].double()})
     with pytest.raises(ValueError, match=r"input 'x' has shape \(4, 16\)"):
         mgr.run(**{**good, "x": good["x"][:, :16]})
@@ -302,31 +321,65 @@ def test_python_value_inputs_are_frozen_and_checked(backend, device):
 def test_module_on_another_device_is_rejected(backend, device):
     module = models.MLP().to("meta")
     with pytest.raises(ValueError, match=r"module tensor 'up\.weight' is on meta"):
-        GraphManager(module, models.mlp_inputs(device=device), CaptureConfig(capture_sizes=[1], max_num_reqs=1),
-                     backend=backend, device=device)
+        GraphManager(
+            module,
+            models.mlp_inputs(device=device),
+            CaptureConfig(capture_sizes=[1], max_num_reqs=1),
+            backend=backend,
+            device=device,
+        )
 
 
 def test_bad_constructor_arguments(device, backend):
     with pytest.raises(ValueError, match=r"module must be a torch\.nn\.Module"):
-        GraphManager(lambda x: x, models.mlp_inputs(), {"capture_sizes": [1], "max_num_reqs": 1}, backend=backend, device=device)
+        GraphManager(
+            lambda x: x,
+            models.mlp_inputs(),
+            {"capture_sizes": [1], "max_num_reqs": 1},
+            backend=backend,
+            device=device,
+        )
     with pytest.raises(ValueError, match="backend must be one of auto, cuda, emulate; got 'tpu'"):
-        GraphManager(models.MLP(), models.mlp_inputs(), {"capture_sizes": [1], "max_num_reqs": 1}, backend="tpu")
+        GraphManager(
+            models.MLP(), models.mlp_inputs(), {"capture_sizes": [1], "max_num_reqs": 1}, backend="tpu"
+        )
     with pytest.raises(ValueError, match="capture_sizes must hold integers >= 1"):
         GraphManager(models.MLP(), models.mlp_inputs(), {"capture_sizes": [0], "max_num_reqs": 1})
     with pytest.raises(ValueError, match=r"make_inputs\(num_tokens=7, num_reqs=3\) raised KeyError"):
-        GraphManager(models.MLP().to(device), lambda t, r: {}["x"], {"capture_sizes": [1], "max_num_reqs": 1},
-                     backend=backend, device=device)
+        GraphManager(
+            models.MLP().to(device),
+            lambda t, r: {}["x"],
+            {"capture_sizes": [1], "max_num_reqs": 1},
+            backend=backend,
+            device=device,
+        )
     # A dimension may follow the batch in any position (tests/test_layout_dims.py), but
     # only as num_tokens + c or num_reqs + c: twice the tokens is refused.
     with pytest.raises(ValueError, match=r"input 'x': dimension 1 is 14, 22 and 2 .* neither num_tokens"):
-        GraphManager(models.MLP().to(device), lambda t, r: {"x": torch.randn(4, 2 * t, device=device)},
-                     {"capture_sizes": [1], "max_num_reqs": 1}, backend=backend, device=device)
+        GraphManager(
+            models.MLP().to(device),
+            lambda t, r: {"x": torch.randn(4, 2 * t, device=device)},
+            {"capture_sizes": [1], "max_num_reqs": 1},
+            backend=backend,
+            device=device,
+        )
     with pytest.raises(ValueError, match="input 'n' is a Python value that changes from batch to batch"):
-        GraphManager(models.MLP().to(device), lambda t, r: {"x": torch.randn(t, 32, device=device), "n": t},
-                     {"capture_sizes": [1], "max_num_reqs": 1}, backend=backend, device=device)
+        GraphManager(
+            models.MLP().to(device),
+            lambda t, r: {"x": torch.randn(t, 32, device=device), "n": t},
+            {"capture_sizes": [1], "max_num_reqs": 1},
+            backend=backend,
+            device=device,
+        )
     with pytest.raises(ValueError, match=r"pad_values names unknown input\(s\) \['y'\]"):
-        GraphManager(models.MLP().to(device), models.mlp_inputs(device=device), {"capture_sizes": [1], "max_num_reqs": 1},
-                     backend=backend, device=device, pad_values={"y": 0})
+        GraphManager(
+            models.MLP().to(device),
+            models.mlp_inputs(device=device),
+            {"capture_sizes": [1], "max_num_reqs": 1},
+            backend=backend,
+            device=device,
+            pad_values={"y": 0},
+        )
 
 
 # -- graph semantics ---------------------------------------------------------------------
@@ -361,7 +414,9 @@ def test_outputs_are_owned_by_default_and_views_when_asked(backend, device):
 
 def test_in_place_buffer_updates_happen_on_every_replay(backend, device):
     module = models.Counter()
-    mgr = make(module, lambda t, r: {"x": torch.randn(t, 8, device=device)}, backend, device, capture_sizes=(4,))
+    mgr = make(
+        module, lambda t, r: {"x": torch.randn(t, 8, device=device)}, backend, device, capture_sizes=(4,)
+    )
     mgr.capture()
     before = int(module.calls)
     for _ in range(3):
@@ -370,7 +425,13 @@ def test_in_place_buffer_updates_happen_on_every_replay(backend, device):
 
 
 def test_random_ops_draw_fresh_values_on_replay(backend, device):
-    mgr = make(models.Noisy(), lambda t, r: {"x": torch.zeros(t, 4, device=device)}, backend, device, capture_sizes=(4,))
+    mgr = make(
+        models.Noisy(),
+        lambda t, r: {"x": torch.zeros(t, 4, device=device)},
+        backend,
+        device,
+        capture_sizes=(4,),
+    )
     mgr.capture()
     x = torch.zeros(4, 4, device=device)
     assert not torch.equal(mgr.run(x=x), mgr.run(x=x))
@@ -378,8 +439,14 @@ def test_random_ops_draw_fresh_values_on_replay(backend, device):
 
 def test_lora_cases_specialise_through_current_descriptor(backend, device):
     module = models.LoraLike()
-    mgr = make(module, lambda t, r: {"x": torch.randn(t, 8, device=device)}, backend, device,
-               capture_sizes=(4, 8), lora_cases=(0, 1, 2, 4))
+    mgr = make(
+        module,
+        lambda t, r: {"x": torch.randn(t, 8, device=device)},
+        backend,
+        device,
+        capture_sizes=(4, 8),
+        lora_cases=(0, 1, 2, 4),
+    )
     mgr.capture()
     assert len(mgr.captured_descriptors) == 8
     x = torch.randn(3, 8, device=device)
@@ -395,8 +462,15 @@ def test_lora_cases_specialise_through_current_descriptor(backend, device):
 
 def test_decode_only_mode_runs_mixed_batches_eagerly(backend, device):
     module = models.MLP()
-    mgr = make(module, models.mlp_inputs(device=device), backend, device, mode="FULL_DECODE_ONLY",
-               decode_query_len=2, max_num_reqs=8)
+    mgr = make(
+        module,
+        models.mlp_inputs(device=device),
+        backend,
+        device,
+        mode="FULL_DECODE_ONLY",
+        decode_query_len=2,
+        max_num_reqs=8,
+    )
     mgr.capture()
     assert {d.uniform_token_count for d in mgr.captured_descriptors} == {2}
     x = torch.randn(6, 32, device=device)
@@ -487,11 +561,16 @@ def test_cuda_capture_near_the_memory_limit_hands_the_cache_back_and_tries_again
     # held, the capture fits only once the cache is handed back first. In a
     # process of its own: what earlier tests left in the allocator (blocks it
     # cannot return) would move the limit.
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "CUDA_VISIBLE_DEVICES":
-           str(torch.cuda.current_device()) if "CUDA_VISIBLE_DEVICES" not in os.environ
-           else os.environ["CUDA_VISIBLE_DEVICES"].split(",")[torch.cuda.current_device()]}
-    done = subprocess.run([sys.executable, "-c", _NEAR_THE_LIMIT], capture_output=True, text=True, env=env,
-                          timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "CUDA_VISIBLE_DEVICES": str(torch.cuda.current_device())
+        if "CUDA_VISIBLE_DEVICES" not in os.environ
+        else os.environ["CUDA_VISIBLE_DEVICES"].split(",")[torch.cuda.current_device()],
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _NEAR_THE_LIMIT], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == [
         "without trim: True False",  # the capture fails, and the manager stays usable
@@ -510,7 +589,12 @@ def test_cpu_tensor_on_the_cuda_path_is_named():
         def forward(self, x):
             return self.lin(x) + torch.ones(8)  # a CPU tensor read by a CUDA kernel
 
-    mgr = make(HostConst(), lambda t, r: {"x": torch.randn(t, 8, device="cuda")}, "cuda", torch.device("cuda", torch.cuda.current_device()))
+    mgr = make(
+        HostConst(),
+        lambda t, r: {"x": torch.randn(t, 8, device="cuda")},
+        "cuda",
+        torch.device("cuda", torch.cuda.current_device()),
+    )
     with pytest.raises(CaptureError, match="CPU tensor on the CUDA path") as info:
         mgr.capture()
     assert info.value.module_path == ""
@@ -531,7 +615,12 @@ def test_an_illegal_call_the_guard_cannot_see_still_leaves_the_manager_usable():
             return y
 
     module = Syncs()
-    mgr = make(module, lambda t, r: {"x": torch.randn(t, 8, device="cuda")}, "cuda", torch.device("cuda", torch.cuda.current_device()))
+    mgr = make(
+        module,
+        lambda t, r: {"x": torch.randn(t, 8, device="cuda")},
+        "cuda",
+        torch.device("cuda", torch.cuda.current_device()),
+    )
     with pytest.raises(CaptureError) as info:
         mgr.capture()
     assert info.value.descriptor == mgr.plan.capture_order[0]
@@ -544,7 +633,13 @@ def test_an_illegal_call_the_guard_cannot_see_still_leaves_the_manager_usable():
 @pytest.mark.cuda
 def test_many_release_recapture_cycles_share_no_dead_pool():
     module = models.TransformerBlock().cuda().eval()
-    mgr = make(module, models.block_inputs(device="cuda"), "cuda", torch.device("cuda", torch.cuda.current_device()), mode="FULL_AND_PIECEWISE")
+    mgr = make(
+        module,
+        models.block_inputs(device="cuda"),
+        "cuda",
+        torch.device("cuda", torch.cuda.current_device()),
+        mode="FULL_AND_PIECEWISE",
+    )
     for _ in range(4):
         mgr.capture()
         mgr.release()
@@ -563,8 +658,14 @@ def test_releasing_one_manager_leaves_another_correct():
     keep = make(keep_module, make_inputs, "cuda", dev, capture_sizes=(64, 128), max_num_reqs=64)
     keep.capture()
     for _ in range(3):
-        other = make(models.TransformerBlock().cuda().eval(), models.block_inputs(device="cuda"), "cuda", dev,
-                     capture_sizes=(64, 128), max_num_reqs=64)
+        other = make(
+            models.TransformerBlock().cuda().eval(),
+            models.block_inputs(device="cuda"),
+            "cuda",
+            dev,
+            capture_sizes=(64, 128),
+            max_num_reqs=64,
+        )
         other.capture()
         other.release()
         del other
@@ -586,7 +687,9 @@ def test_garbage_collection_is_off_during_a_capture_sequence_and_restored(backen
             seen.append(gc.isenabled())
             return x * 2
 
-    mgr = make(Spy(), lambda t, r: {"x": torch.randn(t, 4, device=device)}, backend, device, capture_sizes=(1, 2))
+    mgr = make(
+        Spy(), lambda t, r: {"x": torch.randn(t, 4, device=device)}, backend, device, capture_sizes=(1, 2)
+    )
     assert gc.isenabled()
     seen.clear()
     mgr.capture()
@@ -617,7 +720,9 @@ def test_a_failure_inside_a_submodule_names_it(backend, device):
         def forward(self, x):
             return self.inner(x) * 2
 
-    mgr = make(Outer(), lambda t, r: {"x": torch.randn(t, 4, device=device)}, backend, device, capture_sizes=(2, 4))
+    mgr = make(
+        Outer(), lambda t, r: {"x": torch.randn(t, 4, device=device)}, backend, device, capture_sizes=(2, 4)
+    )
     with pytest.raises(CaptureError, match="in submodule 'inner'") as info:
         mgr.capture()
     assert info.value.module_path == "inner"
@@ -638,11 +743,20 @@ def test_capture_mode_is_resolved_from_environment_then_argument_then_default(mo
     with pytest.raises(ValueError, match="PYTEST_CUDAGRAPH_CAPTURE must be 'checked' or 'fast'; got 'slow'"):
         resolve_checked(None, default=False)
     monkeypatch.delenv(CAPTURE_ENV)
-    mgr = GraphManager(models.MLP(), models.mlp_inputs(), CaptureConfig(capture_sizes=[1], max_num_reqs=1),
-                       backend="emulate")
+    mgr = GraphManager(
+        models.MLP(), models.mlp_inputs(), CaptureConfig(capture_sizes=[1], max_num_reqs=1), backend="emulate"
+    )
     assert mgr._backend.checked is False  # a plain manager captures fast
-    assert GraphManager(models.MLP(), models.mlp_inputs(), CaptureConfig(capture_sizes=[1], max_num_reqs=1),
-                        backend="emulate", checked_capture=True)._backend.checked is True
+    assert (
+        GraphManager(
+            models.MLP(),
+            models.mlp_inputs(),
+            CaptureConfig(capture_sizes=[1], max_num_reqs=1),
+            backend="emulate",
+            checked_capture=True,
+        )._backend.checked
+        is True
+    )
 
 
 # -- what the capture keeps of its samples -------------------------------------------------
@@ -688,5 +802,7 @@ def test_only_the_checked_capture_keeps_its_samples(backend, device, checked):
 def test_make_inputs_that_returns_another_token_count_is_named(backend, device):
     base = models.mlp_inputs(device=device)
     mgr = make(models.MLP(), lambda t, r: base(t + (t == 2), r), backend, device, progress=False)
-    with pytest.raises(ValueError, match=r"make_inputs\(num_tokens=2, num_reqs=2\) returned a batch of 3 tokens"):
+    with pytest.raises(
+        ValueError, match=r"make_inputs\(num_tokens=2, num_reqs=2\) returned a batch of 3 tokens"
+    ):
         mgr.capture()

@@ -27,7 +27,11 @@ class TokensAndRequests(nn.Module):
 
     def forward(self, x: torch.Tensor, req_scale: torch.Tensor, is_padding: torch.Tensor) -> Any:
         hidden = x * self.scale + 1
-        return {"hidden": hidden, "per_req": req_scale * 2, "masked": torch.where(is_padding[:, None], -1.0, hidden)}
+        return {
+            "hidden": hidden,
+            "per_req": req_scale * 2,
+            "masked": torch.where(is_padding[:, None], -1.0, hidden),
+        }
 
 
 def inputs(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
@@ -37,9 +41,13 @@ def inputs(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def manager() -> Any:
     torch.manual_seed(0)
-    mgr = GraphManager(TokensAndRequests().eval(), inputs,
-                       CaptureConfig(capture_sizes=SIZES, max_num_reqs=4, mode="FULL"),
-                       backend="emulate", pad_values={"req_scale": 7})
+    mgr = GraphManager(
+        TokensAndRequests().eval(),
+        inputs,
+        CaptureConfig(capture_sizes=SIZES, max_num_reqs=4, mode="FULL"),
+        backend="emulate",
+        pad_values={"req_scale": 7},
+    )
     mgr.capture()
     yield mgr
     mgr.release()
@@ -102,10 +110,17 @@ def test_probes_must_agree_with_the_largest_batch() -> None:
         rows = num_tokens + 1 if num_tokens == 16 else num_tokens
         return {"x": torch.randn(rows, D)}
 
-    with pytest.raises(ValueError, match=r"dimension 0 is 17 at \(num_tokens=16, num_reqs=4\) but the probes say "
-                                         r"num_tokens = 16"):
-        GraphManager(nn.Linear(D, D), grows_one_row_too_many,
-                     CaptureConfig(capture_sizes=(16,), max_num_reqs=4, mode="FULL"), backend="emulate")
+    with pytest.raises(
+        ValueError,
+        match=r"dimension 0 is 17 at \(num_tokens=16, num_reqs=4\) but the probes say "
+        r"num_tokens = 16",
+    ):
+        GraphManager(
+            nn.Linear(D, D),
+            grows_one_row_too_many,
+            CaptureConfig(capture_sizes=(16,), max_num_reqs=4, mode="FULL"),
+            backend="emulate",
+        )
 
 
 def test_the_output_probe_never_runs_the_module_beyond_the_plans_bounds() -> None:

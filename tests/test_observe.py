@@ -130,8 +130,14 @@ def test_verification_copies_only_what_forwards_write_and_leaves_the_module_as_f
     torch.manual_seed(0)
     module = Counter()
     before = {n: t.clone() for n, t in module.state_dict().items()}
-    report = verify(module, _inputs, capture_sizes=[1, 2, 4], max_num_reqs=4, backend="emulate",
-                    extra_checks=[Check("copied", _copied, compares="what a snapshot holds")])
+    report = verify(
+        module,
+        _inputs,
+        capture_sizes=[1, 2, 4],
+        max_num_reqs=4,
+        backend="emulate",
+        extra_checks=[Check("copied", _copied, compares="what a snapshot holds")],
+    )
     assert report.ok, report.format()
     assert _copied.seen == ["steps"]  # type: ignore[attr-defined]  # not the weights, not the read-only table
     assert all(torch.equal(before[n], t) for n, t in module.state_dict().items())
@@ -149,15 +155,22 @@ class HiddenWrite(Counter):
 
 def test_a_write_no_op_shows_is_found_by_its_fingerprint_and_said() -> None:
     torch.manual_seed(0)
-    report = verify(HiddenWrite(), _inputs, capture_sizes=[1, 2], max_num_reqs=2, backend="emulate",
-                    checks=["state"])
+    report = verify(
+        HiddenWrite(), _inputs, capture_sizes=[1, 2], max_num_reqs=2, backend="emulate", checks=["state"]
+    )
     assert any("'steps'" in note and "fingerprint" in note for note in report.notes), report.format()
 
 
 def test_the_report_says_where_the_time_went_and_the_peak() -> None:
     torch.manual_seed(0)
-    report = verify(Counter(), _inputs, capture_sizes=[1, 2, 4], max_num_reqs=4, backend="emulate",
-                    checks=["replay_matches_eager", "real_batches", "determinism"])
+    report = verify(
+        Counter(),
+        _inputs,
+        capture_sizes=[1, 2, 4],
+        max_num_reqs=4,
+        backend="emulate",
+        checks=["replay_matches_eager", "real_batches", "determinism"],
+    )
     costs = report.costs
     assert {"learn", "capture", "replay_matches_eager", "real_batches", "determinism"} <= set(costs)
     assert costs["learn"].forwards == 2  # the smallest and largest shapes

@@ -37,8 +37,9 @@ def _labels(outcomes) -> set[str]:
 
 def test_a_descriptor_that_capture_safety_fails_is_its_own_failure(backend, device):
     torch.manual_seed(0)
-    report = verify(SyncsAtEight().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
-                    backend=backend)
+    report = verify(
+        SyncsAtEight().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend
+    )
     _one_each(report)
     assert {o.check for o in report.failures} == {"capture_safety"}
     assert _labels(report.failures) == {"FULL-T8-R4"}
@@ -47,31 +48,53 @@ def test_a_descriptor_that_capture_safety_fails_is_its_own_failure(backend, devi
     for check in CHECKS:
         ran = [o for o in report.outcomes if o.check == check and not o.skipped]
         assert ran, check
-    skipped_t8 = [o for o in report.skips if o.descriptor is not None and o.descriptor.label() == "FULL-T8-R4"]
-    assert {o.check for o in skipped_t8} == {"replay_matches_eager", "fresh_inputs", "real_batches",
-                                            "padding_isolation", "state", "side_outputs", "determinism", "rng"}
+    skipped_t8 = [
+        o for o in report.skips if o.descriptor is not None and o.descriptor.label() == "FULL-T8-R4"
+    ]
+    assert {o.check for o in skipped_t8} == {
+        "replay_matches_eager",
+        "fresh_inputs",
+        "real_batches",
+        "padding_isolation",
+        "state",
+        "side_outputs",
+        "determinism",
+        "rng",
+    }
     # capture_safety's guard runs in the capture: the capture stopped at the op, before the device ran it.
     assert all("not captured: its capture failed (capture_safety says why)" in o.message for o in skipped_t8)
     (t8,) = [o for o in report.failures if o.check == "capture_safety"]
-    assert t8.message.startswith("1 op(s) cannot be captured in a graph; the first is float(tensor)"), t8.message
+    assert t8.message.startswith("1 op(s) cannot be captured in a graph; the first is float(tensor)"), (
+        t8.message
+    )
 
 
 def _refuses_four(ctx, descs):
-    return [Outcome("refuse_four", d, d.num_tokens != 4, "" if d.num_tokens != 4 else "four tokens refused")
-            for d in descs]
+    return [
+        Outcome("refuse_four", d, d.num_tokens != 4, "" if d.num_tokens != 4 else "four tokens refused")
+        for d in descs
+    ]
 
 
 def test_a_descriptor_a_suites_before_capture_check_fails_is_not_captured(backend, device):
     """A downstream check of scope before_capture blocks the descriptors it fails, as capture_safety's did."""
     torch.manual_seed(0)
     refuse = Check("refuse_four", _refuses_four, compares="four tokens are refused", scope="before_capture")
-    report = verify(NoMemo().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
-                    backend=backend, extra_checks=[refuse])
+    report = verify(
+        NoMemo().to(device),
+        token_inputs(device),
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend=backend,
+        extra_checks=[refuse],
+    )
     _one_each(report)
     assert [(o.check, o.descriptor.label()) for o in report.failures] == [("refuse_four", "FULL-T4-R4")]
     assert {d.label() for d in report.descriptors} == {"FULL-T8-R4", "FULL-T2-R2", "FULL-T1-R1"}
     skipped = [o for o in report.skips if o.descriptor is not None and o.descriptor.label() == "FULL-T4-R4"]
-    assert skipped and all("not captured: refuse_four failed for this descriptor" in o.message for o in skipped)
+    assert skipped and all(
+        "not captured: refuse_four failed for this descriptor" in o.message for o in skipped
+    )
 
 
 def test_a_failed_capture_is_that_descriptors_failure_and_replaces_its_pass(backend, device, monkeypatch):
@@ -85,10 +108,15 @@ def test_a_failed_capture_is_that_descriptors_failure_and_replaces_its_pass(back
 
     monkeypatch.setattr(GraphManager, "_capture_one", fails_at_two)
     torch.manual_seed(0)
-    report = verify(NoMemo().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend)
+    report = verify(
+        NoMemo().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend
+    )
     _one_each(report)
     (fail,) = report.failures
-    assert (fail.check, fail.descriptor.label()) == ("capture_safety", "FULL-T2-R2") and "injected" in fail.message
+    assert (fail.check, fail.descriptor.label()) == (
+        "capture_safety",
+        "FULL-T2-R2",
+    ) and "injected" in fail.message
     assert "ok   capture_safety         FULL-T2-R2" not in report.format(verbose=True)
     assert {d.label() for d in report.descriptors} == {"FULL-T8-R4", "FULL-T4-R4", "FULL-T1-R1"}
     passed = [o for o in report.outcomes if o.passed and not o.skipped and o.check == "replay_matches_eager"]
@@ -105,8 +133,9 @@ def test_when_nothing_is_captured_every_check_says_why(device, backend):
                 x = x * 2
             return self.lin(x)
 
-    report = verify(AlwaysSyncs().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4,
-                    backend=backend)
+    report = verify(
+        AlwaysSyncs().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend
+    )
     _one_each(report)
     assert not report.descriptors and {o.check for o in report.failures} == {"capture_safety"}
     assert all(o.message for o in report.skips)
@@ -120,15 +149,29 @@ def _ones(device):
 
 def test_a_deterministic_make_inputs_gets_fresh_values_from_the_harness(backend, device):
     torch.manual_seed(0)
-    buggy = verify(IdentityMemo().to(device), _ones(device), capture_sizes=SIZES, max_num_reqs=4,
-                   backend=backend, checks=["fresh_inputs"])
+    buggy = verify(
+        IdentityMemo().to(device),
+        _ones(device),
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend=backend,
+        checks=["fresh_inputs"],
+    )
     assert not buggy.ok
-    assert all("the harness drew these inputs: fresh floating values in 'x'" in o.message for o in buggy.failures)
+    assert all(
+        "the harness drew these inputs: fresh floating values in 'x'" in o.message for o in buggy.failures
+    )
     # Where no row is padded, only the harness's fresh values can show the frozen memo.
     assert {"FULL-T1-R1", "FULL-T2-R2"} <= {o.descriptor.label() for o in buggy.failures}
     torch.manual_seed(0)
-    correct = verify(NoMemo().to(device), _ones(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend,
-                     checks=["fresh_inputs"])
+    correct = verify(
+        NoMemo().to(device),
+        _ones(device),
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend=backend,
+        checks=["fresh_inputs"],
+    )
     assert correct.ok and not correct.skips
     assert all(o.figures["harness_inputs"] == "fresh floating values in 'x'" for o in correct.outcomes)
 
@@ -154,8 +197,14 @@ def test_integer_inputs_are_permuted_within_their_range(backend, device):
 
     for memo, ok in ((True, False), (False, True)):
         torch.manual_seed(0)
-        report = verify(Embeds(memo).to(device), arange_ids, capture_sizes=SIZES, max_num_reqs=4, backend=backend,
-                        checks=["fresh_inputs"])
+        report = verify(
+            Embeds(memo).to(device),
+            arange_ids,
+            capture_sizes=SIZES,
+            max_num_reqs=4,
+            backend=backend,
+            checks=["fresh_inputs"],
+        )
         assert report.ok is ok, report.format()
         ran = {o.descriptor.num_tokens: o for o in report.outcomes if not o.skipped}
         assert sorted(ran) == sorted(SIZES)
@@ -169,16 +218,23 @@ def test_inputs_the_harness_cannot_change_fail_saying_the_check_could_not_run(ba
     def zeros(num_tokens, num_reqs):
         return {"ids": torch.zeros(num_tokens, dtype=torch.long, device=device)}
 
-    report = verify(Embeds(False).to(device), zeros, capture_sizes=SIZES, max_num_reqs=4, backend=backend,
-                    checks=["fresh_inputs"])
+    report = verify(
+        Embeds(False).to(device),
+        zeros,
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend=backend,
+        checks=["fresh_inputs"],
+    )
     assert not report.ok
     assert all("the check could not run" in o.message for o in report.failures)
 
 
 def test_the_report_lists_every_skip_with_its_reason():
     torch.manual_seed(0)
-    report = verify(NoMemo(), token_inputs(), capture_sizes=SIZES, max_num_reqs=4, backend="emulate",
-                    exhaustive=False)
+    report = verify(
+        NoMemo(), token_inputs(), capture_sizes=SIZES, max_num_reqs=4, backend="emulate", exhaustive=False
+    )
     assert report.skips  # quick mode: dispatch is not property-tested
     text = report.format()
     for check, reason, _ in report.skipped_reasons():
@@ -188,13 +244,15 @@ def test_the_report_lists_every_skip_with_its_reason():
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_the_terminal_summary_counts_skipped_checks(pytester, verbose):
-    pytester.makepyfile(test_s="""
+    pytester.makepyfile(
+        test_s="""
         import torch
         from tests.bugs import NoMemo, token_inputs
 
         def test_quick(cudagraph_verify):
             cudagraph_verify(NoMemo(), token_inputs(), capture_sizes=[1, 2, 4], backend="emulate")
-    """)
+    """
+    )
     import pathlib
     import sys
 
@@ -203,5 +261,9 @@ def test_the_terminal_summary_counts_skipped_checks(pytester, verbose):
     sys.path.insert(0, root)
     result = pytester.runpytest(*(["-v"] if verbose else []))
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["cudagraph: * checks skipped, by reason:",
-                                 "* x quick verification (exhaustive=False) does not property-test dispatch (dispatch)"])
+    result.stdout.fnmatch_lines(
+        [
+            "cudagraph: * checks skipped, by reason:",
+            "* x quick verification (exhaustive=False) does not property-test dispatch (dispatch)",
+        ]
+    )

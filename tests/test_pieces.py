@@ -87,9 +87,16 @@ def piece_inputs(device, seed: int = 0):
 
 def manager(module, backend, device, mode="PIECEWISE", eager=(HostPlannedMix,), **kw):
     torch.manual_seed(0)
-    return GraphManager(module.to(device).eval(), piece_inputs(device),
-                        CaptureConfig(capture_sizes=SIZES, max_num_reqs=4, mode=mode), backend=backend,
-                        device=device, pad_values={"query_start_loc": "edge"}, eager_submodules=eager, **kw)
+    return GraphManager(
+        module.to(device).eval(),
+        piece_inputs(device),
+        CaptureConfig(capture_sizes=SIZES, max_num_reqs=4, mode=mode),
+        backend=backend,
+        device=device,
+        pad_values={"query_start_loc": "edge"},
+        eager_submodules=eager,
+        **kw,
+    )
 
 
 def test_piecewise_replay_is_bit_identical_to_eager_in_pieces(backend, device):
@@ -183,16 +190,27 @@ def test_full_graphs_capture_whole_and_name_a_piece_they_cannot_hold(backend, de
         torch.testing.assert_close(mgr.run(**inputs), mgr.eager(**inputs), rtol=1e-5, atol=1e-5)
     # A piece only an eager run can do: a FULL graph must say so.
     mgr = manager(PieceNet(), backend, device, mode="FULL_AND_PIECEWISE")
-    with pytest.raises(CaptureError, match=r"'blocks.0.mix' is an eager piece, but only PIECEWISE graphs run it "
-                                           r"eagerly") as info:
+    with pytest.raises(
+        CaptureError,
+        match=r"'blocks.0.mix' is an eager piece, but only PIECEWISE graphs run it "
+        r"eagerly",
+    ) as info:
         mgr.capture()
     assert info.value.descriptor.mode is GraphMode.FULL and "Tensor.tolist()" in str(info.value)
 
 
 def test_verify_checks_piecewise_graphs_and_names_the_segment(backend, device):
-    report = verify(PieceNet().to(device), piece_inputs(device), capture_sizes=SIZES, max_num_reqs=4, mode="PIECEWISE",
-                    backend=backend, device=device, pad_values={"query_start_loc": "edge"},
-                    eager_submodules=[HostPlannedMix])
+    report = verify(
+        PieceNet().to(device),
+        piece_inputs(device),
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        mode="PIECEWISE",
+        backend=backend,
+        device=device,
+        pad_values={"query_start_loc": "edge"},
+        eager_submodules=[HostPlannedMix],
+    )
     assert report.ok, report.format()
 
     class Memo(nn.Module):
@@ -214,9 +232,18 @@ def test_verify_checks_piecewise_graphs_and_names_the_segment(backend, device):
     module = PieceNet()
     module.inp = Memo()
     module.to(device)
-    report = verify(module, piece_inputs(device), capture_sizes=(4,), max_num_reqs=4, mode="PIECEWISE",
-                    backend=backend, device=device, pad_values={"query_start_loc": "edge"},
-                    eager_submodules=[HostPlannedMix], checks=["fresh_inputs"])
+    report = verify(
+        module,
+        piece_inputs(device),
+        capture_sizes=(4,),
+        max_num_reqs=4,
+        mode="PIECEWISE",
+        backend=backend,
+        device=device,
+        pad_values={"query_start_loc": "edge"},
+        eager_submodules=[HostPlannedMix],
+        checks=["fresh_inputs"],
+    )
     assert not report.ok
     finding = report.failures[0].finding
     assert finding.submodule == "inp.lin"
@@ -229,12 +256,16 @@ def test_eager_submodules_are_named_by_type_name_or_predicate():
     by_type = resolve_eager_submodules(module, HostPlannedMix)
     assert [n for n, _ in by_type] == ["blocks.0.mix", "blocks.1.mix"]
     assert [n for n, _ in resolve_eager_submodules(module, ["blocks.1.mix"])] == ["blocks.1.mix"]
-    assert [n for n, _ in resolve_eager_submodules(module, lambda name, m: name.endswith("mix"))] == \
-        ["blocks.0.mix", "blocks.1.mix"]
+    assert [n for n, _ in resolve_eager_submodules(module, lambda name, m: name.endswith("mix"))] == [
+        "blocks.0.mix",
+        "blocks.1.mix",
+    ]
     # A piece inside a piece runs eagerly with it: only the outer one cuts.
     assert [n for n, _ in resolve_eager_submodules(module, ["blocks.0", "blocks.0.mix"])] == ["blocks.0"]
     assert resolve_eager_submodules(module, None) == []
-    with pytest.raises(ValueError, match=r"names 'blocks.2.mix', which is not a submodule; the submodules are"):
+    with pytest.raises(
+        ValueError, match=r"names 'blocks.2.mix', which is not a submodule; the submodules are"
+    ):
         resolve_eager_submodules(module, ["blocks.2.mix"])
     with pytest.raises(ValueError, match="names type\\(s\\) DeviceMix, but no submodule of PieceNet is one"):
         resolve_eager_submodules(module, DeviceMix)
@@ -366,15 +397,23 @@ def test_a_replaced_submodule_is_found_at_the_next_capture(backend, device):
 
 def test_a_module_instance_is_not_a_predicate():
     module = PieceNet()
-    with pytest.raises(ValueError, match=r"got a module instance \(HostPlannedMix\); pass its name \('blocks.0.mix'\)"):
+    with pytest.raises(
+        ValueError, match=r"got a module instance \(HostPlannedMix\); pass its name \('blocks.0.mix'\)"
+    ):
         resolve_eager_submodules(module, module.blocks[0].mix)
     with pytest.raises(ValueError, match="got a module instance"):
         resolve_eager_submodules(module, [module.blocks[0].mix])
 
 
 def test_verify_named_descriptors_are_verified_whatever_the_quick_selection(backend, device):
-    kw = {"capture_sizes": SIZES, "max_num_reqs": 4, "backend": backend, "device": device, "exhaustive": False,
-          "pad_values": {"query_start_loc": "edge"}}
+    kw = {
+        "capture_sizes": SIZES,
+        "max_num_reqs": 4,
+        "backend": backend,
+        "device": device,
+        "exhaustive": False,
+        "pad_values": {"query_start_loc": "edge"},
+    }
     report = verify(PieceNet(mix=DeviceMix).to(device), piece_inputs(device), descriptors="FULL-T2-R2", **kw)
     assert [d.label() for d in report.descriptors] == ["FULL-T2-R2"] and report.ok and report.outcomes
     with pytest.raises(ValueError, match=r"descriptors \['FULL-T3-R3'\] are not in the plan"):

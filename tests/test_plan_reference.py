@@ -1264,15 +1264,30 @@ def test_speculative_plan_captures_a_decode_graph_per_query_length() -> None:
     # graph (the largest size), 4 requests. Per size, per length (rounded up to a multiple of it):
     #   1: U1 1R1, U2 2R1, U3 3R1, U4 4R1;   2: U1 2R2 (the others repeat);
     #   4: U1 4R4, U2 4R2, U3 6R2 (U4 repeats);   8: U1 8R8 (> 4 requests: no), U2 8R4, U3 9 (> 8: no), U4 8R2.
-    plan = plan_for(capture_sizes=(8, 4, 2, 1), max_num_reqs=4, mode=FAP, decode_query_len=4,
-                    decode_query_lens=(4, 2, 3, 1))
+    plan = plan_for(
+        capture_sizes=(8, 4, 2, 1),
+        max_num_reqs=4,
+        mode=FAP,
+        decode_query_len=4,
+        decode_query_lens=(4, 2, 3, 1),
+    )
+
     def u(tokens: int, reqs: int, q: int) -> BatchDescriptor:
         return BD(FULL, tokens, num_reqs=reqs, uniform_token_count=q)
 
     # Largest first, ties in the order they were made.
     assert plan.capture_descriptors[FULL] == (
-        u(8, 4, 2), u(8, 2, 4), u(6, 2, 3), u(4, 1, 4), u(4, 4, 1), u(4, 2, 2), u(3, 1, 3), u(2, 1, 2),
-        u(2, 2, 1), u(1, 1, 1))
+        u(8, 4, 2),
+        u(8, 2, 4),
+        u(6, 2, 3),
+        u(4, 1, 4),
+        u(4, 4, 1),
+        u(4, 2, 2),
+        u(3, 1, 3),
+        u(2, 1, 2),
+        u(2, 2, 1),
+        u(1, 1, 1),
+    )
     assert plan.capture_descriptors[PW] == (BD(PW, 8), BD(PW, 4), BD(PW, 2), BD(PW, 1))
     # One token count's graphs share its range, in the reverse of their order above.
     assert plan.candidates(4) == (u(4, 2, 2), u(4, 4, 1), u(4, 1, 4), BD(PW, 4))
@@ -1297,23 +1312,42 @@ def test_speculative_plan_with_lora_cases_and_microbatch_twins() -> None:
     # Bounds: 4 decode tokens, 4 per graph, 2 requests.
     #   (2, L0): U1 2R2 + twin, U2 2R1 + twin;  (2, L1): the same with L1;
     #   (4, L0): U1 4R4 (> 2 requests: no), U2 4R2 + twin;  (4, L1): the same.
-    plan = plan_for(capture_sizes=(2, 4), max_num_reqs=2, mode=FDO, decode_query_len=2, decode_query_lens=(1, 2),
-                    lora_cases=(0, 1), num_ubatches=2)
+    plan = plan_for(
+        capture_sizes=(2, 4),
+        max_num_reqs=2,
+        mode=FDO,
+        decode_query_len=2,
+        decode_query_lens=(1, 2),
+        lora_cases=(0, 1),
+        num_ubatches=2,
+    )
 
     def u(tokens: int, reqs: int, q: int, loras: int = 0, ub: int = 1) -> BatchDescriptor:
         return BD(FULL, tokens, num_reqs=reqs, uniform_token_count=q, num_active_loras=loras, num_ubatches=ub)
 
     assert plan.capture_order == (
-        u(4, 2, 2), u(4, 2, 2, ub=2), u(4, 2, 2, 1), u(4, 2, 2, 1, 2),
-        u(2, 2, 1), u(2, 2, 1, ub=2), u(2, 1, 2), u(2, 1, 2, ub=2),
-        u(2, 2, 1, 1), u(2, 2, 1, 1, 2), u(2, 1, 2, 1), u(2, 1, 2, 1, 2))
+        u(4, 2, 2),
+        u(4, 2, 2, ub=2),
+        u(4, 2, 2, 1),
+        u(4, 2, 2, 1, 2),
+        u(2, 2, 1),
+        u(2, 2, 1, ub=2),
+        u(2, 1, 2),
+        u(2, 1, 2, ub=2),
+        u(2, 2, 1, 1),
+        u(2, 2, 1, 1, 2),
+        u(2, 1, 2, 1),
+        u(2, 1, 2, 1, 2),
+    )
     assert plan.candidates(1) == (u(2, 1, 2, ub=2), u(2, 1, 2), u(2, 2, 1, ub=2), u(2, 2, 1))
     assert plan.candidates(3, 1) == (u(4, 2, 2, 1, 2), u(4, 2, 2, 1))
     assert plan.dispatch(num_reqs=1, num_tokens=2, uniform_token_count=2, max_query_len=2) == u(2, 1, 2)
-    assert plan.dispatch(num_reqs=2, num_tokens=2, uniform_token_count=1, max_query_len=1,
-                         num_ubatches=2) == u(2, 2, 1, ub=2)
-    assert plan.dispatch(num_reqs=2, num_tokens=4, uniform_token_count=2, max_query_len=2,
-                         num_active_loras=1) == u(4, 2, 2, 1)
+    assert plan.dispatch(
+        num_reqs=2, num_tokens=2, uniform_token_count=1, max_query_len=1, num_ubatches=2
+    ) == u(2, 2, 1, ub=2)
+    assert plan.dispatch(
+        num_reqs=2, num_tokens=4, uniform_token_count=2, max_query_len=2, num_active_loras=1
+    ) == u(4, 2, 2, 1)
     # Three one-token requests: no 4-token U1 graph (4 requests > 2), and no mixed graphs: eager.
     assert plan.dispatch(num_reqs=3, num_tokens=3, uniform_token_count=1, max_query_len=1).mode is NONE
 
@@ -1322,8 +1356,12 @@ def test_query_lengths_leave_varlen_decode_and_a_single_length_unchanged() -> No
     base = {"capture_sizes": (1, 2, 4, 8), "max_num_reqs": 4, "mode": FAP, "decode_query_len": 3}
     assert plan_for(**base, decode_query_lens=(3,)).capture_order == plan_for(**base).capture_order
     # Varlen decode graphs already take 1..q tokens a request: the lengths add nothing (line 301).
-    assert (plan_for(**base, varlen_decode=True, decode_query_lens=(1, 2, 3)).capture_order
-            == plan_for(**base, varlen_decode=True).capture_order)
+    assert (
+        plan_for(**base, varlen_decode=True, decode_query_lens=(1, 2, 3)).capture_order
+        == plan_for(**base, varlen_decode=True).capture_order
+    )
     # Without a separate decode routine there are no uniform decode graphs to multiply.
-    assert (plan_for(**{**base, "mode": PW}, decode_query_lens=(1, 2, 3)).capture_order
-            == plan_for(**{**base, "mode": PW}).capture_order)
+    assert (
+        plan_for(**{**base, "mode": PW}, decode_query_lens=(1, 2, 3)).capture_order
+        == plan_for(**{**base, "mode": PW}).capture_order
+    )

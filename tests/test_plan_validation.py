@@ -339,5 +339,7 @@ def test_query_lengths_default_to_decode_query_len_and_follow_it() -> None:
     assert spec.decode_query_lens == (1, 2, 4)  # sorted, repeats dropped
     assert spec.replace(decode_query_len=6).decode_query_lens == (1, 2, 4)  # given lengths stay
     assert spec.to_dict()["decode_query_lens"] == [1, 2, 4]
-    with pytest.raises(ValueError, match=r"between 1 and decode_query_len \(4, .*got 5\. Raise decode_query_len to 5"):
+    with pytest.raises(
+        ValueError, match=r"between 1 and decode_query_len \(4, .*got 5\. Raise decode_query_len to 5"
+    ):
         CaptureConfig(**BASE, decode_query_len=4, decode_query_lens=(1, 5))

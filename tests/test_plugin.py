@@ -64,7 +64,9 @@ def _on_the_test_device(cudagraph_device):
 
 
 @pytest.fixture
-def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None) -> pytest.Pytester:
+def inner(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None
+) -> pytest.Pytester:
     """A pytester directory with the tiny modules (``cgmods``) and fixtures using them.
 
     Inner runs load only this plugin (xdist workers too, through the
@@ -129,8 +131,13 @@ def test_help_shows_every_option_and_ini_twin(pytester: pytest.Pytester) -> None
             "*--cudagraph-nonfinite-padding*",
         ]
     )
-    for ini, kind in (("verify", "bool"), ("backend", "string"), ("sizes", "string"), ("report", "string"),
-                      ("nonfinite_padding", "bool")):
+    for ini, kind in (
+        ("verify", "bool"),
+        ("backend", "string"),
+        ("sizes", "string"),
+        ("report", "string"),
+        ("nonfinite_padding", "bool"),
+    ):
         result.stdout.fnmatch_lines([f"*cudagraph_{ini} ({kind}):*"])
 
 
@@ -158,7 +165,10 @@ def test_marker_keywords_are_exactly_verifys_keywords() -> None:
         assert shown[name] == repr(params[name].default), name
     defaults = CaptureConfig.defaults()
     for name in fields:
-        if name in ("capture_sizes", "max_num_reqs"):  # None in the marker: from the settings / the largest size
+        if name in (
+            "capture_sizes",
+            "max_num_reqs",
+        ):  # None in the marker: from the settings / the largest size
             assert shown[name] == "None", name
         else:
             value = defaults[name]
@@ -185,7 +195,9 @@ def test_parse_sizes_rejects_with_what_was_expected(text: str, why: str) -> None
 
 def test_parse_backend() -> None:
     assert parse_backend(" Emulate ", "x") == "emulate"
-    with pytest.raises(pytest.UsageError, match=r"--cudagraph-backend: expected one of auto, cuda, emulate; got 'gpu'"):
+    with pytest.raises(
+        pytest.UsageError, match=r"--cudagraph-backend: expected one of auto, cuda, emulate; got 'gpu'"
+    ):
         parse_backend("gpu", "--cudagraph-backend")
 
 
@@ -197,8 +209,13 @@ def test_resolve_precedence_call_marker_run() -> None:
     call = {"capture_sizes": [8], "exhaustive": True, "backend": None}  # None: not given
     assert resolve(run, marker, call) == Settings(verify=True, backend="emulate", sizes=(8,))
     keywords = verify_keywords(run, {**marker, "seed": 3}, {"seed": 5, "rtol": None})
-    assert keywords == {"capture_sizes": (1, 2, 4), "backend": "emulate", "exhaustive": False, "seed": 5,
-                        "nonfinite_padding": False}
+    assert keywords == {
+        "capture_sizes": (1, 2, 4),
+        "backend": "emulate",
+        "exhaustive": False,
+        "seed": 5,
+        "nonfinite_padding": False,
+    }
 
 
 # -- usage errors -------------------------------------------------------------
@@ -207,8 +224,10 @@ def test_bad_sizes_option_is_a_usage_error(inner: pytest.Pytester) -> None:
     result = inner.runpytest("--cudagraph-sizes=1,x")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
-        ["ERROR: --cudagraph-sizes: expected a comma-separated list of token counts >= 1, such as 1,2,4,8; "
-         "got '1,x' ('x' is not a whole number)"]
+        [
+            "ERROR: --cudagraph-sizes: expected a comma-separated list of token counts >= 1, such as 1,2,4,8; "
+            "got '1,x' ('x' is not a whole number)"
+        ]
     )
 
 
@@ -217,7 +236,9 @@ def test_bad_ini_backend_is_a_usage_error(inner: pytest.Pytester) -> None:
     inner.makepyfile("def test_x():\n    pass\n")
     result = inner.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: ini option cudagraph_backend: expected one of auto, cuda, emulate; got 'gpu'"])
+    result.stderr.fnmatch_lines(
+        ["ERROR: ini option cudagraph_backend: expected one of auto, cuda, emulate; got 'gpu'"]
+    )
 
 
 def test_unknown_marker_keyword_fails_its_own_test_naming_it(inner: pytest.Pytester) -> None:
@@ -238,12 +259,16 @@ def test_unknown_marker_keyword_fails_its_own_test_naming_it(inner: pytest.Pytes
     result.assert_outcomes(passed=1, errors=1)
     allowed = ", ".join(cg_settings.MARKER_KEYWORDS)
     result.stdout.fnmatch_lines(
-        [f"@pytest.mark.cudagraph on test_unknown_marker_keyword_fails_its_own_test_naming_it.py::test_x: "
-         f"unknown keyword 'capture_size' (did you mean 'capture_sizes'?); the marker takes only these keywords: {allowed}"]
+        [
+            f"@pytest.mark.cudagraph on test_unknown_marker_keyword_fails_its_own_test_naming_it.py::test_x: "
+            f"unknown keyword 'capture_size' (did you mean 'capture_sizes'?); the marker takes only these keywords: {allowed}"
+        ]
     )
 
 
-def test_positional_marker_arguments_and_bad_marker_values_fail_their_own_test(inner: pytest.Pytester) -> None:
+def test_positional_marker_arguments_and_bad_marker_values_fail_their_own_test(
+    inner: pytest.Pytester,
+) -> None:
     inner.makepyfile(
         """
         import pytest
@@ -300,12 +325,20 @@ def test_precedence_call_beats_marker_beats_option_beats_ini(inner: pytest.Pytes
     inner.runpytest("--cudagraph-verify").assert_outcomes(passed=3)
     data = _report(inner)
     assert data["settings"]["sizes"] == [1, 2]
-    assert (_planned(data, "test_plain"), _planned(data, "test_marked"), _planned(data, "test_call")) == ([2], [4], [1])
+    assert (_planned(data, "test_plain"), _planned(data, "test_marked"), _planned(data, "test_call")) == (
+        [2],
+        [4],
+        [1],
+    )
 
     inner.runpytest("--cudagraph-verify", "--cudagraph-sizes=1,2,4").assert_outcomes(passed=3)
     data = _report(inner)
     assert data["settings"]["sizes"] == [1, 2, 4]
-    assert (_planned(data, "test_plain"), _planned(data, "test_marked"), _planned(data, "test_call")) == ([3], [4], [1])
+    assert (_planned(data, "test_plain"), _planned(data, "test_marked"), _planned(data, "test_call")) == (
+        [3],
+        [4],
+        [1],
+    )
 
 
 def test_marker_backend_beats_option(inner: pytest.Pytester) -> None:
@@ -350,14 +383,28 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1)
     path = inner.path / "out" / "cg.json"
     result.stdout.fnmatch_lines(
-        [f"cudagraph: backend=emulate, verify=every descriptor and every check, sizes=1,2,4, report={path}, "
-         f"devices=0, trace={inner.path / 'traces' / 't.csv'} (3 batch shapes)"]
+        [
+            f"cudagraph: backend=emulate, verify=every descriptor and every check, sizes=1,2,4, report={path}, "
+            f"devices=0, trace={inner.path / 'traces' / 't.csv'} (3 batch shapes)"
+        ]
     )
     data = json.loads(path.read_text())
-    assert data["settings"] == {"verify": True, "backend": "emulate", "sizes": [1, 2, 4], "report": str(path),
-                                "devices": [0], "split": "test", "nonfinite_padding": False, "world_size": 2,
-                                "trace": str(inner.path / "traces" / "t.csv"), "isolate": False,
-                                "isolate_timeout": 90.0, "checks": ["-rng"], "compare": None, "compare_fail": False}
+    assert data["settings"] == {
+        "verify": True,
+        "backend": "emulate",
+        "sizes": [1, 2, 4],
+        "report": str(path),
+        "devices": [0],
+        "split": "test",
+        "nonfinite_padding": False,
+        "world_size": 2,
+        "trace": str(inner.path / "traces" / "t.csv"),
+        "isolate": False,
+        "isolate_timeout": 90.0,
+        "checks": ["-rng"],
+        "compare": None,
+        "compare_fail": False,
+    }
     # the options beat their ini twins
     result = inner.runpytest("--cudagraph-sizes=1,2", "--cudagraph-report=other.json")
     result.assert_outcomes(failed=1)  # 2 descriptors planned now, not 3
@@ -397,8 +444,13 @@ def test_nonfinite_padding_option_ini_and_marker(inner: pytest.Pytester) -> None
     inner.runpytest("--cudagraph-verify").assert_outcomes(passed=2)
     result = inner.runpytest("--cudagraph-verify", "--cudagraph-nonfinite-padding")
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["cudagraph: *padding=finite and non-finite*",
-                                 "*FAIL padding_isolation*", "*found by nonfinite_padding=True*"])
+    result.stdout.fnmatch_lines(
+        [
+            "cudagraph: *padding=finite and non-finite*",
+            "*FAIL padding_isolation*",
+            "*found by nonfinite_padding=True*",
+        ]
+    )
     assert "test_marker_off FAILED" not in result.stdout.str()
     inner.makeini("[pytest]\ncudagraph_nonfinite_padding = true\n")
     result = inner.runpytest("--cudagraph-verify", "-v")
@@ -486,20 +538,40 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     assert data["version"] == 3
     assert (data["complete"], data["exitstatus"], data["passed"]) == (True, 1, False)
     assert data["outcomes"] == {"passed": 2, "failed": 1}
-    assert data["settings"] == {"verify": False, "backend": "auto", "sizes": None, "report": str(path),
-                                "devices": None, "split": "test", "nonfinite_padding": False, "world_size": None,
-                                "trace": None, "isolate": False, "isolate_timeout": None, "checks": None,
-                                "compare": None, "compare_fail": False}
+    assert data["settings"] == {
+        "verify": False,
+        "backend": "auto",
+        "sizes": None,
+        "report": str(path),
+        "devices": None,
+        "split": "test",
+        "nonfinite_padding": False,
+        "world_size": None,
+        "trace": None,
+        "isolate": False,
+        "isolate_timeout": None,
+        "checks": None,
+        "compare": None,
+        "compare_fail": False,
+    }
     # every test that used the plugin: test_not_verifying made a manager, and verified nothing
-    assert set(data["tests"]) == {"test_rep.py::test_twice", "test_rep.py::test_buggy",
-                                  "test_rep.py::test_not_verifying"}
+    assert set(data["tests"]) == {
+        "test_rep.py::test_twice",
+        "test_rep.py::test_buggy",
+        "test_rep.py::test_not_verifying",
+    }
     assert data["tests"]["test_rep.py::test_not_verifying"] == {"outcome": "passed", "verifications": []}
 
     twice = data["tests"]["test_rep.py::test_twice"]
     assert twice["outcome"] == "passed"
     first, second = twice["verifications"]
-    assert first["keywords"] == {"capture_sizes": [1, 2, 4], "backend": AUTO_BACKEND, "exhaustive": False,
-                                 "nonfinite_padding": False, "device": f"cuda:{torch.cuda.current_device()}" if AUTO_BACKEND == "cuda" else "cpu"}
+    assert first["keywords"] == {
+        "capture_sizes": [1, 2, 4],
+        "backend": AUTO_BACKEND,
+        "exhaustive": False,
+        "nonfinite_padding": False,
+        "device": f"cuda:{torch.cuda.current_device()}" if AUTO_BACKEND == "cuda" else "cpu",
+    }
     rep = first["report"]
     assert (rep["module"], rep["backend"], rep["mode"], rep["passed"]) == ("Tiny", AUTO_BACKEND, "FULL", True)
     assert rep["training"] == "train"  # verified in the mode it is in: a new Module is in train mode
@@ -514,7 +586,10 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     assert all(o["passed"] is None for o in rep["outcomes"] if o["status"] == "skipped")
     assert any(o["status"] == "skipped" for o in rep["outcomes"])
     _valid(data)
-    assert data["machine"]["packages"]["pytest-cudagraph"] and data["machine"]["torch"]["version"] == torch.__version__
+    assert (
+        data["machine"]["packages"]["pytest-cudagraph"]
+        and data["machine"]["torch"]["version"] == torch.__version__
+    )
     assert data["started"] <= data["finished"] and "id" in data["commit"]
     assert rep["real_batches"] > 0 and rep["capture_seconds"] >= 0
     assert set(rep["graph_memory_bytes"]) == {"FULL-T4-R4", "FULL-T1-R1"}
@@ -541,10 +616,14 @@ def test_no_report_file_unless_asked(inner: pytest.Pytester) -> None:
 def test_header_line(inner: pytest.Pytester) -> None:
     inner.makepyfile("def test_x():\n    pass\n")
     inner.runpytest().stdout.fnmatch_lines(
-        [f"cudagraph: backend={AUTO_BACKEND} (auto), verify=quick (smallest and largest descriptor per mode), "
-         "sizes=per test, report=none"]
+        [
+            f"cudagraph: backend={AUTO_BACKEND} (auto), verify=quick (smallest and largest descriptor per mode), "
+            "sizes=per test, report=none"
+        ]
     )
-    inner.runpytest("--cudagraph-backend=emulate", "--cudagraph-verify", "--cudagraph-sizes=8,1").stdout.fnmatch_lines(
+    inner.runpytest(
+        "--cudagraph-backend=emulate", "--cudagraph-verify", "--cudagraph-sizes=8,1"
+    ).stdout.fnmatch_lines(
         ["cudagraph: backend=emulate, verify=every descriptor and every check, sizes=1,8, report=none"]
     )
 
@@ -629,7 +708,9 @@ def test_cudagraph_manager_keyword_errors(inner: pytest.Pytester) -> None:
     )
     result = inner.runpytest()
     result.assert_outcomes(passed=2, failed=1)
-    result.stdout.fnmatch_lines(["*cudagraph_manager needs capture_sizes: pass capture_sizes=*--cudagraph-sizes*"])
+    result.stdout.fnmatch_lines(
+        ["*cudagraph_manager needs capture_sizes: pass capture_sizes=*--cudagraph-sizes*"]
+    )
 
 
 def test_backend_and_device_fixtures(inner: pytest.Pytester) -> None:
@@ -767,8 +848,12 @@ def test_xdist_workers_results_reach_the_summary_and_report(inner: pytest.Pytest
     result.stdout.fnmatch_lines(["test_rep.py::test_twice: *4 of 6 descriptors verified (quick mode)*"])
     result.stdout.fnmatch_lines(["test_rep.py::test_buggy: *0 of 3 descriptors verified (quick mode)*"])
     data = _report(inner)
-    assert set(data["tests"]) == {"test_rep.py::test_twice", "test_rep.py::test_buggy",
-                                  "test_rep.py::test_not_verifying", "test_bad_marker.py::test_x"}
+    assert set(data["tests"]) == {
+        "test_rep.py::test_twice",
+        "test_rep.py::test_buggy",
+        "test_rep.py::test_not_verifying",
+        "test_bad_marker.py::test_x",
+    }
     assert data["tests"]["test_rep.py::test_buggy"]["outcome"] == "failed"
     assert data["tests"]["test_bad_marker.py::test_x"]["outcome"] == "error"
     assert len(data["tests"]["test_rep.py::test_twice"]["verifications"]) == 2
@@ -780,24 +865,40 @@ def test_report_accepts_an_absolute_path(inner: pytest.Pytester, tmp_path: Path)
     assert json.loads((tmp_path / "abs.json").read_text())["tests"]
 
 
-def test_a_suite_that_does_not_use_the_plugin_never_imports_torch(pytester: pytest.Pytester,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_suite_that_does_not_use_the_plugin_never_imports_torch(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Loading the plugin costs a suite that does not use it no torch import: not at start, not at
     collection, not on an xdist worker, not for --help."""
     isolate_plugins(monkeypatch)
-    pytester.makepyfile(test_plain="""
+    pytester.makepyfile(
+        test_plain="""
         import sys
 
         def test_torch_is_not_loaded():
             assert "torch" not in sys.modules
-    """)
+    """
+    )
     assert pytester.runpytest_subprocess("-p", "no:cacheprovider").ret == 0
     assert pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "xdist", "-n", "2").ret == 0
-    done = subprocess.run([sys.executable, "-c", "import sys, pytest; pytest.main(['--help']); "
-                           "print('TORCH', 'torch' in sys.modules)"], capture_output=True, text=True,
-                          cwd=pytester.path, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-                                                  "PYTEST_PLUGINS": "pytest_cudagraph.plugin"})
-    assert "--cudagraph-verify" in done.stdout and done.stdout.strip().endswith("TORCH False"), done.stdout[-300:]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, pytest; pytest.main(['--help']); print('TORCH', 'torch' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=pytester.path,
+        env={
+            **os.environ,
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+            "PYTEST_PLUGINS": "pytest_cudagraph.plugin",
+        },
+    )
+    assert "--cudagraph-verify" in done.stdout and done.stdout.strip().endswith("TORCH False"), done.stdout[
+        -300:
+    ]
 
 
 def test_every_environment_variable_the_plugin_reads_is_in_help() -> None:
@@ -813,11 +914,20 @@ def test_every_environment_variable_the_plugin_reads_is_in_help() -> None:
     listed = {name for name, _ in ENVIRONMENT}
     assert listed == {CAPTURE_ENV, CHILD_ENV, CHECK_ENV, THREADS_ENV}
     package = Path(__file__).resolve().parents[1] / "pytest_cudagraph"
-    named = {m for p in package.rglob("*.py") for m in re.findall(r'"(PYTEST_CUDAGRAPH_[A-Z_]+)"', p.read_text())}
+    named = {
+        m for p in package.rglob("*.py") for m in re.findall(r'"(PYTEST_CUDAGRAPH_[A-Z_]+)"', p.read_text())
+    }
     assert named <= listed, named - listed
-    done = subprocess.run([sys.executable, "-m", "pytest", "--help"], capture_output=True, text=True,
-                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-                               "PYTEST_PLUGINS": "pytest_cudagraph.plugin"})
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--help"],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+            "PYTEST_PLUGINS": "pytest_cudagraph.plugin",
+        },
+    )
     assert all(f"  {name}: " in done.stdout for name in listed), done.stdout[-2000:]
 
 
@@ -859,7 +969,9 @@ def test_checks_option_and_ini_select_and_deselect_and_the_marker_wins(inner: py
     assert _checks_run(_report(inner), "test_by_option") == [["capture_safety", "real_batches"]]
 
 
-def test_bad_checks_option_is_a_usage_error_and_an_unknown_check_fails_its_test(inner: pytest.Pytester) -> None:
+def test_bad_checks_option_is_a_usage_error_and_an_unknown_check_fails_its_test(
+    inner: pytest.Pytester,
+) -> None:
     inner.makepyfile(test_chosen=CHOSEN_CHECKS)
     result = inner.runpytest("--cudagraph-checks=real batches!")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -932,17 +1044,20 @@ def test_known(cudagraph_verify):
 """
 
 
-def test_compare_names_new_failures_and_new_passes_and_can_fail_the_run(inner: pytest.Pytester,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compare_names_new_failures_and_new_passes_and_can_fail_the_run(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     inner.makepyfile(test_cmp=COMPARED)
     inner.runpytest("--cudagraph-report=base.json", "-k", "not known").assert_outcomes(passed=1, failed=1)
     monkeypatch.setenv("CG_BREAK", "1")
     result = inner.runpytest("--cudagraph-compare=base.json", "-k", "not known")
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines([
-        "cudagraph: compared with *base.json: * new failure(s), * newly passing, *",
-        "  new failure: test_cmp.py::test_one: verification 1 (ItemInForward) capture_safety FULL-T2-R2 (was passed)",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "cudagraph: compared with *base.json: * new failure(s), * newly passing, *",
+            "  new failure: test_cmp.py::test_one: verification 1 (ItemInForward) capture_safety FULL-T2-R2 (was passed)",
+        ]
+    )
     result.stdout.fnmatch_lines(["  new failure: test_cmp.py::test_one: the test failed (was passed)"])
     result.stdout.fnmatch_lines(["  newly passing: test_cmp.py::test_two: the test passed (was failed)"])
     assert "new failure: test_cmp.py::test_two" not in result.stdout.str()
@@ -958,8 +1073,13 @@ def test_compare_names_new_failures_and_new_passes_and_can_fail_the_run(inner: p
     result = inner.runpytest("--cudagraph-compare=known.json", "-k", "test_known")
     result.assert_outcomes(xfailed=1)
     assert result.ret == pytest.ExitCode.OK
-    result = inner.runpytest("--cudagraph-compare=known.json", "--cudagraph-compare-fail", "-k", "test_known",
-                             "--cudagraph-report=after.json")
+    result = inner.runpytest(
+        "--cudagraph-compare=known.json",
+        "--cudagraph-compare-fail",
+        "-k",
+        "test_known",
+        "--cudagraph-report=after.json",
+    )
     result.assert_outcomes(xfailed=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["cudagraph: the run fails on its new failure(s) (--cudagraph-compare-fail)"])
@@ -980,16 +1100,27 @@ def test_one_options_object_is_the_source_of_every_keyword_list() -> None:
     params = inspect.signature(verify).parameters
     assert [n for n in params if n in fields] == list(fields)
     assert set(cg_settings.VERIFY_KEYWORDS) == {*CaptureConfig.field_names(), *fields}
-    runner = [n for n, p in inspect.signature(verify_runner).parameters.items()
-              if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    runner = [
+        n
+        for n, p in inspect.signature(verify_runner).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
     assert set(runner) == set(RUNNER_KEYWORDS)
     assert set(VerifyOptions.runner_field_names()) <= set(fields)
     with pytest.raises(ValueError, match="rtol must be a number >= 0"):
         VerifyOptions(rtol=-1)
     with pytest.raises(ValueError, match="backend must be one of auto, cuda, emulate"):
-        verify(torch.nn.Linear(2, 2), lambda t, r: {"input": torch.randn(t, 2)}, capture_sizes=[1], backend="gpu")
+        verify(
+            torch.nn.Linear(2, 2), lambda t, r: {"input": torch.randn(t, 2)}, capture_sizes=[1], backend="gpu"
+        )
     # options and keywords: the keywords win.
     options = VerifyOptions(checks=["capture_safety"], exhaustive=False)
-    report = verify(torch.nn.Linear(2, 2), lambda t, r: {"input": torch.randn(t, 2)}, capture_sizes=[1, 2],
-                    options=options, checks=["state"], backend="emulate")
+    report = verify(
+        torch.nn.Linear(2, 2),
+        lambda t, r: {"input": torch.randn(t, 2)},
+        capture_sizes=[1, 2],
+        options=options,
+        checks=["state"],
+        backend="emulate",
+    )
     assert report.checks == ("state",) and not report.exhaustive

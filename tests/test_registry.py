@@ -49,12 +49,15 @@ def test_the_docs_table_is_the_registrys():
         assert f"| `{check.name}` |" in text
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"name": "Bad Name"}, "lower_snake_case"),
-    ({"scope": "sometimes"}, "scope must be one of"),
-    ({"run": 3}, "run must be a function"),
-    ({"compares": ""}, "compares must say"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"name": "Bad Name"}, "lower_snake_case"),
+        ({"scope": "sometimes"}, "scope must be one of"),
+        ({"run": 3}, "run must be a function"),
+        ({"compares": ""}, "compares must say"),
+    ],
+)
 def test_a_malformed_check_is_told(kwargs, message):
     base = {"name": "mine", "run": lambda ctx, desc: None, "compares": "something"}
     with pytest.raises(ValueError, match=message):
@@ -103,10 +106,13 @@ def test_an_extra_check_that_fails_is_a_failure_with_its_finding():
     assert "FAIL never_ok" in report.format() and "the cache moved" in report.format()
 
 
-@pytest.mark.parametrize(("result", "message"), [
-    (RuntimeError("boom"), r"the check could not run: RuntimeError: boom"),
-    ("text", r"the check could not run: TypeError: check 'odd' returned str"),
-])
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        (RuntimeError("boom"), r"the check could not run: RuntimeError: boom"),
+        ("text", r"the check could not run: TypeError: check 'odd' returned str"),
+    ],
+)
 def test_a_check_that_cannot_run_fails_never_passes(result, message):
     def odd(ctx, desc):
         if isinstance(result, Exception):
@@ -191,8 +197,10 @@ def test_a_conftest_adds_checks_to_the_tests_beneath_it_only(pytester):
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*FAIL engine_invariant*", "*the engine's invariant broke*"])
     data = json.loads((pytester.path / "report.json").read_text())
-    checks = {nodeid: {o["check"] for v in test["verifications"] for o in v["report"]["outcomes"]}
-              for nodeid, test in data["tests"].items()}
+    checks = {
+        nodeid: {o["check"] for v in test["verifications"] for o in v["report"]["outcomes"]}
+        for nodeid, test in data["tests"].items()
+    }
     assert "engine_invariant" in checks["engine/test_engine.py::test_verified"]
     assert "engine_invariant" not in checks["test_plain.py::test_verified"]
 
@@ -205,7 +213,9 @@ def test_a_hook_that_returns_no_checks_is_told(pytester):
     pytester.makepyfile(test_x=HOOK_TEST)
     result = pytester.runpytest()
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*pytest_cudagraph_checks returned 'engine_invariant'; it returns a list of*"])
+    result.stdout.fnmatch_lines(
+        ["*pytest_cudagraph_checks returned 'engine_invariant'; it returns a list of*"]
+    )
 
 
 def test_a_leading_minus_deselects_a_check() -> None:

@@ -54,13 +54,15 @@ def _temp_files(folder: Path) -> list[Path]:
 
 
 def test_report_is_written_atomically_with_exit_status_and_complete(inner: pytest.Pytester) -> None:  # noqa: F811
-    inner.makepyfile(test_ok="""
+    inner.makepyfile(
+        test_ok="""
 from cgmods import Tiny, make_inputs
 
 
 def test_good(cudagraph_verify):
     cudagraph_verify(Tiny(), make_inputs, capture_sizes=(1, 2))
-""")
+"""
+    )
     out = inner.path / "out"
     inner.runpytest("--cudagraph-report=out/report.json").assert_outcomes(passed=1)
     data = _load(out / "report.json")
@@ -79,8 +81,11 @@ def test_every_test_that_used_the_plugin_is_listed_with_its_outcome(inner: pytes
     data = _load(inner.path / "report.json")
     tests = data["tests"]
     # test_plain used nothing of the plugin; the others are listed whatever happened to them
-    assert set(tests) == {"test_mixed.py::test_good", "test_mixed.py::test_inputs_raise",
-                          "test_mixed.py::test_marked_fails"}
+    assert set(tests) == {
+        "test_mixed.py::test_good",
+        "test_mixed.py::test_inputs_raise",
+        "test_mixed.py::test_marked_fails",
+    }
     assert tests["test_mixed.py::test_inputs_raise"] == {"outcome": "failed", "verifications": []}
     assert tests["test_mixed.py::test_marked_fails"] == {"outcome": "failed", "verifications": []}
     assert tests["test_mixed.py::test_good"]["outcome"] == "passed"
@@ -90,9 +95,13 @@ def test_every_test_that_used_the_plugin_is_listed_with_its_outcome(inner: pytes
 
 
 def test_report_says_incomplete_while_the_session_runs(inner: pytest.Pytester) -> None:  # noqa: F811
-    (inner.path / "report.json").write_text(json.dumps({"version": 2, "complete": True, "exitstatus": 0,
-                                                         "passed": True, "tests": {"old.py::test": {}}}))
-    inner.makepyfile(test_peek="""
+    (inner.path / "report.json").write_text(
+        json.dumps(
+            {"version": 2, "complete": True, "exitstatus": 0, "passed": True, "tests": {"old.py::test": {}}}
+        )
+    )
+    inner.makepyfile(
+        test_peek="""
 import json
 
 
@@ -100,23 +109,31 @@ def test_peek(cudagraph_manager):
     data = json.loads(open("report.json").read())
     assert data["complete"] is False and data["exitstatus"] is None and data["passed"] is False
     assert data["tests"] == {}
-""")
+"""
+    )
     inner.runpytest("--cudagraph-report=report.json").assert_outcomes(passed=1)
     assert _load(inner.path / "report.json")["complete"] is True
 
 
-def test_a_killed_run_leaves_no_report_looking_current(inner: pytest.Pytester,  # noqa: F811
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_killed_run_leaves_no_report_looking_current(
+    inner: pytest.Pytester,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # As SIGTERM or the OOM killer would: the process ends before pytest_sessionfinish.
-    (inner.path / "report.json").write_text(json.dumps({"version": 2, "complete": True, "exitstatus": 0,
-                                                         "passed": True, "tests": {"old.py::test": {}}}))
-    inner.makepyfile(test_killed="""
+    (inner.path / "report.json").write_text(
+        json.dumps(
+            {"version": 2, "complete": True, "exitstatus": 0, "passed": True, "tests": {"old.py::test": {}}}
+        )
+    )
+    inner.makepyfile(
+        test_killed="""
 import os
 
 
 def test_killed(cudagraph_manager):
     os._exit(3)
-""")
+"""
+    )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(inner.path)]))
     result = inner.runpytest_subprocess("-p", "no:cacheprovider", "--cudagraph-report=report.json")
     assert result.ret == 3
@@ -127,7 +144,8 @@ def test_killed(cudagraph_manager):
 
 @pytest.mark.parametrize("how", ["raise KeyboardInterrupt", "pytest.exit('stop here')"])
 def test_an_interrupted_run_is_marked_incomplete(inner: pytest.Pytester, how: str) -> None:  # noqa: F811
-    inner.makepyfile(test_stop=f"""
+    inner.makepyfile(
+        test_stop=f"""
 import pytest
 from cgmods import Tiny, make_inputs
 
@@ -142,7 +160,8 @@ def test_b(cudagraph_manager):
 
 def test_c(cudagraph_manager):
     pass
-""")
+"""
+    )
     result = inner.runpytest_inprocess("--cudagraph-report=report.json", no_reraise_ctrlc=True)
     assert result.ret == pytest.ExitCode.INTERRUPTED
     data = _load(inner.path / "report.json")
@@ -161,7 +180,8 @@ def test_stopping_at_the_first_failure_is_incomplete(inner: pytest.Pytester) -> 
 
 def test_a_crashed_xdist_worker_is_listed_and_nothing_claims_all_passed(inner: pytest.Pytester) -> None:  # noqa: F811
     pytest.importorskip("xdist")
-    inner.makepyfile(test_crash="""
+    inner.makepyfile(
+        test_crash="""
 import os
 from cgmods import Tiny, make_inputs
 
@@ -176,7 +196,8 @@ def test_crash(cudagraph_verify):
 
 def test_crash_outside_the_plugin():
     os._exit(1)
-""")
+"""
+    )
     result = inner.runpytest("-p", "xdist.plugin", "-n", "1", "--cudagraph-report=report.json")
     result.assert_outcomes(passed=1, failed=2)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
@@ -200,13 +221,17 @@ def test_failures_before_verifying_are_listed_under_xdist(inner: pytest.Pytester
     for result in (alone, two):
         result.assert_outcomes(passed=2, failed=2)
     a, b = _load(inner.path / "alone.json"), _load(inner.path / "two.json")
-    assert {k: v["outcome"] for k, v in a["tests"].items()} == {k: v["outcome"] for k, v in b["tests"].items()}
+    assert {k: v["outcome"] for k, v in a["tests"].items()} == {
+        k: v["outcome"] for k, v in b["tests"].items()
+    }
     assert a["outcomes"] == b["outcomes"] and a["exitstatus"] == b["exitstatus"] == 1
 
 
 # -- the Markdown benchmark report ----------------------------------------------
 @pytest.fixture
-def bench_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None) -> pytest.Pytester:
+def bench_pytester(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None
+) -> pytest.Pytester:
     pytest.importorskip("pytest_benchmark")
     pytest.importorskip("xdist")
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
@@ -218,8 +243,14 @@ def bench_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, v
 
 def test_bench_report_is_merged_from_xdist_workers(bench_pytester: pytest.Pytester) -> None:
     bench_pytester.makepyfile(test_bench_other=BENCH_TEST.replace("def test_mlp", "def test_mlp_again"))
-    result = bench_pytester.runpytest("-p", "no:cacheprovider", "-n", "2", "--cudagraph-backend=emulate",
-                                      "--cudagraph-bench-report=bench.md")
+    result = bench_pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "2",
+        "--cudagraph-backend=emulate",
+        "--cudagraph-bench-report=bench.md",
+    )
     result.assert_outcomes(passed=2)
     table = (bench_pytester.path / "bench.md").read_text()
     for test in ("test_bench_inner.py::test_mlp", "test_bench_other.py::test_mlp_again"):
@@ -232,15 +263,17 @@ def test_bench_report_is_merged_from_xdist_workers(bench_pytester: pytest.Pytest
 
 
 def test_a_bench_report_not_written_is_warned_about(bench_pytester: pytest.Pytester) -> None:
-    result = bench_pytester.runpytest("-p", "no:cacheprovider", "-k", "nothing_matches",
-                                      "--cudagraph-bench-report=bench.md", "-W", "always")
+    result = bench_pytester.runpytest(
+        "-p", "no:cacheprovider", "-k", "nothing_matches", "--cudagraph-bench-report=bench.md", "-W", "always"
+    )
     assert not (bench_pytester.path / "bench.md").exists()
     result.stdout.fnmatch_lines(["*the benchmark report */bench.md was not written: no cudagraph_benchmark*"])
 
 
 # -- the writer ------------------------------------------------------------------
-def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_atomic_write_keeps_the_old_file_when_the_write_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "report.json"
     path.write_text("old")
 
@@ -260,11 +293,22 @@ def test_a_crash_report_from_xdist_is_collected_as_crashed() -> None:
     state = pytest_report.RunState(Settings())
     setup = pytest.TestReport("t.py::test", ("t.py", 0, "test"), {}, "passed", None, "setup")
     setattr(setup, pytest_report.USED_ATTR, True)
-    crash = pytest.TestReport("t.py::test", ("t.py", None, "t.py"), {}, "failed",
-                              "worker 'gw0' crashed while running 't.py::test'", "???")  # type: ignore[arg-type]
+    crash = pytest.TestReport(
+        "t.py::test",
+        ("t.py", None, "t.py"),
+        {},
+        "failed",
+        "worker 'gw0' crashed while running 't.py::test'",
+        "???",
+    )  # type: ignore[arg-type]
     for report in (setup, crash):
         state.collect(report)
     document = pytest_report.report_document(state, 1)
-    assert document["tests"] == {"t.py::test": {"outcome": "crashed", "verifications": [],
-                                                "crash": "worker 'gw0' crashed while running 't.py::test'"}}
+    assert document["tests"] == {
+        "t.py::test": {
+            "outcome": "crashed",
+            "verifications": [],
+            "crash": "worker 'gw0' crashed while running 't.py::test'",
+        }
+    }
     assert document["passed"] is False

@@ -111,8 +111,9 @@ class FirstCallOnly(Runner):
 def _verify(runner_cls, **kw):
     torch.manual_seed(0)
     module = Cached().eval()
-    return verify_runner(runner_cls(module), module, make_inputs, capture_sizes=SIZES,
-                         scratch_state={"cache": 16}, **kw)
+    return verify_runner(
+        runner_cls(module), module, make_inputs, capture_sizes=SIZES, scratch_state={"cache": 16}, **kw
+    )
 
 
 def test_a_correct_runner_passes_every_check():
@@ -129,13 +130,16 @@ def test_a_correct_runner_passes_every_check():
     assert "3 capture sizes and the eager fallback verified" in report.summary()
 
 
-@pytest.mark.parametrize(("runner_cls", "check"), [
-    (LiveSlotPadding, "state"),
-    (StaleTable, "state"),
-    (TooSmall, "real_batches"),
-    (Views, "output_lifetime"),
-    (FirstCallOnly, "fresh_inputs"),
-])
+@pytest.mark.parametrize(
+    ("runner_cls", "check"),
+    [
+        (LiveSlotPadding, "state"),
+        (StaleTable, "state"),
+        (TooSmall, "real_batches"),
+        (Views, "output_lifetime"),
+        (FirstCallOnly, "fresh_inputs"),
+    ],
+)
 def test_each_runner_bug_is_named_by_its_check(runner_cls, check):
     report = _verify(runner_cls)
     assert not report.ok
@@ -147,7 +151,10 @@ def test_a_stale_context_passes_the_sweep_and_fails_fresh_inputs():
     # second call of the same size on other inputs shows what was kept.
     report = _verify(FirstCallOnly)
     assert {(o.check, o.descriptor.num_tokens) for o in report.failures} == {
-        ("fresh_inputs", 1), ("fresh_inputs", 2), ("fresh_inputs", 4)}, report.format()
+        ("fresh_inputs", 1),
+        ("fresh_inputs", 2),
+        ("fresh_inputs", 4),
+    }, report.format()
 
 
 def test_without_a_scratch_region_padding_writes_are_state_differences():
@@ -197,13 +204,16 @@ def test_checks_are_selected_by_name_and_unknown_names_are_refused():
         _verify(Runner, checks=["determinsm"])
 
 
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"capture_sizes": []}, "capture_sizes"),
-    ({"capture_sizes": [0, 2]}, "capture_sizes"),
-    ({"capture_sizes": "1,2"}, "capture_sizes"),
-    ({"capture_sizes": SIZES, "max_num_reqs": 0}, "max_num_reqs"),
-    ({"capture_sizes": SIZES, "scratch_state": {"kv": 0}}, "scratch_state"),
-])
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"capture_sizes": []}, "capture_sizes"),
+        ({"capture_sizes": [0, 2]}, "capture_sizes"),
+        ({"capture_sizes": "1,2"}, "capture_sizes"),
+        ({"capture_sizes": SIZES, "max_num_reqs": 0}, "max_num_reqs"),
+        ({"capture_sizes": SIZES, "scratch_state": {"kv": 0}}, "scratch_state"),
+    ],
+)
 def test_bad_arguments_say_what_was_expected(kw, match):
     module = Cached()
     with pytest.raises(ValueError, match=match):
@@ -239,7 +249,7 @@ def test_the_replay_counter_counts_and_puts_the_method_back():
 
 # -- the fixture ---------------------------------------------------------------------------
 
-_FIXTURE_TESTS = '''
+_FIXTURE_TESTS = """
 import pytest
 import torch
 from tests.test_runner import Cached, Runner, Views, make_inputs
@@ -269,7 +279,7 @@ def test_a_buggy_runner_fails(cudagraph_verify_runner):
 def test_unknown_keyword(cudagraph_verify_runner):
     module = Cached().eval()
     cudagraph_verify_runner(Runner(module), module, make_inputs, pad_values={"x": 0})
-'''
+"""
 
 
 def test_the_fixture_takes_call_then_marker_then_option(pytester, monkeypatch, verify_imported):
@@ -374,8 +384,9 @@ def test_a_capture_that_writes_live_state_fails_state_and_the_checks_start_from_
     with torch.no_grad():
         module.cache.normal_()
     before = module.cache.clone()
-    report = verify_runner(WarmsUpIntoALiveSlot(module), module, make_inputs, capture_sizes=SIZES,
-                           scratch_state={"cache": 16})
+    report = verify_runner(
+        WarmsUpIntoALiveSlot(module), module, make_inputs, capture_sizes=SIZES, scratch_state={"cache": 16}
+    )
     assert [(o.check, o.descriptor) for o in report.failures] == [("state", None)], report.format()
     assert "runner.capture()" in report.failures[0].message
     assert torch.equal(module.cache, before)
@@ -386,6 +397,7 @@ def test_a_capture_that_writes_live_state_fails_state_and_the_checks_start_from_
             with torch.no_grad():
                 self.module(torch.randn(2, D), torch.full((2,), 16, dtype=torch.long))
 
-    report = verify_runner(WarmsUpIntoScratch(module), module, make_inputs, capture_sizes=SIZES,
-                           scratch_state={"cache": 16})
+    report = verify_runner(
+        WarmsUpIntoScratch(module), module, make_inputs, capture_sizes=SIZES, scratch_state={"cache": 16}
+    )
     assert report.ok, report.format()

@@ -67,13 +67,17 @@ def test_no_cuda_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
         compiled(MLPBlock())
     with pytest.raises(RuntimeError, match=r"graphed_callables\(\) needs a CUDA device"):
         graphed_callables(MLPBlock(), mlp_inputs, SIZES)
-    runner = GraphedRunner(MLPBlock(), mlp_inputs, SIZES, max_num_reqs=None, pad_values={}, num_warmup_iters=3)
+    runner = GraphedRunner(
+        MLPBlock(), mlp_inputs, SIZES, max_num_reqs=None, pad_values={}, num_warmup_iters=3
+    )
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         runner.capture()
 
 
 def test_a_module_off_the_gpu_and_bad_arguments_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the CUDA check; nothing touches a GPU
+    monkeypatch.setattr(
+        torch.cuda, "is_available", lambda: True
+    )  # past the CUDA check; nothing touches a GPU
     with pytest.raises(ValueError, match=r"on cpu.*module\.cuda\(\)"):
         compiled(MLPBlock())
     with pytest.raises(ValueError, match=r"on cpu.*module\.cuda\(\)"):
@@ -95,8 +99,17 @@ def test_a_module_off_the_gpu_and_bad_arguments_are_refused(monkeypatch: pytest.
 
 def _cpu_runner() -> CompiledRunner:
     # The class without compiled()'s CUDA check: torch.compile compiles lazily, on the first call.
-    return CompiledRunner(nn.Linear(2, 2), dynamic=False, clone_outputs=False, make_inputs=None, warmup_sizes=[],
-                          max_num_reqs=None, warmup_calls=2, recompile_limit=None, compile_kwargs={})
+    return CompiledRunner(
+        nn.Linear(2, 2),
+        dynamic=False,
+        clone_outputs=False,
+        make_inputs=None,
+        warmup_sizes=[],
+        max_num_reqs=None,
+        warmup_calls=2,
+        recompile_limit=None,
+        compile_kwargs={},
+    )
 
 
 def _bump() -> None:
@@ -162,20 +175,25 @@ class _TwoOut(nn.Module):
 
 
 def _two_out_inputs(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
-    return {"x": torch.randn(num_tokens, 4), "slots": torch.randperm(8)[:num_tokens],
-            "req_rows": torch.randn(num_reqs, 3)}
+    return {
+        "x": torch.randn(num_tokens, 4),
+        "slots": torch.randperm(8)[:num_tokens],
+        "req_rows": torch.randn(num_reqs, 3),
+    }
 
 
 def test_padding_and_cutting_on_the_cpu() -> None:
     # The runner's own work around the graph (pick a size, pad, cut), with the module standing in for graphs.
     module = _TwoOut()
-    runner = GraphedRunner(module, _two_out_inputs, [2, 4], max_num_reqs=2, pad_values={"slots": 8},
-                           num_warmup_iters=3)
+    runner = GraphedRunner(
+        module, _two_out_inputs, [2, 4], max_num_reqs=2, pad_values={"slots": 8}, num_warmup_iters=3
+    )
     for size in (2, 4):
         static = _two_out_inputs(size, runner.reqs(size))
         names = list(static)
-        runner.graphs[size] = _SizeGraph(size, runner.reqs(size),
-                                         lambda *a, n=names: module(**dict(zip(n, a, strict=True))), static)
+        runner.graphs[size] = _SizeGraph(
+            size, runner.reqs(size), lambda *a, n=names: module(**dict(zip(n, a, strict=True))), static
+        )
     runner.token_input = runner._find_token_input({s: g.static for s, g in runner.graphs.items()})
     assert runner.token_input == "x"
     inputs = _two_out_inputs(3, 2)
@@ -196,7 +214,9 @@ def test_padding_and_cutting_on_the_cpu() -> None:
 
 
 def test_graphed_runner_needs_capture_first() -> None:
-    runner = GraphedRunner(MLPBlock(), mlp_inputs, SIZES, max_num_reqs=None, pad_values={}, num_warmup_iters=3)
+    runner = GraphedRunner(
+        MLPBlock(), mlp_inputs, SIZES, max_num_reqs=None, pad_values={}, num_warmup_iters=3
+    )
     with pytest.raises(RuntimeError, match=r"capture\(\)"):
         runner(x=torch.randn(2, 64))
 
@@ -234,13 +254,24 @@ _NO_PARTITION = {"graph_partition": False}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", [
-    pytest.param(("mutated-input", _MutatesInput, {}, False), id="mutated-input"),
-    pytest.param(("dynamic-graph", lambda: nn.Linear(8, 8),
-                  {"options": {**_NO_PARTITION, "triton.cudagraph_skip_dynamic_graphs": True}}, True),
-                 id="skip-dynamic-graphs"),
-])
-def test_a_forced_skip_records_a_reason(case: tuple[str, Callable[[], nn.Module], dict[str, Any], bool]) -> None:
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(("mutated-input", _MutatesInput, {}, False), id="mutated-input"),
+        pytest.param(
+            (
+                "dynamic-graph",
+                lambda: nn.Linear(8, 8),
+                {"options": {**_NO_PARTITION, "triton.cudagraph_skip_dynamic_graphs": True}},
+                True,
+            ),
+            id="skip-dynamic-graphs",
+        ),
+    ],
+)
+def test_a_forced_skip_records_a_reason(
+    case: tuple[str, Callable[[], nn.Module], dict[str, Any], bool],
+) -> None:
     name, build, kwargs, dynamic = case
     module = build().cuda()
     runner = compiled(module, dynamic=dynamic, **kwargs)
@@ -364,12 +395,18 @@ def test_verify_runner_passes_compiled_decoder(verify_runner: Any) -> None:
     module = TinyDecoder().cuda().eval()
     make = _decoder_inputs()
 
-    runner = compiled(module, clone_outputs=True, make_inputs=make, warmup_sizes=range(1, SIZES[-1] + 1),
-                      max_num_reqs=MAX_REQS)
+    runner = compiled(
+        module,
+        clone_outputs=True,
+        make_inputs=make,
+        warmup_sizes=range(1, SIZES[-1] + 1),
+        max_num_reqs=MAX_REQS,
+    )
     # Every check, state included: inductor's fused kernels write K/V cache values that differ from
     # eager's in the last bits (up to 3.6e-7 on an H200), within the real rows' tolerance.
-    report = verify_runner(runner, module, make, capture_sizes=SIZES, max_num_reqs=MAX_REQS,
-                           scratch_state=SCRATCH_STATE)
+    report = verify_runner(
+        runner, module, make, capture_sizes=SIZES, max_num_reqs=MAX_REQS, scratch_state=SCRATCH_STATE
+    )
     print(report.format(verbose=True))
     assert report.ok, _failed(report)
 
@@ -391,10 +428,16 @@ def test_verify_runner_passes_graphed_callables_decoder(verify_runner: Any) -> N
     module = TinyDecoder().cuda().eval()
     make = _decoder_inputs()
 
-    runner = graphed_callables(module, make, SIZES, max_num_reqs=MAX_REQS,
-                               pad_values={"slot_mapping": PAD_SLOT, "query_start_loc": "edge", "is_padding": True})
-    report = verify_runner(runner, module, make, capture_sizes=SIZES, max_num_reqs=MAX_REQS,
-                           scratch_state=SCRATCH_STATE)
+    runner = graphed_callables(
+        module,
+        make,
+        SIZES,
+        max_num_reqs=MAX_REQS,
+        pad_values={"slot_mapping": PAD_SLOT, "query_start_loc": "edge", "is_padding": True},
+    )
+    report = verify_runner(
+        runner, module, make, capture_sizes=SIZES, max_num_reqs=MAX_REQS, scratch_state=SCRATCH_STATE
+    )
     print(report.format(verbose=True))
     assert report.ok, _failed(report)
 

@@ -28,8 +28,14 @@ VOCAB = 512
 
 def _llama() -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024,
-                                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
@@ -53,8 +59,15 @@ def _inputs(num_tokens: int, num_reqs: int) -> dict[str, Any]:
 
 def _run(module: nn.Module) -> Any:
     torch.manual_seed(0)
-    return verify(module, _inputs, capture_sizes=SIZES, max_num_reqs=4, backend="emulate",
-                  checks=["real_batches"], progress=False)
+    return verify(
+        module,
+        _inputs,
+        capture_sizes=SIZES,
+        max_num_reqs=4,
+        backend="emulate",
+        checks=["real_batches"],
+        progress=False,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -41,8 +41,10 @@ def _jsonl(path: Path, lines: list[dict[str, object]]) -> Path:
 def test_jsonl_csv_and_gzip_read_alike(tmp_path: Path) -> None:
     jsonl = read_trace(_jsonl(tmp_path / "t.jsonl", LINES))
     rows = ["num_tokens,num_reqs,uniform_token_count,max_query_len,num_active_loras"]
-    rows += [f"{d['num_tokens']},{d['num_reqs']},{d.get('uniform_token_count', '')},{d.get('max_query_len', '')},"
-             for d in LINES]
+    rows += [
+        f"{d['num_tokens']},{d['num_reqs']},{d.get('uniform_token_count', '')},{d.get('max_query_len', '')},"
+        for d in LINES
+    ]
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
     with gzip.open(tmp_path / "t.jsonl.gz", "wt") as f:
         f.write((tmp_path / "t.jsonl").read_text())
@@ -52,19 +54,22 @@ def test_jsonl_csv_and_gzip_read_alike(tmp_path: Path) -> None:
     assert read_trace(tmp_path / "t.jsonl.gz").counts == jsonl.counts
 
 
-@pytest.mark.parametrize(("line", "words"), [
-    ("not json", "not JSON"),
-    ("[1, 2]", "not an object"),
-    ('{"num_reqs": 1}', "num_tokens is missing"),
-    ('{"num_tokens": 2.5, "num_reqs": 1}', "num_tokens must be an integer"),
-    ('{"num_tokens": true, "num_reqs": 1}', "num_tokens must be an integer"),
-    ('{"num_tokens": 2, "num_reqs": 3}', "exceeds num_tokens"),
-    ('{"num_tokens": 0, "num_reqs": 0}', "num_tokens must be >= 1"),
-    ('{"num_tokens": 5, "num_reqs": 2, "uniform_token_count": 2}', "not num_tokens 5"),
-    ('{"num_tokens": 9, "num_reqs": 2, "max_query_len": 4}', "fewer than num_tokens"),
-    ('{"num_tokens": 4, "num_reqs": 2, "max_query_len": 4}', "num_tokens - num_reqs + 1"),
-    ('{"num_tokens": 4, "num_reqs": 2, "num_active_loras": -1}', "num_active_loras must be >= 0"),
-])
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "not an object"),
+        ('{"num_reqs": 1}', "num_tokens is missing"),
+        ('{"num_tokens": 2.5, "num_reqs": 1}', "num_tokens must be an integer"),
+        ('{"num_tokens": true, "num_reqs": 1}', "num_tokens must be an integer"),
+        ('{"num_tokens": 2, "num_reqs": 3}', "exceeds num_tokens"),
+        ('{"num_tokens": 0, "num_reqs": 0}', "num_tokens must be >= 1"),
+        ('{"num_tokens": 5, "num_reqs": 2, "uniform_token_count": 2}', "not num_tokens 5"),
+        ('{"num_tokens": 9, "num_reqs": 2, "max_query_len": 4}', "fewer than num_tokens"),
+        ('{"num_tokens": 4, "num_reqs": 2, "max_query_len": 4}', "num_tokens - num_reqs + 1"),
+        ('{"num_tokens": 4, "num_reqs": 2, "num_active_loras": -1}', "num_active_loras must be >= 0"),
+    ],
+)
 def test_a_bad_line_is_named_by_its_number(tmp_path: Path, line: str, words: str) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text('{"num_tokens": 2, "num_reqs": 1}\n\n' + line + "\n")
@@ -110,19 +115,47 @@ def test_analyse_counts_modes_padding_and_fallbacks(tmp_path: Path) -> None:
     assert a.worst_padded(1) == [("FULL", 3, 4, 2, 2)]
 
 
-@pytest.mark.parametrize(("config", "batch", "words"), [
-    ({"mode": "FULL_DECODE_ONLY"}, Batch(num_tokens=4, num_reqs=2), "FULL_DECODE_ONLY runs mixed batches eagerly"),
-    ({"mode": "FULL", "max_num_reqs": 2}, Batch(num_tokens=4, num_reqs=3), "more requests than the graph"),
-    ({"mode": "FULL_AND_PIECEWISE", "varlen_decode": True, "decode_query_len": 2, "capture_sizes": [4]},
-     Batch(num_tokens=2, num_reqs=1, max_query_len=2), None),  # served: a control
-    ({"mode": "FULL_DECODE_ONLY", "varlen_decode": True, "decode_query_len": 2},
-     Batch(num_tokens=4, num_reqs=1, max_query_len=4), "FULL_DECODE_ONLY runs mixed batches eagerly"),
-    ({"mode": "FULL_DECODE_ONLY", "max_num_reqs": 2}, Batch(num_tokens=5, num_reqs=2),
-     "FULL_DECODE_ONLY runs mixed batches eagerly"),  # not "larger than the largest (decode) graph"
-    ({"mode": "FULL", "lora_cases": (0,)}, Batch(num_tokens=2, num_reqs=1, num_active_loras=2),
-     "no graph for 2 active LoRA adapters"),
-    ({"mode": "NONE"}, Batch(num_tokens=2, num_reqs=1), "mode NONE"),
-])
+@pytest.mark.parametrize(
+    ("config", "batch", "words"),
+    [
+        (
+            {"mode": "FULL_DECODE_ONLY"},
+            Batch(num_tokens=4, num_reqs=2),
+            "FULL_DECODE_ONLY runs mixed batches eagerly",
+        ),
+        (
+            {"mode": "FULL", "max_num_reqs": 2},
+            Batch(num_tokens=4, num_reqs=3),
+            "more requests than the graph",
+        ),
+        (
+            {
+                "mode": "FULL_AND_PIECEWISE",
+                "varlen_decode": True,
+                "decode_query_len": 2,
+                "capture_sizes": [4],
+            },
+            Batch(num_tokens=2, num_reqs=1, max_query_len=2),
+            None,
+        ),  # served: a control
+        (
+            {"mode": "FULL_DECODE_ONLY", "varlen_decode": True, "decode_query_len": 2},
+            Batch(num_tokens=4, num_reqs=1, max_query_len=4),
+            "FULL_DECODE_ONLY runs mixed batches eagerly",
+        ),
+        (
+            {"mode": "FULL_DECODE_ONLY", "max_num_reqs": 2},
+            Batch(num_tokens=5, num_reqs=2),
+            "FULL_DECODE_ONLY runs mixed batches eagerly",
+        ),  # not "larger than the largest (decode) graph"
+        (
+            {"mode": "FULL", "lora_cases": (0,)},
+            Batch(num_tokens=2, num_reqs=1, num_active_loras=2),
+            "no graph for 2 active LoRA adapters",
+        ),
+        ({"mode": "NONE"}, Batch(num_tokens=2, num_reqs=1), "mode NONE"),
+    ],
+)
 def test_fallback_reasons(config: dict[str, object], batch: Batch, words: str | None) -> None:
     keywords = {"capture_sizes": [1, 2, 4, 8], "max_num_reqs": 8, **config}
     plan = CapturePlan(CaptureConfig(**keywords))  # type: ignore[arg-type]
@@ -148,8 +181,11 @@ def _brute(demand: dict[int, tuple[int, int]], n: int) -> int:
 
 
 @settings(max_examples=300, deadline=None, database=None)
-@given(demand=st.dictionaries(st.integers(1, 60), st.integers(1, 9), min_size=1, max_size=9),
-       under=st.integers(0, 2), n=st.integers(1, 6))
+@given(
+    demand=st.dictionaries(st.integers(1, 60), st.integers(1, 9), min_size=1, max_size=9),
+    under=st.integers(0, 2),
+    n=st.integers(1, 6),
+)
 def test_best_ladder_is_the_brute_force_optimum(demand: dict[int, int], under: int, n: int) -> None:
     # Each size's batches hold up to `under` tokens fewer than the size (a bucket of rounded sizes).
     d = {x: (c, x * c - min(under, x - 1) * c) for x, c in demand.items()}
@@ -185,19 +221,28 @@ def _traces(draw: st.DrawFn, max_reqs: int, q: int) -> dict[Batch, int]:
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(data=st.data(), mode=st.sampled_from(["FULL", "PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"]),
-       q=st.sampled_from([1, 2, 3]), varlen=st.booleans(), n=st.integers(1, 3))
-def test_suggested_ladder_is_optimal_under_the_real_plan(data: st.DataObject, mode: str, q: int, varlen: bool,
-                                                         n: int) -> None:
+@given(
+    data=st.data(),
+    mode=st.sampled_from(["FULL", "PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"]),
+    q=st.sampled_from([1, 2, 3]),
+    varlen=st.booleans(),
+    n=st.integers(1, 3),
+)
+def test_suggested_ladder_is_optimal_under_the_real_plan(
+    data: st.DataObject, mode: str, q: int, varlen: bool, n: int
+) -> None:
     """Every ladder of at most n candidate sizes, dispatched by the real plan, pads no less than the suggestion."""
     max_reqs = 6
     counts = data.draw(_traces(max_reqs, q))
-    config = CaptureConfig(capture_sizes=[1], max_num_reqs=max_reqs, mode=mode, decode_query_len=q,
-                           varlen_decode=varlen)
+    config = CaptureConfig(
+        capture_sizes=[1], max_num_reqs=max_reqs, mode=mode, decode_query_len=q, varlen_decode=varlen
+    )
     joint, _ = suggest(config, counts, n)
     if not joint.capture_sizes:
         return  # no batch a graph can serve
-    after = analyse(CapturePlan(config.replace(capture_sizes=joint.capture_sizes, max_capture_size=None)), counts)
+    after = analyse(
+        CapturePlan(config.replace(capture_sizes=joint.capture_sizes, max_capture_size=None)), counts
+    )
     assert (after.served.batches, after.served.padded_tokens) == (joint.batches, joint.padded_tokens)
     step = q if joint.restricted else 1
     candidates = sorted({-(-b.num_tokens // step) * step for b in counts})
@@ -217,7 +262,9 @@ def test_split_modes_also_get_a_ladder_per_routine(tmp_path: Path) -> None:
     assert by_mode["FULL"].capture_sizes == (1, 3) and by_mode["FULL"].padded_tokens == 0
     assert by_mode["PIECEWISE"].capture_sizes == (7, 20) and by_mode["PIECEWISE"].padded_tokens == 0
     q2 = CaptureConfig(capture_sizes=[8], max_num_reqs=4, mode="FULL_AND_PIECEWISE", decode_query_len=2)
-    assert suggest(q2, {Batch(num_tokens=4, num_reqs=2, uniform_token_count=2, max_query_len=2): 1}, 1)[0].restricted
+    assert suggest(q2, {Batch(num_tokens=4, num_reqs=2, uniform_token_count=2, max_query_len=2): 1}, 1)[
+        0
+    ].restricted
 
 
 # -- the command --------------------------------------------------------------------
@@ -226,8 +273,19 @@ def test_split_modes_also_get_a_ladder_per_routine(tmp_path: Path) -> None:
 def test_the_command_prints_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = _jsonl(tmp_path / "t.jsonl", LINES)
     out = tmp_path / "out.json"
-    code = main([str(trace), "--capture-sizes", "1,2,4,8", "--max-num-reqs", "4", "--max-graphs", "2",
-                 "--json", str(out)])
+    code = main(
+        [
+            str(trace),
+            "--capture-sizes",
+            "1,2,4,8",
+            "--max-num-reqs",
+            "4",
+            "--max-graphs",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "more tokens than the largest graph (8)" in text and "--capture-sizes 7,20" in text
@@ -240,7 +298,9 @@ def test_the_command_prints_and_writes_json(tmp_path: Path, capsys: pytest.Captu
     assert doc["suggested_by_mode"]["FULL"]["capture_sizes"] == [1, 3]
 
 
-def test_the_command_names_bad_lines_and_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_names_bad_lines_and_bad_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"num_tokens": 2, "num_reqs": 1}\n{"num_tokens": 1, "num_reqs": 2}\n')
     assert main([str(trace)]) == 2
@@ -255,13 +315,31 @@ def test_the_command_names_bad_lines_and_bad_arguments(tmp_path: Path, capsys: p
     assert "give --max-graphs" in capsys.readouterr().err
 
 
-def test_the_command_estimates_graph_memory_of_both_ladders(tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_estimates_graph_memory_of_both_ladders(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace = _jsonl(tmp_path / "t.jsonl", LINES)
     out = tmp_path / "out.json"
-    code = main([str(trace), "--capture-sizes", "1,2,4,8", "--max-num-reqs", "4", "--max-graphs", "2",
-                 "--estimate-memory", "--module", "tests.models:MLP", "--make-inputs",
-                 "tests.test_trace:mlp_inputs", "--backend", "emulate", "--json", str(out)])
+    code = main(
+        [
+            str(trace),
+            "--capture-sizes",
+            "1,2,4,8",
+            "--max-num-reqs",
+            "4",
+            "--max-graphs",
+            "2",
+            "--estimate-memory",
+            "--module",
+            "tests.models:MLP",
+            "--make-inputs",
+            "tests.test_trace:mlp_inputs",
+            "--backend",
+            "emulate",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr()
     memory = json.loads(out.read_text())["graph_memory"]
     assert memory["current_bytes"] > 0 and memory["suggested_bytes"] > 0
@@ -285,13 +363,25 @@ def test_the_plot(tmp_path: Path) -> None:
 
 def test_python_dash_m_runs_the_command(tmp_path: Path) -> None:
     trace = _jsonl(tmp_path / "t.jsonl", LINES)
-    done = subprocess.run([sys.executable, "-m", "pytest_cudagraph.plan_trace", str(trace)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_cudagraph.plan_trace", str(trace)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "5 batches, 4 distinct shapes" in done.stdout
-    assert "torch" not in subprocess.run(
-        [sys.executable, "-c", "import sys, pytest_cudagraph.plan_trace; print(' '.join(sys.modules))"],
-        capture_output=True, text=True, cwd=ROOT, timeout=60).stdout.split()
+    assert (
+        "torch"
+        not in subprocess.run(
+            [sys.executable, "-c", "import sys, pytest_cudagraph.plan_trace; print(' '.join(sys.modules))"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        ).stdout.split()
+    )
 
 
 def test_the_shipped_trace_reads_and_the_generator_makes_it() -> None:
@@ -332,17 +422,22 @@ def test_shapes(cudagraph_trace_batches):
 """
 
 
-@pytest.mark.parametrize(("rows", "caught"), [
-    ("num_tokens,num_reqs\n2,2\n4,4\n4,4\n", False),  # every batch exactly a graph's size: nothing padded
-    ("num_tokens,num_reqs\n2,2\n3,3\n4,4\n", True),  # 3 tokens in the graph of 4: the leak shows
-])
-def test_verification_runs_the_trace_shapes(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
-                                            verify_imported: None, rows: str, caught: bool) -> None:
+@pytest.mark.parametrize(
+    ("rows", "caught"),
+    [
+        ("num_tokens,num_reqs\n2,2\n4,4\n4,4\n", False),  # every batch exactly a graph's size: nothing padded
+        ("num_tokens,num_reqs\n2,2\n3,3\n4,4\n", True),  # 3 tokens in the graph of 4: the leak shows
+    ],
+)
+def test_verification_runs_the_trace_shapes(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None, rows: str, caught: bool
+) -> None:
     isolate_plugins(monkeypatch)
     pytester.makepyfile(test_leak=LEAK)
     (pytester.path / "trace.csv").write_text(rows)
-    result = pytester.runpytest("--cudagraph-trace=trace.csv", "--cudagraph-backend=emulate", "--cudagraph-verify",
-                                "-s")
+    result = pytester.runpytest(
+        "--cudagraph-trace=trace.csv", "--cudagraph-backend=emulate", "--cudagraph-verify", "-s"
+    )
     result.assert_outcomes(passed=1 if caught else 2, failed=1 if caught else 0)
     result.stdout.fnmatch_lines([f"*trace={pytester.path / 'trace.csv'} (*batch shapes)*"])
     if caught:
@@ -352,7 +447,8 @@ def test_verification_runs_the_trace_shapes(pytester: pytest.Pytester, monkeypat
 
 
 def test_without_a_trace_the_sweep_runs_and_the_shapes_fixture_skips(
-        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None) -> None:
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, verify_imported: None
+) -> None:
     isolate_plugins(monkeypatch)
     pytester.makepyfile(test_leak=LEAK)
     result = pytester.runpytest("--cudagraph-backend=emulate")
@@ -391,15 +487,22 @@ def test_the_command_survives_a_reader_that_stops_early(tmp_path: Path) -> None:
     """``cudagraph-plan TRACE | head -3``: no traceback, and the JSON is written all the same."""
     trace = _jsonl(tmp_path / "t.jsonl", LINES)
     out = tmp_path / "out.json"
-    done = subprocess.run(f"{sys.executable} -m pytest_cudagraph.plan_trace {trace} --max-graphs 2 --json {out} "
-                          "| head -1", shell=True, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    done = subprocess.run(
+        f"{sys.executable} -m pytest_cudagraph.plan_trace {trace} --max-graphs 2 --json {out} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert done.stdout.startswith("trace ") and done.stdout.count("\n") == 1
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert json.loads(out.read_text())["suggested_capture_sizes"] == [7, 20]
 
 
-def test_no_ladder_when_no_batch_can_be_graphed_and_a_bom_is_no_field(tmp_path: Path,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_ladder_when_no_batch_can_be_graphed_and_a_bom_is_no_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace = tmp_path / "t.csv"
     trace.write_bytes("\ufeffnum_tokens,num_reqs\n5,2\n9,3\n".encode())  # Excel's "CSV UTF-8"
     assert read_trace(trace).batches == 2
@@ -430,33 +533,51 @@ def test_the_plan_command_takes_several_decode_query_lengths(capsys: pytest.Capt
     # Decode batches of shorter lengths now replay their own FULL graphs instead of PIECEWISE ones.
     assert full(several) > full(one)
     assert main([*base, "--decode-query-lens", "1,5"]) == 2
-    assert "decode_query_lens must hold query lengths between 1 and decode_query_len (4" in capsys.readouterr().err
+    assert (
+        "decode_query_lens must hold query lengths between 1 and decode_query_len (4"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_decode_batch_of_a_length_not_captured_says_which_lengths_are() -> None:
-    plan = CapturePlan(CaptureConfig(capture_sizes=(2, 4), max_num_reqs=2, mode="FULL_DECODE_ONLY",
-                                     decode_query_len=4, decode_query_lens=(2, 4)))
+    plan = CapturePlan(
+        CaptureConfig(
+            capture_sizes=(2, 4),
+            max_num_reqs=2,
+            mode="FULL_DECODE_ONLY",
+            decode_query_len=4,
+            decode_query_lens=(2, 4),
+        )
+    )
     reason = fallback_reason(plan, Batch(num_tokens=3, num_reqs=1, uniform_token_count=3, max_query_len=3))
-    assert reason == ("a uniform decode batch of 3 tokens a request, a length the plan captures no decode graph "
-                      "for (decode_query_lens [2, 4])")
+    assert reason == (
+        "a uniform decode batch of 3 tokens a request, a length the plan captures no decode graph "
+        "for (decode_query_lens [2, 4])"
+    )
     # A length it captures is served by its own graph.
-    assert plan.dispatch_batch(Batch(num_tokens=4, num_reqs=2, uniform_token_count=2, max_query_len=2)).is_graphed
+    assert plan.dispatch_batch(
+        Batch(num_tokens=4, num_reqs=2, uniform_token_count=2, max_query_len=2)
+    ).is_graphed
 
 
 def test_the_plan_command_says_which_fields_it_did_not_find_and_what_it_assumed(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace = tmp_path / "t.csv"
     trace.write_text("num_tokens,num_reqs\n4,4\n8,8\n3,1\n")
     assert main([str(trace), "--capture-sizes", "1,2,4,8"]) == 0
     out = capsys.readouterr().out
     assert "fields not found: uniform_token_count, max_query_len, num_active_loras; assumed:" in out
-    assert ("uniform_token_count: no batch is known to be a uniform decode batch; the FULL uniform decode graphs "
-            "serve none of them, and PIECEWISE graphs serve them as mixed batches") in out
+    assert (
+        "uniform_token_count: no batch is known to be a uniform decode batch; the FULL uniform decode graphs "
+        "serve none of them, and PIECEWISE graphs serve them as mixed batches"
+    ) in out
     assert read_trace(SPEC_TRACE).missing_fields == ("num_active_loras",)
 
 
-def test_an_output_into_a_missing_folder_is_a_message_with_exit_2(tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_output_into_a_missing_folder_is_a_message_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main([str(SPEC_TRACE), "--json", str(tmp_path / "nope" / "p.json")]) == 2
     err = capsys.readouterr().err
     assert f"--json {tmp_path / 'nope' / 'p.json'}: the folder {tmp_path / 'nope'} does not exist" in err

@@ -31,12 +31,16 @@ def test_x():
 
 
 @pytest.mark.parametrize("option", ["--cudagraph-report", "--cudagraph-bench-report"])
-def test_report_path_under_a_file_is_a_usage_error_before_any_test(inner: pytest.Pytester, option: str) -> None:
+def test_report_path_under_a_file_is_a_usage_error_before_any_test(
+    inner: pytest.Pytester, option: str
+) -> None:
     inner.makepyfile(NEVER_RUNS)
     (inner.path / "afile").write_text("")
     result = inner.runpytest(f"{option}=afile/out.json")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"ERROR: {option}: cannot create *afile*out.json: *afile is a file, not a folder*"])
+    result.stderr.fnmatch_lines(
+        [f"ERROR: {option}: cannot create *afile*out.json: *afile is a file, not a folder*"]
+    )
     assert not (inner.path / "ran").exists()
 
 
@@ -46,7 +50,9 @@ def test_report_path_that_is_a_directory_is_a_usage_error(inner: pytest.Pytester
     inner.makeini("[pytest]\ncudagraph_report = out\n")
     result = inner.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: ini option cudagraph_report: *out is a directory; give a file path*"])
+    result.stderr.fnmatch_lines(
+        ["ERROR: ini option cudagraph_report: *out is a directory; give a file path*"]
+    )
     assert not (inner.path / "ran").exists()
 
 
@@ -61,7 +67,9 @@ def test_report_in_a_read_only_folder_is_a_usage_error(inner: pytest.Pytester) -
     finally:
         locked.chmod(0o700)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: --cudagraph-report: cannot create *the folder *locked is not writable*"])
+    result.stderr.fnmatch_lines(
+        ["ERROR: --cudagraph-report: cannot create *the folder *locked is not writable*"]
+    )
 
 
 def test_a_report_in_folders_yet_to_make_is_fine(inner: pytest.Pytester) -> None:
@@ -82,8 +90,12 @@ def test_cuda_backend_without_cuda_is_a_usage_error_at_start(inner: pytest.Pytes
         result = inner.runpytest("--cudagraph-backend=cuda")
         source = "--cudagraph-backend"
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"ERROR: {source}: cuda asks for real CUDA graphs, but "
-                                 "torch.cuda.is_available() is False here*--cudagraph-backend=auto*"])
+    result.stderr.fnmatch_lines(
+        [
+            f"ERROR: {source}: cuda asks for real CUDA graphs, but "
+            "torch.cuda.is_available() is False here*--cudagraph-backend=auto*"
+        ]
+    )
     assert not (inner.path / "ran").exists()
 
 
@@ -160,13 +172,18 @@ def test_capture_sizes_as_a_string_work_end_to_end(inner: pytest.Pytester) -> No
     )
     result = inner.runpytest()
     result.assert_outcomes(passed=2, failed=1)
-    result.stdout.fnmatch_lines(["*capture_sizes: expected a comma-separated list*'two' is not a whole number*"])
+    result.stdout.fnmatch_lines(
+        ["*capture_sizes: expected a comma-separated list*'two' is not a whole number*"]
+    )
 
 
 # -- the module, the inputs, the output ----------------------------------------
 def test_a_function_instead_of_a_module_is_named() -> None:
-    with pytest.raises(ValueError, match=r"module must be a torch.nn.Module; got a function \(function '.*<lambda>'\)"
-                       r".*wrap the code in a Module"):
+    with pytest.raises(
+        ValueError,
+        match=r"module must be a torch.nn.Module; got a function \(function '.*<lambda>'\)"
+        r".*wrap the code in a Module",
+    ):
         GraphManager(lambda x: x * 2, _make, CONFIG)  # type: ignore[arg-type]
 
 
@@ -187,10 +204,13 @@ def test_a_function_given_to_the_fixtures_fails_the_test_plainly(inner: pytest.P
     )
     result = inner.runpytest()
     result.assert_outcomes(failed=2)
-    result.stdout.fnmatch_lines([
-        "cudagraph_verify: module must be a torch.nn.Module; got a function*",
-        "cudagraph_manager: module must be a torch.nn.Module; got a function*",
-    ], consecutive=False)
+    result.stdout.fnmatch_lines(
+        [
+            "cudagraph_verify: module must be a torch.nn.Module; got a function*",
+            "cudagraph_manager: module must be a torch.nn.Module; got a function*",
+        ],
+        consecutive=False,
+    )
     result.stdout.no_fnmatch_line("*AttributeError*")
 
 
@@ -214,8 +234,11 @@ def test_make_inputs_whose_keys_change_with_the_shape_is_named() -> None:
         return {name: torch.randn(num_tokens, 4)}
 
     manager = GraphManager(torch.nn.Linear(4, 4), shifty, CONFIG)
-    with pytest.raises(MakeInputsError, match=r"make_inputs\(num_tokens=2, num_reqs=2\) returned inputs \['x'\], "
-                       r"but at the probe and largest shapes it returned \['input'\].*same keys at every shape"):
+    with pytest.raises(
+        MakeInputsError,
+        match=r"make_inputs\(num_tokens=2, num_reqs=2\) returned inputs \['x'\], "
+        r"but at the probe and largest shapes it returned \['input'\].*same keys at every shape",
+    ):
         manager.capture()
     with pytest.raises(MakeInputsError, match="same keys at every shape"):
         verify(torch.nn.Linear(4, 4), shifty, capture_sizes=[1, 2, 4])
@@ -237,7 +260,9 @@ class ReturnsNoTensor(ReturnsNothing):
         return {"done": True}
 
 
-@pytest.mark.parametrize(("module", "said"), [(ReturnsNothing(), "None"), (ReturnsNoTensor(), "a dict with no tensor in it")])
+@pytest.mark.parametrize(
+    ("module", "said"), [(ReturnsNothing(), "None"), (ReturnsNoTensor(), "a dict with no tensor in it")]
+)
 def test_a_module_with_nothing_to_compare_fails(module: torch.nn.Module, said: str) -> None:
     report = verify(module, _make, capture_sizes=[1, 2, 4])
     assert not report.ok
@@ -249,8 +274,11 @@ def test_a_module_with_nothing_to_compare_fails(module: torch.nn.Module, said: s
 
 def test_run_before_capture_is_told() -> None:
     manager = GraphManager(torch.nn.Linear(4, 4), _make, CONFIG)
-    with pytest.raises(RuntimeError, match=r"GraphManager.run\(\) was called before capture\(\).*call "
-                       r"manager.capture\(\) first"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"GraphManager.run\(\) was called before capture\(\).*call "
+        r"manager.capture\(\) first",
+    ):
         manager.run(input=torch.randn(3, 4))
     with pytest.raises(RuntimeError, match=r"run_batch\(\) was called before capture\(\)"):
         manager.run_batch({"input": torch.randn(3, 4)})
@@ -299,13 +327,17 @@ def test_inputs_on_wraps_make_inputs() -> None:
     assert inputs["x"].is_meta and tuple(inputs["x"].shape) == (3, 2) and inputs["n"] == 2
 
 
-@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc, which refuses new files even to root")
+@pytest.mark.skipif(
+    not Path("/proc/self").exists(), reason="needs Linux's /proc, which refuses new files even to root"
+)
 def test_report_path_is_tried_not_guessed_from_permissions(inner: pytest.Pytester) -> None:
     # Permission bits say root may write anywhere; /proc refuses all the same.
     inner.makepyfile(NEVER_RUNS)
     result = inner.runpytest("--cudagraph-report=/proc/cudagraph-nowhere/out.json")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: --cudagraph-report: cannot write /proc/cudagraph-nowhere/out.json *"])
+    result.stderr.fnmatch_lines(
+        ["ERROR: --cudagraph-report: cannot write /proc/cudagraph-nowhere/out.json *"]
+    )
     assert not (inner.path / "ran").exists()
 
 

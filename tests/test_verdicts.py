@@ -41,8 +41,15 @@ class CausalAttention(nn.Module):
 
 
 def _run(module: nn.Module, device: torch.device, backend: str, **kwargs):
-    return verify(module.to(device), _tokens(device, seq_first=True), capture_sizes=SIZES, max_num_reqs=1,
-                  backend=backend, device=device, **kwargs)
+    return verify(
+        module.to(device),
+        _tokens(device, seq_first=True),
+        capture_sizes=SIZES,
+        max_num_reqs=1,
+        backend=backend,
+        device=device,
+        **kwargs,
+    )
 
 
 def _failed(report, check: str):
@@ -96,8 +103,15 @@ class Dropped(nn.Module):
 
 
 def _verify_tokens(module: nn.Module, device: torch.device, backend: str, **kwargs):
-    return verify(module.to(device), _tokens(device), capture_sizes=SIZES, max_num_reqs=1, backend=backend,
-                  device=device, **kwargs)
+    return verify(
+        module.to(device),
+        _tokens(device),
+        capture_sizes=SIZES,
+        max_num_reqs=1,
+        backend=backend,
+        device=device,
+        **kwargs,
+    )
 
 
 def test_train_mode_batch_norm_is_verified_as_it_is_and_caught(backend, device):
@@ -185,8 +199,14 @@ def test_side_output_is_named_with_what_it_holds_and_the_fix(backend, device):
 def test_side_outputs_restores_the_attribute():
     module = StoresHidden()
     module.hidden = marker = torch.zeros(3)
-    verify(module, _tokens(torch.device("cpu")), capture_sizes=SIZES, max_num_reqs=1, backend="emulate",
-           checks=["side_outputs"])
+    verify(
+        module,
+        _tokens(torch.device("cpu")),
+        capture_sizes=SIZES,
+        max_num_reqs=1,
+        backend="emulate",
+        checks=["side_outputs"],
+    )
     assert module.hidden is marker
 
 
@@ -338,6 +358,12 @@ class FastPathAttention(nn.Module):
 
 def test_a_fused_fast_path_is_compared_with_the_same_program(backend, device):
     module = FastPathAttention().eval().to(device)
-    report = verify(module, lambda t, r: {"x": torch.randn(t, 3, E, device=device)}, capture_sizes=SIZES,
-                    max_num_reqs=1, backend=backend, device=device)
+    report = verify(
+        module,
+        lambda t, r: {"x": torch.randn(t, 3, E, device=device)},
+        capture_sizes=SIZES,
+        max_num_reqs=1,
+        backend=backend,
+        device=device,
+    )
     assert report.ok, report.format()

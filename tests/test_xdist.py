@@ -51,8 +51,15 @@ def _summary(result: pytest.RunResult) -> list[str]:
     lines = result.stdout.lines
     start = next(i for i, line in enumerate(lines) if "= cudagraph =" in line)
     # Timings and the process's peak memory are the machine's, not the verdict's.
-    return sorted(re.sub(r"peak memory [\d.]+ \w+( \([\d.]+ \w+ before\))?", "peak memory <m>", re.sub(r"capture [\d.]+ [mµ]?s", "capture <t>", line))
-                  for line in lines[start + 1:] if "::" in line and ("descriptors captured" in line or "descriptors verified" in line))
+    return sorted(
+        re.sub(
+            r"peak memory [\d.]+ \w+( \([\d.]+ \w+ before\))?",
+            "peak memory <m>",
+            re.sub(r"capture [\d.]+ [mµ]?s", "capture <t>", line),
+        )
+        for line in lines[start + 1 :]
+        if "::" in line and ("descriptors captured" in line or "descriptors verified" in line)
+    )
 
 
 @pytest.mark.parametrize("split", ["test", "descriptor"])
@@ -78,8 +85,18 @@ def test_split_by_descriptor_verifies_one_descriptor_an_item(inner: pytest.Pytes
     result.stdout.fnmatch_lines(["cudagraph: *, split=descriptor"])
     big = {k: v for k, v in data["tests"].items() if "test_big" in k}
     labels = sorted(k.split("[")[1].rstrip("]") for k in big)
-    assert labels == sorted(["FULL-T1-R1-U1", "FULL-T2-R2-U1", "FULL-T4-R4-U1", "FULL-T8-R8-U1",
-                             "PIECEWISE-T1", "PIECEWISE-T2", "PIECEWISE-T4", "PIECEWISE-T8"])
+    assert labels == sorted(
+        [
+            "FULL-T1-R1-U1",
+            "FULL-T2-R2-U1",
+            "FULL-T4-R4-U1",
+            "FULL-T8-R8-U1",
+            "PIECEWISE-T1",
+            "PIECEWISE-T2",
+            "PIECEWISE-T4",
+            "PIECEWISE-T8",
+        ]
+    )
     dispatch_runs = 0
     for nodeid, test in big.items():
         (verification,) = test["verifications"]
@@ -93,7 +110,8 @@ def test_split_by_descriptor_verifies_one_descriptor_an_item(inner: pytest.Pytes
 
 
 def test_a_call_that_changes_a_split_plan_fails_clearly(inner: pytest.Pytester) -> None:  # noqa: F811
-    inner.makepyfile(test_x="""
+    inner.makepyfile(
+        test_x="""
 import pytest
 from cgmods import Tiny, make_inputs
 
@@ -101,18 +119,25 @@ from cgmods import Tiny, make_inputs
 @pytest.mark.cudagraph(capture_sizes=(1, 2))
 def test_x(cudagraph_verify):
     cudagraph_verify(Tiny(), make_inputs, capture_sizes=(4,))
-""")
+"""
+    )
     result = inner.runpytest("--cudagraph-split=descriptor")
     result.assert_outcomes(failed=2)
-    result.stdout.fnmatch_lines(["*this item verifies descriptor FULL-T*--cudagraph-split=descriptor*"
-                                 "Set the plan in the marker only, or run with --cudagraph-split=test*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*this item verifies descriptor FULL-T*--cudagraph-split=descriptor*"
+            "Set the plan in the marker only, or run with --cudagraph-split=test*"
+        ]
+    )
 
 
 def test_bad_device_and_split_options_are_usage_errors(inner: pytest.Pytester) -> None:  # noqa: F811
     inner.makepyfile(test_x="def test_x():\n    pass\n")
     result = inner.runpytest("--cudagraph-devices=0,x")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--cudagraph-devices: expected a comma-separated list of CUDA device indices*"])
+    result.stderr.fnmatch_lines(
+        ["*--cudagraph-devices: expected a comma-separated list of CUDA device indices*"]
+    )
     result = inner.runpytest("--cudagraph-split=module")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--cudagraph-split: expected one of test, descriptor; got 'module'*"])
@@ -150,7 +175,8 @@ def test_each_worker_verifies_on_its_own_gpu(inner: pytest.Pytester) -> None:  #
 def test_split_items_of_a_quick_run_each_verify_their_descriptor(inner: pytest.Pytester) -> None:  # noqa: F811
     # Without --cudagraph-verify the quick selection is split; an item named
     # in the marker's descriptors is verified even where quick mode skips it.
-    inner.makepyfile(test_x="""
+    inner.makepyfile(
+        test_x="""
 import pytest
 from cgmods import Tiny, make_inputs
 
@@ -163,7 +189,8 @@ def test_quick(cudagraph_verify):
 @pytest.mark.cudagraph(capture_sizes=(1, 2, 4, 8), descriptors=["FULL-T2-R2"])
 def test_named(cudagraph_verify):
     cudagraph_verify(Tiny(), make_inputs)
-""")
+"""
+    )
     result = inner.runpytest("--cudagraph-split=descriptor", "--cudagraph-report=report.json")
     result.assert_outcomes(passed=3)
     data = json.loads((inner.path / "report.json").read_text())
@@ -171,5 +198,8 @@ def test_named(cudagraph_verify):
         (verification,) = test["verifications"]
         labels = [d["label"] for d in verification["report"]["descriptors"]]
         assert labels == [nodeid.split("[")[1].rstrip("]")] and verification["report"]["outcomes"]
-    assert sorted(data["tests"]) == ["test_x.py::test_named[FULL-T2-R2]", "test_x.py::test_quick[FULL-T1-R1]",
-                                     "test_x.py::test_quick[FULL-T8-R8]"]
+    assert sorted(data["tests"]) == [
+        "test_x.py::test_named[FULL-T2-R2]",
+        "test_x.py::test_quick[FULL-T1-R1]",
+        "test_x.py::test_quick[FULL-T8-R8]",
+    ]

@@ -19,12 +19,16 @@ def pytest_configure(config: pytest.Config) -> None:
     # plugins it loaded from entry points with their distribution), not by -p or PYTEST_PLUGINS.
     dists = {dist.project_name for _, dist in config.pluginmanager.list_plugin_distinfo()}
     if "pytest-cudagraph" not in dists or not config.pluginmanager.hasplugin("cudagraph"):
-        raise pytest.UsageError(f"pytest-cudagraph was not loaded through its pytest11 entry point "
-                                f"(entry-point plugins from: {sorted(dists)})")
+        raise pytest.UsageError(
+            f"pytest-cudagraph was not loaded through its pytest11 entry point "
+            f"(entry-point plugins from: {sorted(dists)})"
+        )
     args = config.invocation_params.args
     if "cudagraph" in " ".join(a for a in args if a.startswith("-p")) or os.environ.get("PYTEST_PLUGINS"):
-        raise pytest.UsageError(f"the plugin must load by itself; got args {args} "
-                                f"PYTEST_PLUGINS={os.environ.get('PYTEST_PLUGINS')!r}")
+        raise pytest.UsageError(
+            f"the plugin must load by itself; got args {args} "
+            f"PYTEST_PLUGINS={os.environ.get('PYTEST_PLUGINS')!r}"
+        )
     # The repository the wheel was built from must not be what runs (.ci/downstream.sh sets it).
     repo = os.environ.get("CUDAGRAPH_REPO")
     where = Path(pytest_cudagraph.__file__).resolve()

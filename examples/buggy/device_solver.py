@@ -33,5 +33,7 @@ class InvertsWithoutCheck(Base):
     """The same inverse from ``inv_ex``: its error codes stay on the device, unread."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mix = torch.linalg.inv_ex(self.lin.weight + 4 * torch.eye(self.lin.weight.shape[0], device=x.device)).inverse
+        mix = torch.linalg.inv_ex(
+            self.lin.weight + 4 * torch.eye(self.lin.weight.shape[0], device=x.device)
+        ).inverse
         return self.lin(x) @ mix

@@ -33,7 +33,9 @@ def tensor_inputs(device: str | torch.device = "cpu"):
     """The fix: the temperature of each token, as a tensor the graph reads on every replay."""
 
     def make_inputs(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
-        return {"x": torch.randn(num_tokens, D, device=device),
-                "temperature": torch.rand(num_tokens, 1, device=device) + 0.5}
+        return {
+            "x": torch.randn(num_tokens, D, device=device),
+            "temperature": torch.rand(num_tokens, 1, device=device) + 0.5,
+        }
 
     return make_inputs

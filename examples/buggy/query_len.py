@@ -44,8 +44,9 @@ class PlannedPerRequestCount(SpecDecoder):
         super().__init__()
         self.planned: dict[int, int] = {}
 
-    def draft_mask(self, req: torch.Tensor, pos: torch.Tensor, is_padding: torch.Tensor,
-                   starts: torch.Tensor) -> torch.Tensor:
+    def draft_mask(
+        self, req: torch.Tensor, pos: torch.Tensor, is_padding: torch.Tensor, starts: torch.Tensor
+    ) -> torch.Tensor:
         n, reqs = req.shape[0], starts.shape[0]
         if _capturing():
             q = self.planned.setdefault(reqs, n // reqs)  # kept by request count alone
@@ -57,7 +58,8 @@ class PlannedPerRequestCount(SpecDecoder):
 class PlannedPerGraph(SpecDecoder):
     """The same blocks, planned for each call's own token and request counts."""
 
-    def draft_mask(self, req: torch.Tensor, pos: torch.Tensor, is_padding: torch.Tensor,
-                   starts: torch.Tensor) -> torch.Tensor:
+    def draft_mask(
+        self, req: torch.Tensor, pos: torch.Tensor, is_padding: torch.Tensor, starts: torch.Tensor
+    ) -> torch.Tensor:
         n, reqs = req.shape[0], starts.shape[0]
         return _blocks(n, n // reqs, is_padding)

@@ -15,8 +15,14 @@ from tests.bugs import PAIRS
 CONFIG = {"capture_sizes": (1, 2, 4, 8), "max_num_reqs": 4, "exhaustive": True}
 # (check, buggy, fixed, message, extra keywords: a strictness the pair is caught under, make_inputs)
 GALLERY = [(p.check, p.buggy, p.correct, p.message, p.kwargs, p.make_inputs) for p in PAIRS] + [
-    ("real_batches", ShapeBranch, NoShapeBranch, r"real rows (are off systematically|differ from eager on the unpadded batch)",
-     {}, token_inputs),
+    (
+        "real_batches",
+        ShapeBranch,
+        NoShapeBranch,
+        r"real rows (are off systematically|differ from eager on the unpadded batch)",
+        {},
+        token_inputs,
+    ),
 ]
 FIELDS = ("check", "buggy", "fixed", "message", "extra", "inputs")
 
@@ -43,6 +49,8 @@ def test_strict_padding_bug_passes_finite_padding(cudagraph_verify, cudagraph_de
 
 def test_python_scalar_input_is_refused(cudagraph_verify, cudagraph_device):
     module = ScaledByTemperature().to(cudagraph_device)
-    with pytest.raises(ValueError, match="input 'temperature' is a Python value that changes from batch to batch"):
+    with pytest.raises(
+        ValueError, match="input 'temperature' is a Python value that changes from batch to batch"
+    ):
         cudagraph_verify(module, scalar_inputs(cudagraph_device), **CONFIG)
     assert cudagraph_verify(module, tensor_inputs(cudagraph_device), **CONFIG).ok

@@ -43,15 +43,20 @@ def kv_cache_check(*, cache: str = "kv", slots: str = "slot_mapping", scratch: s
             f"run() changed {len(changed)} slot(s) of the KV cache {cache!r} that the batch does not own, the "
             f"first is slot {slot}: tokens write into another request's cache (check how slots are computed "
             f"from {slots!r})",
-            Finding(output=f"{cache}[{slot}]", index=diff.index if diff else None,
-                    got=diff.got if diff else None, expected=diff.expected if diff else None,
-                    real_batch=batch.shape()),
+            Finding(
+                output=f"{cache}[{slot}]",
+                index=diff.index if diff else None,
+                got=diff.got if diff else None,
+                expected=diff.expected if diff else None,
+                real_batch=batch.shape(),
+            ),
         )
 
     return Check(
-        "kv_cache_outside_slots", kv_cache_outside_slots,
+        "kv_cache_outside_slots",
+        kv_cache_outside_slots,
         compares=f"the KV cache {cache!r} after a real batch runs through run(), slot by slot, against before: "
-                 f"only the slots {slots!r} names (and the scratch region) may change",
+        f"only the slots {slots!r} names (and the scratch region) may change",
         catches="tokens that write into slots another request owns",
         applies=f"the module has no buffer {cache!r}, or make_inputs gives no {slots!r}",
     )

@@ -44,7 +44,9 @@ class OffByOneKVWriter(PagedKVWriter):
         return slot_mapping + 1
 
 
-def make_inputs(num_tokens: int, num_reqs: int, *, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def make_inputs(
+    num_tokens: int, num_reqs: int, *, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Hidden states and distinct slots for the real tokens, none of them in the scratch region."""
     slots = torch.randperm(PAD_SLOT - 1)[:num_tokens]
     return {"x": torch.randn(num_tokens, HIDDEN, device=device), "slot_mapping": slots.to(device)}

@@ -17,8 +17,12 @@ from examples.custom_check.kv_cache import PAD_VALUES, SCRATCH, OffByOneKVWriter
 from pytest_cudagraph import verify
 from pytest_cudagraph.checks import CHECKS
 
-PLAN = {"capture_sizes": (1, 2, 4, 8), "max_num_reqs": 4, "pad_values": PAD_VALUES,
-        "scratch_state": {"kv": SCRATCH}}
+PLAN = {
+    "capture_sizes": (1, 2, 4, 8),
+    "max_num_reqs": 4,
+    "pad_values": PAD_VALUES,
+    "scratch_state": {"kv": SCRATCH},
+}
 
 
 @pytest.mark.cudagraph(**PLAN)
@@ -48,7 +52,9 @@ def test_the_check_through_verify_extra_checks(cudagraph_backend, cudagraph_devi
     bad = verify(OffByOneKVWriter().to(cudagraph_device), inputs, **kwargs)
     assert good.ok and not bad.ok
     assert {o.check for o in bad.failures} == {"kv_cache_outside_slots"}
-    only = verify(OffByOneKVWriter().to(cudagraph_device), inputs, checks=["kv_cache_outside_slots"], **kwargs)
+    only = verify(
+        OffByOneKVWriter().to(cudagraph_device), inputs, checks=["kv_cache_outside_slots"], **kwargs
+    )
     assert {o.check for o in only.outcomes} == {"kv_cache_outside_slots"}
     assert not only.ok
     # Without the check, every built-in check passes the buggy twin: eager and replay agree.

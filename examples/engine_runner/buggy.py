@@ -79,12 +79,14 @@ class SmallGraphRunner(EngineRunner):
         reqs = min(inputs["req_base"].shape[0], self.reqs_for(size))
         cut = {name: value[:size] for name, value in inputs.items() if name in self.token_buffers}
         cut.update({name: inputs[name][:reqs] for name in self.req_buffers})
-        cut["query_start_loc"] = inputs["query_start_loc"][:reqs + 1].clamp(max=size)
+        cut["query_start_loc"] = inputs["query_start_loc"][: reqs + 1].clamp(max=size)
         super().load(size, cut)
 
 
 class ViewOutputRunner(EngineRunner):
-    def real_rows(self, out: dict[str, torch.Tensor], num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
+    def real_rows(
+        self, out: dict[str, torch.Tensor], num_tokens: int, num_reqs: int
+    ) -> dict[str, torch.Tensor]:
         # The bug: views of the static outputs, which the next call of this size overwrites.
         return {"logits": out["logits"][:num_tokens], "sampled": out["sampled"][:num_reqs]}
 

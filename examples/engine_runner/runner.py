@@ -58,8 +58,13 @@ OUTPUT_ROWS: dict[str, str] = {"logits": "tokens", "sampled": "reqs"}
 WARMUP_RUNS = 2  # cuBLAS and the allocator settle before capture, as engines do
 
 
-def make_engine_inputs(num_tokens: int, num_reqs: int, *, device: str | torch.device = "cpu",
-                       generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+def make_engine_inputs(
+    num_tokens: int,
+    num_reqs: int,
+    *,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
     """The decoder's real batch, with the ``is_padding`` mask its forward takes (all False: nothing is padded).
 
     The eager reference calls the model on exactly these inputs, so they must
@@ -76,8 +81,14 @@ class EngineRunner:
     token_pad: ClassVar[dict[str, int | bool]] = TOKEN_PAD
     req_pad: ClassVar[dict[str, int]] = REQ_PAD
 
-    def __init__(self, model: nn.Module, capture_sizes: Iterable[int], *, device: str | torch.device,
-                 max_num_reqs: int = MAX_REQS) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        capture_sizes: Iterable[int],
+        *,
+        device: str | torch.device,
+        max_num_reqs: int = MAX_REQS,
+    ) -> None:
         sizes = sorted({int(s) for s in capture_sizes})
         if not sizes or sizes[0] < 1:
             raise ValueError(f"capture sizes must be positive token counts, got {sizes}")
@@ -92,8 +103,12 @@ class EngineRunner:
         # Allocated once, at the largest size: graphs read these addresses forever.
         # They start as padding, so a warm-up or capture run writes only PAD_SLOT.
         self.token_buffers: dict[str, torch.Tensor] = {
-            name: torch.full((max_tokens,), value, device=self.device,
-                              dtype=torch.bool if name == "is_padding" else torch.int64)
+            name: torch.full(
+                (max_tokens,),
+                value,
+                device=self.device,
+                dtype=torch.bool if name == "is_padding" else torch.int64,
+            )
             for name, value in self.token_pad.items()
         }
         self.req_buffers: dict[str, torch.Tensor] = {
@@ -122,7 +137,7 @@ class EngineRunner:
         reqs = self.reqs_for(size)
         args = {name: buf[:size] for name, buf in self.token_buffers.items()}
         args.update({name: buf[:reqs] for name, buf in self.req_buffers.items()})
-        args["query_start_loc"] = self.query_start_loc[:reqs + 1]
+        args["query_start_loc"] = self.query_start_loc[: reqs + 1]
         return args
 
     # -- capture ---------------------------------------------------------------
@@ -176,7 +191,9 @@ class EngineRunner:
         num_tokens = inputs["input_ids"].shape[0]
         num_reqs = inputs["req_base"].shape[0]
         if not 1 <= num_reqs <= min(num_tokens, self.max_num_reqs):
-            raise ValueError(f"{num_reqs} requests for {num_tokens} tokens (at most {self.max_num_reqs} requests)")
+            raise ValueError(
+                f"{num_reqs} requests for {num_tokens} tokens (at most {self.max_num_reqs} requests)"
+            )
         size = self.dispatch(num_tokens)
         if size is None:
             return self.run_eager(inputs)
@@ -204,9 +221,9 @@ class EngineRunner:
         for name, buf in self.req_buffers.items():
             buf[:num_reqs].copy_(inputs[name])
             buf[num_reqs:reqs].fill_(self.req_pad[name])
-        self.query_start_loc[:num_reqs + 1].copy_(inputs["query_start_loc"])
+        self.query_start_loc[: num_reqs + 1].copy_(inputs["query_start_loc"])
         # Padded requests are empty: they start and end where the batch ends.
-        self.query_start_loc[num_reqs + 1:reqs + 1].fill_(num_tokens)
+        self.query_start_loc[num_reqs + 1 : reqs + 1].fill_(num_tokens)
 
     def pad_tokens(self, size: int, num_tokens: int) -> None:
         """Rewrites every padded token row of this step: a larger earlier step left real values there."""
@@ -230,7 +247,9 @@ class EngineRunner:
             static[name].copy_(value)
         return static
 
-    def real_rows(self, out: dict[str, torch.Tensor], num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
+    def real_rows(
+        self, out: dict[str, torch.Tensor], num_tokens: int, num_reqs: int
+    ) -> dict[str, torch.Tensor]:
         """The real rows, cloned: the static outputs are overwritten by the next call of that size."""
         rows = {"tokens": num_tokens, "reqs": num_reqs}
-        return {name: value[:rows[OUTPUT_ROWS[name]]].clone() for name, value in out.items()}
+        return {name: value[: rows[OUTPUT_ROWS[name]]].clone() for name, value in out.items()}

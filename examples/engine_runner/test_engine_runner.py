@@ -64,7 +64,9 @@ def test_engine_runner_passes_every_check_on_the_cpu() -> None:
     assert {o.check for o in report.skips} == {"graph_coverage"}
 
 
-def test_engine_runner_through_the_fixture(cudagraph_verify_runner: Any, cudagraph_device: torch.device) -> None:
+def test_engine_runner_through_the_fixture(
+    cudagraph_verify_runner: Any, cudagraph_device: torch.device
+) -> None:
     runner, module, make = _setup(EngineRunner, cudagraph_device)
     report = cudagraph_verify_runner(runner, module, make, **KEYWORDS)
     assert report.ok

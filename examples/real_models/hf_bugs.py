@@ -60,16 +60,19 @@ class EagerLlamaLayer(RopeLayer):
         self.causal = causal
         self.eval()
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> Any:
+    def forward(
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Any:
         mask = None
         if self.causal:
             # (1, 1, T, T) additive mask from the (padded) shape: fixed per graph, so capturable.
             t = hidden_states.shape[1]
-            mask = torch.full((t, t), float("-inf"), device=hidden_states.device,
-                              dtype=hidden_states.dtype).triu(1)[None, None]
-        return self.layer(hidden_states, attention_mask=mask, position_ids=position_ids,
-                          position_embeddings=(cos, sin))
+            mask = torch.full(
+                (t, t), float("-inf"), device=hidden_states.device, dtype=hidden_states.dtype
+            ).triu(1)[None, None]
+        return self.layer(
+            hidden_states, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin)
+        )
 
 
 class BidirectionalLlamaLayer(EagerLlamaLayer):
@@ -90,11 +93,16 @@ class _AuxLlama(RopeLayer):
         super().__init__(LlamaDecoderLayer(llama_config(), layer_idx=0))
         self.eval()
 
-    def _halves(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _halves(
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layer
-        attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), attention_mask=None,
-                                  position_ids=position_ids, position_embeddings=(cos, sin))
+        attn, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(hidden_states),
+            attention_mask=None,
+            position_ids=position_ids,
+            position_embeddings=(cos, sin),
+        )
         aux = hidden_states + attn
         return aux + layer.mlp(layer.post_attention_layernorm(aux)), aux
 
@@ -104,8 +112,9 @@ class AuxHiddenLlamaLayer(_AuxLlama):
 
     aux_hidden: torch.Tensor | None = None
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         out, aux = self._halves(hidden_states, position_ids, cos, sin)
         self.aux_hidden = aux  # a drafter reads this after the step
         return out
@@ -114,8 +123,9 @@ class AuxHiddenLlamaLayer(_AuxLlama):
 class AuxHiddenOutputLlamaLayer(_AuxLlama):
     """Returns the post-attention hidden states beside the output: ``(out, aux)``."""
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._halves(hidden_states, position_ids, cos, sin)
 
 
@@ -143,7 +153,9 @@ class _LongRopeLlama(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq(position_ids)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(hidden_states.dtype), emb.sin().to(hidden_states.dtype)
-        out: torch.Tensor = self.layer(hidden_states, position_ids=position_ids, position_embeddings=(cos, sin))
+        out: torch.Tensor = self.layer(
+            hidden_states, position_ids=position_ids, position_embeddings=(cos, sin)
+        )
         return out
 
 
@@ -168,8 +180,10 @@ def position_inputs(device: str | torch.device = "cpu") -> Any:
     """``hidden_states (1, T, H)`` and ``position_ids (1, T)``: the layer makes its own rotary embeddings."""
 
     def make_inputs(num_tokens: int, num_reqs: int) -> dict[str, Any]:
-        return {"hidden_states": torch.randn(1, num_tokens, HIDDEN, device=device),
-                "position_ids": torch.arange(num_tokens, device=device)[None]}
+        return {
+            "hidden_states": torch.randn(1, num_tokens, HIDDEN, device=device),
+            "position_ids": torch.arange(num_tokens, device=device)[None],
+        }
 
     return make_inputs
 
@@ -191,7 +205,7 @@ class PythonStepGPT2Block(GPT2Block):
     def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         self.step += 1
         update = _block_output(super().forward(hidden_states, **kwargs)) - hidden_states
-        return hidden_states + update * self.step ** -0.5
+        return hidden_states + update * self.step**-0.5
 
 
 class BufferStepGPT2Block(GPT2Block):

@@ -66,10 +66,17 @@ Inputs = Callable[[int, int], dict[str, Any]]
 
 # What Llama and Qwen2 share: tiny, grouped-query, SDPA, token ids inside the vocabulary.
 _ROPE_DECODER = {
-    "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": 1,
-    "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
-    "max_position_embeddings": MAX_POSITIONS, "attn_implementation": "sdpa",
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "hidden_size": HIDDEN,
+    "intermediate_size": INTERMEDIATE,
+    "num_hidden_layers": 1,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": MAX_POSITIONS,
+    "attn_implementation": "sdpa",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
 }
 
 
@@ -83,8 +90,15 @@ def qwen2_config(**overrides: Any) -> Qwen2Config:
 
 def gpt2_config(**overrides: Any) -> GPT2Config:
     kw: dict[str, Any] = {
-        "n_embd": HIDDEN, "n_inner": INTERMEDIATE, "n_layer": 1, "n_head": HEADS, "n_positions": MAX_POSITIONS,
-        "vocab_size": VOCAB, "attn_implementation": "sdpa", "bos_token_id": 1, "eos_token_id": 2,
+        "n_embd": HIDDEN,
+        "n_inner": INTERMEDIATE,
+        "n_layer": 1,
+        "n_head": HEADS,
+        "n_positions": MAX_POSITIONS,
+        "vocab_size": VOCAB,
+        "attn_implementation": "sdpa",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     }
     kw.update(overrides)
     return GPT2Config(**kw)
@@ -106,8 +120,9 @@ class RopeLayer(nn.Module):
         super().__init__()
         self.layer = layer
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> Any:
+    def forward(
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Any:
         return self.layer(hidden_states, position_ids=position_ids, position_embeddings=(cos, sin))
 
 
@@ -166,8 +181,15 @@ def vit_layer() -> ViTLayer:
     whole images, which no real image attends to.
     """
     torch.manual_seed(0)
-    config = ViTConfig(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=HEADS,
-                       intermediate_size=INTERMEDIATE, image_size=8, patch_size=4, attn_implementation="sdpa")
+    config = ViTConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=HEADS,
+        intermediate_size=INTERMEDIATE,
+        image_size=8,
+        patch_size=4,
+        attn_implementation="sdpa",
+    )
     return ViTLayer(config).eval()
 
 

@@ -57,8 +57,13 @@ PAIRS = [
     # (4) .item() on the largest position to pick the rotary factors.
     # Padded positions are 0 by the engine's contract, which the choice relies on: declared, so that
     # padding_isolation keeps it instead of filling padded positions with other values.
-    Pair("capture_safety", HostSyncLongRopeLlamaLayer, DeviceLongRopeLlamaLayer, position_inputs,
-         {"pad_values": {"position_ids": 0}}),
+    Pair(
+        "capture_safety",
+        HostSyncLongRopeLlamaLayer,
+        DeviceLongRopeLlamaLayer,
+        position_inputs,
+        {"pad_values": {"position_ids": 0}},
+    ),
     # (5) a Python step counter scaling the block's update.
     Pair("replay_matches_eager", PythonStepGPT2Block, BufferStepGPT2Block, hidden_inputs),
 ]

@@ -41,8 +41,9 @@ def test_bidirectional_self_attention_leaks_padding(cudagraph_verify, cudagraph_
 
 def test_causal_self_attention_passes(cudagraph_verify, cudagraph_device):
     module = causal_self_attention().to(cudagraph_device)
-    assert cudagraph_verify(module, self_attention_inputs(cudagraph_device), pad_values=ATTENTION_PADS,
-                            **CONFIG).ok
+    assert cudagraph_verify(
+        module, self_attention_inputs(cudagraph_device), pad_values=ATTENTION_PADS, **CONFIG
+    ).ok
 
 
 def test_batchnorm_in_train_mode_is_caught(cudagraph_verify, cudagraph_device):

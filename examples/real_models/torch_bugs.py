@@ -40,4 +40,3 @@ def bidirectional_self_attention() -> BidirectionalSelfAttention:
 def training_block() -> BasicBlock:
     """The basic block, still in train mode when it is captured (the bug)."""
     return basic_block().train()
-

@@ -101,7 +101,10 @@ def self_attention_inputs(device: str | torch.device = "cpu") -> Inputs:
     """``x (1, T, E)`` (batch first: tokens in the second dimension) and ``attn_mask (T, T)``."""
 
     def make_inputs(num_tokens: int, num_reqs: int) -> dict[str, Any]:
-        return {"x": torch.randn(1, num_tokens, EMBED, device=device), "attn_mask": causal_mask(num_tokens, device)}
+        return {
+            "x": torch.randn(1, num_tokens, EMBED, device=device),
+            "attn_mask": causal_mask(num_tokens, device),
+        }
 
     return make_inputs
 

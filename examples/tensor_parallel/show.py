@@ -43,15 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     wrong = []
     for name, (build, make_inputs) in {**CORRECT, **BUGS}.items():
         start = time.perf_counter()
-        report = pytest_cudagraph.verify_distributed(build, make_inputs, world_size=args.world_size,
-                                                     capture_sizes=[1, 2, 4], backend=args.backend,
-                                                     timeout=args.timeout)
+        report = pytest_cudagraph.verify_distributed(
+            build,
+            make_inputs,
+            world_size=args.world_size,
+            capture_sizes=[1, 2, 4],
+            backend=args.backend,
+            timeout=args.timeout,
+        )
         seconds = time.perf_counter() - start
         expected = name in CORRECT
         if report.ok != expected:
             wrong.append(name)
         print(f"\n## {name} ({'correct' if expected else 'bug'}; {seconds:.1f} s)")
-        print("\n".join(report.format().splitlines()[:args.lines]))
+        print("\n".join(report.format().splitlines()[: args.lines]))
     if wrong:
         print(f"\nunexpected verdicts: {', '.join(wrong)}", file=sys.stderr)
     return 1 if wrong else 0

@@ -41,8 +41,11 @@ MODELS = {
 BUGS = {
     # Rank 1 runs one more row: on gloo the all-reduce of mismatched sizes
     # stops a rank; on NCCL it would hang or read garbage.
-    "RankDependentPadding": (buggy.build_rank_dependent_padding, buggy.make_inputs_rank_dependent,
-                             r"all_reduce"),
+    "RankDependentPadding": (
+        buggy.build_rank_dependent_padding,
+        buggy.make_inputs_rank_dependent,
+        r"all_reduce",
+    ),
     # Rank 1 leaves a collective out: a rank is named with the all_reduce it is stuck in.
     "SkippedCollective": (buggy.build_skipped_collective, tp.make_inputs, r"rank [01]\b[^;]*\ball_reduce"),
     # Each rank is right on its own; the replicated outputs differ, on rank 1.
@@ -62,7 +65,9 @@ def test_tp_module_passes_on_every_rank(name: str) -> None:
 @pytest.mark.cudagraph(capture_sizes=[1, 2, 4])
 def test_tp_mlp_with_the_fixture(cudagraph_verify_distributed: Callable[..., VerifyReport]) -> None:
     """TPMLP, the twin of every bug below, through the fixture (capture sizes from the marker)."""
-    report = cudagraph_verify_distributed(tp.build_tp_mlp, tp.make_inputs, world_size=WORLD_SIZE, backend="emulate")
+    report = cudagraph_verify_distributed(
+        tp.build_tp_mlp, tp.make_inputs, world_size=WORLD_SIZE, backend="emulate"
+    )
     assert report.ok and "rank_agreement" in report.checks
 
 
@@ -113,7 +118,9 @@ def test_sharded_equals_unsharded() -> None:
             try:
                 torch.testing.assert_close(seen["outputs"][name], expected)
             except AssertionError as exc:
-                raise AssertionError(f"{name} on rank {rank} differs from the unsharded module: {exc}") from None
+                raise AssertionError(
+                    f"{name} on rank {rank} differs from the unsharded module: {exc}"
+                ) from None
 
 
 # ---------------------------------------------------------------------------
@@ -128,9 +135,11 @@ GPU_HANG_TIMEOUT = 30.0
 # on wrong bytes, after which the ranks' descriptors differ: either is caught.
 # NCCL returns before its collective completes, so a hang is named by the
 # rank's last collective and the note that the GPU waits in it.
-GPU_PATTERNS = {**{name: pattern for name, (_, _, pattern) in BUGS.items()},
-                "RankDependentPadding": r"all_reduce[^;]*waits on the GPU|pad to different sizes",
-                "SkippedCollective": r"rank [01]\b[^;]*\ball_reduce[^;]*waits on the GPU"}
+GPU_PATTERNS = {
+    **{name: pattern for name, (_, _, pattern) in BUGS.items()},
+    "RankDependentPadding": r"all_reduce[^;]*waits on the GPU|pad to different sizes",
+    "SkippedCollective": r"rank [01]\b[^;]*\ball_reduce[^;]*waits on the GPU",
+}
 
 
 def _needs_gpus(world_size: int) -> None:
@@ -144,8 +153,9 @@ def _needs_gpus(world_size: int) -> None:
 def test_tp_module_passes_on_gpus(name: str, world_size: int) -> None:
     _needs_gpus(world_size)
     build, make_inputs, _ = MODELS[name]
-    report = pytest_cudagraph.verify_distributed(build, make_inputs,
-                                                 **{**CONFIG, "world_size": world_size, "backend": "cuda"})
+    report = pytest_cudagraph.verify_distributed(
+        build, make_inputs, **{**CONFIG, "world_size": world_size, "backend": "cuda"}
+    )
     assert report.ok, report.format()
     assert {o.rank for o in report.outcomes if o.check != "rank_agreement"} == set(range(world_size))
     agreement = [o for o in report.outcomes if o.check == "rank_agreement"]
@@ -158,8 +168,9 @@ def test_bug_fails_rank_agreement_on_gpus(name: str) -> None:
     """The gallery on NCCL with the collectives inside CUDA graphs: each bug is still named by rank_agreement."""
     _needs_gpus(WORLD_SIZE)
     build, make_inputs, _ = BUGS[name]
-    report = pytest_cudagraph.verify_distributed(build, make_inputs, timeout=GPU_HANG_TIMEOUT,
-                                                 **{**CONFIG, "backend": "cuda"})
+    report = pytest_cudagraph.verify_distributed(
+        build, make_inputs, timeout=GPU_HANG_TIMEOUT, **{**CONFIG, "backend": "cuda"}
+    )
     assert not report.ok
     agreement = [f for f in report.failures if f.check == "rank_agreement"]
     assert agreement, report.format()

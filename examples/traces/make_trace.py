@@ -77,10 +77,19 @@ def batches(count: int, seed: int = 0) -> Iterator[dict[str, int | None]]:
         num_tokens = len(decodes) + sum(c for _, c in chunks)
         num_reqs = len(decodes) + len(chunks)
         if chunks:
-            yield {"num_tokens": num_tokens, "num_reqs": num_reqs, "uniform_token_count": None,
-                   "max_query_len": max([c for _, c in chunks] + ([1] if decodes else []))}
+            yield {
+                "num_tokens": num_tokens,
+                "num_reqs": num_reqs,
+                "uniform_token_count": None,
+                "max_query_len": max([c for _, c in chunks] + ([1] if decodes else [])),
+            }
         else:
-            yield {"num_tokens": num_tokens, "num_reqs": num_reqs, "uniform_token_count": 1, "max_query_len": 1}
+            yield {
+                "num_tokens": num_tokens,
+                "num_reqs": num_reqs,
+                "uniform_token_count": 1,
+                "max_query_len": 1,
+            }
         made += 1
         for r in decodes:
             r[1] -= 1

@@ -70,8 +70,9 @@ class _OnStream:
     def __enter__(self) -> None:
         self.previous = torch._C._cuda_getCurrentStream(self.index)
         stream = self.stream
-        torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
-                                 device_type=stream.device_type)
+        torch._C._cuda_setStream(
+            stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type
+        )
 
     def __exit__(self, *exc: object) -> None:
         stream_id, device_index, device_type = self.previous
@@ -79,8 +80,9 @@ class _OnStream:
 
 
 class CudaGraph(CapturedGraph):
-    def __init__(self, graph: torch.cuda.CUDAGraph, output: Any, nbytes: int, device_bytes: int,
-                 *, empty: bool = False) -> None:
+    def __init__(
+        self, graph: torch.cuda.CUDAGraph, output: Any, nbytes: int, device_bytes: int, *, empty: bool = False
+    ) -> None:
         self.graph = graph
         self.output = output
         self.nbytes = nbytes
@@ -372,7 +374,8 @@ class CudaBackend(Backend):
         raw = torch._C._cuda_getCurrentStream(self.index)
         if raw != self._caller_raw or self._caller is None:
             self._caller = torch.cuda.Stream(  # type: ignore[no-untyped-call]
-                stream_id=raw[0], device_index=raw[1], device_type=raw[2])
+                stream_id=raw[0], device_index=raw[1], device_type=raw[2]
+            )
             self._caller_raw = raw
         return self._caller
 
@@ -467,7 +470,9 @@ class CudaBackend(Backend):
         torch.cuda.synchronize(self.index)
         with _OnDevice(self.index):
             for segment in snapshot():
-                if segment.get("device") != self.index or tuple(segment.get("segment_pool_id", ())) != tuple(pool):
+                if segment.get("device") != self.index or tuple(segment.get("segment_pool_id", ())) != tuple(
+                    pool
+                ):
                     continue
                 address = segment["address"]
                 for block in segment["blocks"]:
@@ -483,8 +488,13 @@ class _Raw:
     """Device memory at an address, for ``torch.as_tensor`` (the CUDA array interface)."""
 
     def __init__(self, address: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def _device_bytes(address: int, nbytes: int, index: int) -> torch.Tensor:

@@ -83,9 +83,21 @@ def _storage_key(t: torch.Tensor) -> int:
 # allocates; here the storage's region is placed at its final size, so the
 # steps before it write where the grown tensor reads.)
 _METADATA_IN_PLACE = frozenset(
-    getattr(aten, name) for name in ("transpose_", "t_", "swapdims_", "swapaxes_", "squeeze_", "unsqueeze_",
-                                     "as_strided_", "resize_", "resize_as_", "detach_")
-    if hasattr(aten, name))
+    getattr(aten, name)
+    for name in (
+        "transpose_",
+        "t_",
+        "swapdims_",
+        "swapaxes_",
+        "squeeze_",
+        "unsqueeze_",
+        "as_strided_",
+        "resize_",
+        "resize_as_",
+        "detach_",
+    )
+    if hasattr(aten, name)
+)
 
 
 def _use_count(storage: torch.UntypedStorage) -> int:
@@ -157,7 +169,9 @@ class _Step:
 
     __slots__ = ("args", "func", "kwargs", "targets")
 
-    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], targets: list[tuple[int, Any]]):
+    def __init__(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], targets: list[tuple[int, Any]]
+    ):
         self.func = func
         self.args = args
         self.kwargs = kwargs
@@ -210,8 +224,15 @@ class _View:
 
     @classmethod
     def of(cls, t: torch.Tensor, key: int) -> _View:
-        return cls(key, int(t.storage_offset()) * t.element_size(), tuple(t.shape), tuple(t.stride()), t.dtype,
-                   t.is_conj(), t.is_neg())
+        return cls(
+            key,
+            int(t.storage_offset()) * t.element_size(),
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.dtype,
+            t.is_conj(),
+            t.is_neg(),
+        )
 
     def on(self, storage: torch.UntypedStorage, base: int) -> torch.Tensor:
         offset = (base + self.offset) // self.dtype.itemsize
@@ -241,7 +262,11 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.guard.check_dispatch(func, args, kwargs)
-        if getattr(func, "overloadpacket", None) in _METADATA_IN_PLACE and args and isinstance(args[0], torch.Tensor):
+        if (
+            getattr(func, "overloadpacket", None) in _METADATA_IN_PLACE
+            and args
+            and isinstance(args[0], torch.Tensor)
+        ):
             self._freeze(args[0])
             out = func(*args, **kwargs)
             self._know(args[0])

@@ -61,8 +61,15 @@ class BenchmarkRunner:
             raise ValueError("cudagraph_benchmark needs pytest-benchmark (pip install pytest-benchmark)")
         if "max_num_reqs" not in config and "capture_sizes" in config:
             config["max_num_reqs"] = max(config["capture_sizes"])
-        manager = GraphManager(module.eval(), make_inputs, CaptureConfig(**config), backend=self._backend,
-                               device=self._device, pad_values=pad_values, measure_device_memory=True)
+        manager = GraphManager(
+            module.eval(),
+            make_inputs,
+            CaptureConfig(**config),
+            backend=self._backend,
+            device=self._device,
+            pad_values=pad_values,
+            measure_device_memory=True,
+        )
         try:
             manager.capture()
             if self._session.disabled:
@@ -78,15 +85,27 @@ class BenchmarkRunner:
                 # Still a row per descriptor for the Markdown report (merged from
                 # xdist workers): descriptor, padding and graph memory, no times.
                 full = [d for d in manager.captured_descriptors if d.mode is GraphMode.FULL]
-                memory = {"full_graphs": len(full),
-                          "full_graph_memory_measured_bytes": sum(manager.device_memory[d] for d in full),
-                          "full_graph_memory_estimate_bytes": None,
-                          "full_graph_memory_replica_estimate_bytes": None}
+                memory = {
+                    "full_graphs": len(full),
+                    "full_graph_memory_measured_bytes": sum(manager.device_memory[d] for d in full),
+                    "full_graph_memory_estimate_bytes": None,
+                    "full_graph_memory_replica_estimate_bytes": None,
+                }
                 for bench in untimed:
                     row = bench.row()
-                    row.update(eager_s=None, run_s=None, replay_s=None, speedup=None, replay_speedup=None,
-                               timed=False, test=self._node.nodeid, module=type(module).__name__,
-                               backend=manager.backend, device=str(manager.device), **memory)
+                    row.update(
+                        eager_s=None,
+                        run_s=None,
+                        replay_s=None,
+                        speedup=None,
+                        replay_speedup=None,
+                        timed=False,
+                        test=self._node.nodeid,
+                        module=type(module).__name__,
+                        backend=manager.backend,
+                        device=str(manager.device),
+                        **memory,
+                    )
                     self._record(row)
                 return None
             results = measure_manager(manager, rounds=rounds, calls_per_round=calls_per_round, warmup=warmup)
@@ -96,8 +115,11 @@ class BenchmarkRunner:
             measured = sum(manager.device_memory[d] for d in full)
             estimate = estimate_full_graph_memory(manager, measured=measured) if full else None
             # Ours: the largest graph captured, the others' pool use replayed eagerly.
-            replica = (estimate_pool_replica(manager, measured=measured)
-                       if full and manager.backend == "cuda" else None)
+            replica = (
+                estimate_pool_replica(manager, measured=measured)
+                if full and manager.backend == "cuda"
+                else None
+            )
         finally:
             manager.release()
         group = type(module).__name__
@@ -111,8 +133,13 @@ class BenchmarkRunner:
             bench.extra.update(memory)
             self._add(group, bench)
             row = bench.row()
-            row.update(test=self._node.nodeid, module=group, backend=manager.backend, device=str(manager.device),
-                       **memory)
+            row.update(
+                test=self._node.nodeid,
+                module=group,
+                backend=manager.backend,
+                device=str(manager.device),
+                **memory,
+            )
             self._record(row)
         return results
 

@@ -36,8 +36,10 @@ def write_bench_report(rows: Iterable[Mapping[str, Any]], path: Path) -> list[Pa
     tests = {row["test"]: row for row in rows if row.get("full_graphs")}
     if tests:
         lines.append("")
-        lines.append("| test | FULL graphs | measured (device) | vLLM's estimate (2 largest, extrapolated) | error "
-                     "| pool replica estimate | error |")
+        lines.append(
+            "| test | FULL graphs | measured (device) | vLLM's estimate (2 largest, extrapolated) | error "
+            "| pool replica estimate | error |"
+        )
         lines.append("|---|---:|---:|---:|---:|---:|---:|")
         for test, row in tests.items():
             measured = int(row["full_graph_memory_measured_bytes"])
@@ -45,15 +47,21 @@ def write_bench_report(rows: Iterable[Mapping[str, Any]], path: Path) -> list[Pa
             for key in ("full_graph_memory_estimate_bytes", "full_graph_memory_replica_estimate_bytes"):
                 estimate = row.get(key)
                 cells.append(format_bytes(int(estimate)) if estimate is not None else "n/a")
-                cells.append(f"{(estimate - measured) / measured:+.0%}" if estimate is not None and measured else "n/a")
-            lines.append(f"| {test} | {row['full_graphs']} | {format_bytes(measured)} | {' | '.join(cells)} |")
+                cells.append(
+                    f"{(estimate - measured) / measured:+.0%}" if estimate is not None and measured else "n/a"
+                )
+            lines.append(
+                f"| {test} | {row['full_graphs']} | {format_bytes(measured)} | {' | '.join(cells)} |"
+            )
     if any(row["emulated"] for row in rows):
         lines.append("")
         lines.append("Rows on the `emulate` backend are CPU times of the emulator: no speedup is claimed.")
     if any(row.get("timed", True) is False for row in rows):
         lines.append("")
-        lines.append("Rows marked not timed ran with benchmarks disabled (pytest-benchmark under pytest-xdist, "
-                     "or --benchmark-disable): each graph ran once, untimed.")
+        lines.append(
+            "Rows marked not timed ran with benchmarks disabled (pytest-benchmark under pytest-xdist, "
+            "or --benchmark-disable): each graph ran once, untimed."
+        )
     atomic_write_text(path, "\n".join(lines) + "\n")
     written = [path]
     plot = _plot(rows, path.with_suffix(".png"))

@@ -83,8 +83,12 @@ def measure_manager(
         batch = exact_batch(manager.plan, desc)
         inputs = call_make_inputs(manager.make_inputs, batch.num_tokens, batch.num_reqs)
         kwargs = manager.eager_kwargs(inputs, batch.num_tokens)
-        eager_desc = BatchDescriptor(mode=desc.mode.NONE, num_tokens=batch.num_tokens, num_reqs=batch.num_reqs,
-                                     num_active_loras=desc.num_active_loras)
+        eager_desc = BatchDescriptor(
+            mode=desc.mode.NONE,
+            num_tokens=batch.num_tokens,
+            num_reqs=batch.num_reqs,
+            num_active_loras=desc.num_active_loras,
+        )
 
         def eager(kwargs: dict[str, Any] = kwargs, marker: BatchDescriptor = eager_desc) -> Any:
             with running(marker):
@@ -100,13 +104,15 @@ def measure_manager(
         # In turn, so that the speedup (eager over replay) compares rounds
         # taken under the same conditions.
         timed = time_interleaved({"eager": eager, "run": run, "replay": replay}, **timing)  # type: ignore[arg-type]
-        results.append(DescriptorBench(
-            descriptor=desc,
-            batch=batch,
-            eager=timed["eager"],
-            run=timed["run"],
-            replay=timed["replay"],
-            graph_memory=manager.graph_memory.get(desc, 0),
-            emulated=manager.backend == "emulate",
-        ))
+        results.append(
+            DescriptorBench(
+                descriptor=desc,
+                batch=batch,
+                eager=timed["eager"],
+                run=timed["run"],
+                replay=timed["replay"],
+                graph_memory=manager.graph_memory.get(desc, 0),
+                emulated=manager.backend == "emulate",
+            )
+        )
     return results

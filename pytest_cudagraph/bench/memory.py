@@ -93,8 +93,9 @@ def estimate_full_graph_memory(
         taken_samples = tuple(taken[d] for d in sample)
     finally:
         probe.release()
-    return MemoryEstimate(len(full), taken_samples, extrapolate(list(taken_samples), len(full), floor=floor),
-                          measured)
+    return MemoryEstimate(
+        len(full), taken_samples, extrapolate(list(taken_samples), len(full), floor=floor), measured
+    )
 
 
 def _pool_growth_of_eager_forwards(manager: GraphManager, order: list[BatchDescriptor]) -> int:
@@ -140,7 +141,9 @@ def estimate_pool_replica(
     Module buffers a forward updates in place are restored afterwards.
     """
     if manager.backend != "cuda":
-        raise ValueError(f"estimate_pool_replica needs the cuda backend; this manager uses {manager.backend!r}")
+        raise ValueError(
+            f"estimate_pool_replica needs the cuda backend; this manager uses {manager.backend!r}"
+        )
     full = list(manager.plan.capture_descriptors.get(GraphMode.FULL, ()))
     if not full:
         return MemoryEstimate(0, (), 0, measured, "replica")

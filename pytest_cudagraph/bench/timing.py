@@ -44,8 +44,9 @@ def time_rounds(
     warmup: int = 10,
 ) -> Timing:
     """Seconds per call of ``fn``: ``rounds`` rounds of ``calls_per_round`` calls each."""
-    return time_interleaved({"fn": fn}, device=device, rounds=rounds, calls_per_round=calls_per_round,
-                            warmup=warmup)["fn"]
+    return time_interleaved(
+        {"fn": fn}, device=device, rounds=rounds, calls_per_round=calls_per_round, warmup=warmup
+    )["fn"]
 
 
 def time_interleaved(

@@ -27,144 +27,163 @@ def _dispatch(ctx: Any, descs: Any) -> Any:
     return dispatch_check(ctx, descs)
 
 
-BUILTIN = CheckRegistry([
-    Check(
-        CAPTURE_CHECK, suite.capture_safety, scope="before_capture",
-        compares="every op of each descriptor's capture goes through a guard that stops at the first op a graph "
-                 "cannot hold, before the device runs it; a descriptor it stops is then run eagerly under the "
-                 "guard, which lists every such op with its submodule and its call site (`file:line in "
-                 "function`, the first frame outside torch and this plugin). The guard asks first the table of "
-                 "what a CUDA capture holds, op by op and by the kinds of its arguments, learned on a GPU from "
-                 "PyTorch's OpInfo samples (`scripts/capturability.py`); on the emulator an op it does not cover "
-                 "is named in a NOTE as not known. On CUDA an op that fails the capture itself is named with "
-                 "CUDA's error. A descriptor whose capture fails fails here and the others are still captured "
-                 "and verified",
-        catches="host syncs (`.item()`, `bool(t)`, `int(t)`), data-dependent shapes (`nonzero`, boolean-mask "
-                "indexing, `repeat_interleave` without `output_size`), device-to-host copies, CPU tensors on the "
-                "CUDA path; values made on the host inside `forward` and written into or moved to the graph's "
-                "device (`t[0] = float(n)`, `torch.tensor(data, device=...)`, `torch.arange(n).to(x.device)`), "
-                "which the emulator tells by where they were made; ops whose CUDA code syncs or copies from "
-                "pageable memory (`torch.linalg.inv`'s error check, `cholesky`, `isin`, `linspace` "
-                "with tensor ends, `masked_fill` with a 0-dim device value); sparse tensors on the emulator. "
-                "Not flagged, because a real capture holds them: `t[mask] = 0.0` (a `masked_fill_`), indexing "
-                "with a boolean mask made on the host, `torch.tensor([], device=...)` (a copy of nothing), a "
-                "0-dim CPU tensor as an operand",
-        applies="never",
-    ),
-    Check(
-        "replay_matches_eager", suite.replay_matches_eager,
-        compares="on the very inputs a graph was captured with, replay equals eager bit for bit (NaN equals NaN, "
-                 "-0.0 differs from 0.0; shape, dtype and strides too)",
-        catches="Python state changed by every forward (named: `inner.calls: 3 -> 4`), nondeterministic eager "
-                "(said so instead)",
-        applies="never",
-    ),
-    Check(
-        "fresh_inputs", suite.fresh_inputs,
-        compares="after capture, new inputs give replay equal to eager. Where `make_inputs` returns the same "
-                 "values on every call (`torch.ones`, `arange`), the harness makes its own: fresh floating "
-                 "values in the observed range, or integer rows permuted (then drawn) within it",
-        catches="tensors computed at warm-up and memoised (by identity, say), stale buffers, values frozen at "
-                "capture",
-        applies="never: where no input can be changed (no tensor input, or only integers of one value), the "
-                "check fails saying it could not run",
-    ),
-    Check(
-        "real_batches", suite.real_batches,
-        compares="the smallest and the largest real batch a descriptor serves (every batch of a trace with "
-                 "`--cudagraph-trace`) return real rows equal to eager on the *unpadded* batch within the dtype's "
-                 "tolerance; where they are not, held to the measured floor: eager at the graph's padded shape "
-                 "against eager on the unpadded batch says how far rounding moves it (a few multiples of it are "
-                 "allowed), a systematic difference (a scale, an offset per feature, a scale per row) fails, and "
-                 "so does one beyond what rounding at the products' precision can do (bit for bit with "
-                 "`batch_invariant=True`); both figures are reported",
-        catches="computations that depend on the padded batch size: statistics over the whole batch, padded "
-                "rows included; a Python branch on the token count, or a scale computed from it, down to a few "
-                "percent on bf16 logits; outputs cut wrongly; a module that computes something else when it is "
-                "captured (attention metadata planned per request count and shared by decode graphs of several "
-                "query lengths), named as such when eager on its capture path differs from eager as users run it",
-        applies="no real batch dispatches to the descriptor; the module draws random numbers, told by its use "
-                "of a generator (the `rng` check covers them)",
-    ),
-    Check(
-        "padding_isolation", suite.padding_isolation,
-        compares="real-row outputs and module state are identical whether padded rows of floating inputs hold "
-                 "zeros, random values or large finite values, as padded rows of an engine do (stale rows, "
-                 "hidden states of pad tokens); with `nonfinite_padding=True` (marker keyword, "
-                 "`--cudagraph-nonfinite-padding`, ini `cudagraph_nonfinite_padding`) also NaN and inf, a "
-                 "strictness whose failures say so. Padded rows of integer inputs (ids, positions, indices) hold "
-                 "the largest value `make_inputs` gives, then other values in its range; inputs whose padding "
-                 "is declared semantics in `pad_values` (a reserved slot, a square mask) are not filled",
-        catches="attention that reads padded keys (bidirectional over the padded sequence), pooling over padded "
-                "rows, batch statistics (a BatchNorm in train mode is named), padded rows writing into state "
-                "(an expert load counted by the pad id; allow a scratch region with `scratch_state`); strict: "
-                "masking by multiplication (`0 * NaN = NaN`)",
-        applies="no real batch of the descriptor leaves padded rows; no input has padded rows that can hold "
-                "other values",
-    ),
-    Check(
-        "state", suite.state,
-        compares="what forwards write (module buffers, parameters written in place), and inputs that eager "
-                 "mutates in place, end in the same state after `run()` as after eager at the captured shape (what "
-                 "forwards write is snapshot and restored around each comparison, so a graph-safe counter buffer "
-                 "passes; nothing else is copied); and, where forwards write module state, after the smallest "
-                 "real batch as after eager on its real rows (bit for bit where those wrote nothing, the "
-                 "measured floor where they wrote)",
-        catches="in-place writes to inputs (the graph writes its static copy, never the caller's tensor); "
-                "padded rows writing where no real row does (a count of the pad id, a live KV slot)",
-        applies="never",
-    ),
-    Check(
-        "side_outputs", suite.side_outputs,
-        compares="a tensor that `forward` stores on a plain attribute on every call (`self.hidden = h`) holds "
-                 "after `run()` what eager leaves there, with the attributes as capture left them",
-        catches="side outputs kept on the module (hidden states for a drafter): after replay the attribute is "
-                "the capture-time tensor, padded and in graph memory that later replays overwrite; named with "
-                "its shape and the fix (return it, or copy into a registered buffer)",
-        applies="never (a module that stores nothing passes)",
-    ),
-    Check(
-        "determinism", suite.determinism,
-        compares="two replays of the same inputs, from the same state and seed, are bit-identical; and no "
-                 "forward reads memory nobody wrote: an op seen reading what `torch.empty` (or kin) handed back "
-                 "before anything wrote it, confirmed by two eager runs with that memory poisoned two ways, is "
-                 "named with the op that made it (and every other failure of the module says so first); and "
-                 "replays with the graphs' free pool memory (their intermediates between replays) poisoned one "
-                 "way, twice, then the other way, all agree: which finds a replay reading what "
-                 "nobody wrote where no op the dispatcher sees does (an extension's own buffer)",
-        catches="state kept outside registered buffers, nondeterministic kernels, a split-K sum into "
-                "`torch.empty`, in eager or only in the graph",
-        applies="never",
-    ),
-    Check(
-        "rng", suite.rng,
-        compares="with a seeded generator, replay draws equal eager draws, and successive replays draw fresh "
-                 "values; a module is random when its forwards use a generator (seen op by op), never because "
-                 "two runs differ (Python state, put back between runs, and unwritten memory do that)",
-        catches="seeding inside `forward`, generators a graph does not advance",
-        applies="eager itself is not reproducible under one seed (the `determinism` and replay checks say why)",
-    ),
-    Check(
-        "output_lifetime", suite.output_lifetime, scope="module",
-        compares="outputs returned by `run()` keep their values after a later run, on the graph path and on the "
-                 "eager path (a batch larger than every graph)",
-        catches="outputs that alias a buffer the module rewrites",
-        applies="never",
-    ),
-    Check(
-        "address_stability", suite.address_stability, scope="module", prepare=suite.record_addresses,
-        compares="static buffers and every module parameter and buffer keep their addresses (and stay the same "
-                 "tensor objects) through capture, replays and eager runs",
-        catches="buffers rebound in `forward` (`self.x = self.x * a + b`): graphs keep reading the old memory",
-        applies="never",
-    ),
-    Check(
-        DISPATCH_CHECK, _dispatch, scope="module",
-        compares="the manager's dispatch, property-tested with hypothesis over the graphs captured: every real "
-                 "batch goes to the smallest captured graph that can serve it, or runs eagerly",
-        catches="a dispatcher that picks a graph too small, of the wrong mode or LoRA case, or none where one "
-                "serves",
-        applies="quick verification (`exhaustive=False`) or a subset of the plan captured; in a verification "
-                "split by descriptor it runs in the item of the plan's first descriptor",
-    ),
-])
+BUILTIN = CheckRegistry(
+    [
+        Check(
+            CAPTURE_CHECK,
+            suite.capture_safety,
+            scope="before_capture",
+            compares="every op of each descriptor's capture goes through a guard that stops at the first op a graph "
+            "cannot hold, before the device runs it; a descriptor it stops is then run eagerly under the "
+            "guard, which lists every such op with its submodule and its call site (`file:line in "
+            "function`, the first frame outside torch and this plugin). The guard asks first the table of "
+            "what a CUDA capture holds, op by op and by the kinds of its arguments, learned on a GPU from "
+            "PyTorch's OpInfo samples (`scripts/capturability.py`); on the emulator an op it does not cover "
+            "is named in a NOTE as not known. On CUDA an op that fails the capture itself is named with "
+            "CUDA's error. A descriptor whose capture fails fails here and the others are still captured "
+            "and verified",
+            catches="host syncs (`.item()`, `bool(t)`, `int(t)`), data-dependent shapes (`nonzero`, boolean-mask "
+            "indexing, `repeat_interleave` without `output_size`), device-to-host copies, CPU tensors on the "
+            "CUDA path; values made on the host inside `forward` and written into or moved to the graph's "
+            "device (`t[0] = float(n)`, `torch.tensor(data, device=...)`, `torch.arange(n).to(x.device)`), "
+            "which the emulator tells by where they were made; ops whose CUDA code syncs or copies from "
+            "pageable memory (`torch.linalg.inv`'s error check, `cholesky`, `isin`, `linspace` "
+            "with tensor ends, `masked_fill` with a 0-dim device value); sparse tensors on the emulator. "
+            "Not flagged, because a real capture holds them: `t[mask] = 0.0` (a `masked_fill_`), indexing "
+            "with a boolean mask made on the host, `torch.tensor([], device=...)` (a copy of nothing), a "
+            "0-dim CPU tensor as an operand",
+            applies="never",
+        ),
+        Check(
+            "replay_matches_eager",
+            suite.replay_matches_eager,
+            compares="on the very inputs a graph was captured with, replay equals eager bit for bit (NaN equals NaN, "
+            "-0.0 differs from 0.0; shape, dtype and strides too)",
+            catches="Python state changed by every forward (named: `inner.calls: 3 -> 4`), nondeterministic eager "
+            "(said so instead)",
+            applies="never",
+        ),
+        Check(
+            "fresh_inputs",
+            suite.fresh_inputs,
+            compares="after capture, new inputs give replay equal to eager. Where `make_inputs` returns the same "
+            "values on every call (`torch.ones`, `arange`), the harness makes its own: fresh floating "
+            "values in the observed range, or integer rows permuted (then drawn) within it",
+            catches="tensors computed at warm-up and memoised (by identity, say), stale buffers, values frozen at "
+            "capture",
+            applies="never: where no input can be changed (no tensor input, or only integers of one value), the "
+            "check fails saying it could not run",
+        ),
+        Check(
+            "real_batches",
+            suite.real_batches,
+            compares="the smallest and the largest real batch a descriptor serves (every batch of a trace with "
+            "`--cudagraph-trace`) return real rows equal to eager on the *unpadded* batch within the dtype's "
+            "tolerance; where they are not, held to the measured floor: eager at the graph's padded shape "
+            "against eager on the unpadded batch says how far rounding moves it (a few multiples of it are "
+            "allowed), a systematic difference (a scale, an offset per feature, a scale per row) fails, and "
+            "so does one beyond what rounding at the products' precision can do (bit for bit with "
+            "`batch_invariant=True`); both figures are reported",
+            catches="computations that depend on the padded batch size: statistics over the whole batch, padded "
+            "rows included; a Python branch on the token count, or a scale computed from it, down to a few "
+            "percent on bf16 logits; outputs cut wrongly; a module that computes something else when it is "
+            "captured (attention metadata planned per request count and shared by decode graphs of several "
+            "query lengths), named as such when eager on its capture path differs from eager as users run it",
+            applies="no real batch dispatches to the descriptor; the module draws random numbers, told by its use "
+            "of a generator (the `rng` check covers them)",
+        ),
+        Check(
+            "padding_isolation",
+            suite.padding_isolation,
+            compares="real-row outputs and module state are identical whether padded rows of floating inputs hold "
+            "zeros, random values or large finite values, as padded rows of an engine do (stale rows, "
+            "hidden states of pad tokens); with `nonfinite_padding=True` (marker keyword, "
+            "`--cudagraph-nonfinite-padding`, ini `cudagraph_nonfinite_padding`) also NaN and inf, a "
+            "strictness whose failures say so. Padded rows of integer inputs (ids, positions, indices) hold "
+            "the largest value `make_inputs` gives, then other values in its range; inputs whose padding "
+            "is declared semantics in `pad_values` (a reserved slot, a square mask) are not filled",
+            catches="attention that reads padded keys (bidirectional over the padded sequence), pooling over padded "
+            "rows, batch statistics (a BatchNorm in train mode is named), padded rows writing into state "
+            "(an expert load counted by the pad id; allow a scratch region with `scratch_state`); strict: "
+            "masking by multiplication (`0 * NaN = NaN`)",
+            applies="no real batch of the descriptor leaves padded rows; no input has padded rows that can hold "
+            "other values",
+        ),
+        Check(
+            "state",
+            suite.state,
+            compares="what forwards write (module buffers, parameters written in place), and inputs that eager "
+            "mutates in place, end in the same state after `run()` as after eager at the captured shape (what "
+            "forwards write is snapshot and restored around each comparison, so a graph-safe counter buffer "
+            "passes; nothing else is copied); and, where forwards write module state, after the smallest "
+            "real batch as after eager on its real rows (bit for bit where those wrote nothing, the "
+            "measured floor where they wrote)",
+            catches="in-place writes to inputs (the graph writes its static copy, never the caller's tensor); "
+            "padded rows writing where no real row does (a count of the pad id, a live KV slot)",
+            applies="never",
+        ),
+        Check(
+            "side_outputs",
+            suite.side_outputs,
+            compares="a tensor that `forward` stores on a plain attribute on every call (`self.hidden = h`) holds "
+            "after `run()` what eager leaves there, with the attributes as capture left them",
+            catches="side outputs kept on the module (hidden states for a drafter): after replay the attribute is "
+            "the capture-time tensor, padded and in graph memory that later replays overwrite; named with "
+            "its shape and the fix (return it, or copy into a registered buffer)",
+            applies="never (a module that stores nothing passes)",
+        ),
+        Check(
+            "determinism",
+            suite.determinism,
+            compares="two replays of the same inputs, from the same state and seed, are bit-identical; and no "
+            "forward reads memory nobody wrote: an op seen reading what `torch.empty` (or kin) handed back "
+            "before anything wrote it, confirmed by two eager runs with that memory poisoned two ways, is "
+            "named with the op that made it (and every other failure of the module says so first); and "
+            "replays with the graphs' free pool memory (their intermediates between replays) poisoned one "
+            "way, twice, then the other way, all agree: which finds a replay reading what "
+            "nobody wrote where no op the dispatcher sees does (an extension's own buffer)",
+            catches="state kept outside registered buffers, nondeterministic kernels, a split-K sum into "
+            "`torch.empty`, in eager or only in the graph",
+            applies="never",
+        ),
+        Check(
+            "rng",
+            suite.rng,
+            compares="with a seeded generator, replay draws equal eager draws, and successive replays draw fresh "
+            "values; a module is random when its forwards use a generator (seen op by op), never because "
+            "two runs differ (Python state, put back between runs, and unwritten memory do that)",
+            catches="seeding inside `forward`, generators a graph does not advance",
+            applies="eager itself is not reproducible under one seed (the `determinism` and replay checks say why)",
+        ),
+        Check(
+            "output_lifetime",
+            suite.output_lifetime,
+            scope="module",
+            compares="outputs returned by `run()` keep their values after a later run, on the graph path and on the "
+            "eager path (a batch larger than every graph)",
+            catches="outputs that alias a buffer the module rewrites",
+            applies="never",
+        ),
+        Check(
+            "address_stability",
+            suite.address_stability,
+            scope="module",
+            prepare=suite.record_addresses,
+            compares="static buffers and every module parameter and buffer keep their addresses (and stay the same "
+            "tensor objects) through capture, replays and eager runs",
+            catches="buffers rebound in `forward` (`self.x = self.x * a + b`): graphs keep reading the old memory",
+            applies="never",
+        ),
+        Check(
+            DISPATCH_CHECK,
+            _dispatch,
+            scope="module",
+            compares="the manager's dispatch, property-tested with hypothesis over the graphs captured: every real "
+            "batch goes to the smallest captured graph that can serve it, or runs eagerly",
+            catches="a dispatcher that picks a graph too small, of the wrong mode or LoRA case, or none where one "
+            "serves",
+            applies="quick verification (`exhaustive=False`) or a subset of the plan captured; in a verification "
+            "split by descriptor it runs in the item of the plan's first descriptor",
+        ),
+    ]
+)

@@ -107,7 +107,7 @@ def _pieces(g: torch.Tensor, e: torch.Tensor, widen: bool) -> Any:
     """(offset, piece of g, piece of e) over the flattened tensors, CHUNK elements at a time."""
     gf, ef = g.reshape(-1), e.reshape(-1)
     for start in range(0, gf.numel(), CHUNK):
-        gp, ep = gf[start:start + CHUNK], ef[start:start + CHUNK]
+        gp, ep = gf[start : start + CHUNK], ef[start : start + CHUNK]
         if widen:
             gp, ep = gp.float(), ep.float()
         yield start, gp, ep
@@ -132,8 +132,15 @@ def _identical(g: torch.Tensor, e: torch.Tensor) -> bool:
     return bool(torch.equal(g.view(width), e.view(width)))
 
 
-def _compare_tensors(path: str, got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float,
-                     check_strides: bool, figures: bool = True) -> Difference | None:
+def _compare_tensors(
+    path: str,
+    got: torch.Tensor,
+    expected: torch.Tensor,
+    rtol: float,
+    atol: float,
+    check_strides: bool,
+    figures: bool = True,
+) -> Difference | None:
     if got.shape != expected.shape:
         return Difference(path, f"shape {tuple(got.shape)} but eager gives {tuple(expected.shape)}")
     if got.dtype != expected.dtype:
@@ -166,7 +173,9 @@ def _compare_tensors(path: str, got: torch.Tensor, expected: torch.Tensor, rtol:
     return diff
 
 
-def _largest(g: torch.Tensor, e: torch.Tensor, widen: bool, ulp: bool = True) -> tuple[float | None, int | None]:
+def _largest(
+    g: torch.Tensor, e: torch.Tensor, widen: bool, ulp: bool = True
+) -> tuple[float | None, int | None]:
     """The largest absolute and (``ulp``) ULP difference over the finite elements, piece by piece."""
     floating = g.is_floating_point() or g.is_complex()
     max_abs: float | None = None
@@ -222,8 +231,9 @@ def first_difference(
     """
     got_leaves, exp_leaves = leaves(got), leaves(expected)
     if [p for p, _ in got_leaves] != [p for p, _ in exp_leaves]:
-        return Difference("", f"output structure {[p for p, _ in got_leaves]} but eager gives "
-                              f"{[p for p, _ in exp_leaves]}")
+        return Difference(
+            "", f"output structure {[p for p, _ in got_leaves]} but eager gives {[p for p, _ in exp_leaves]}"
+        )
     for (path, g), (_, e) in zip(got_leaves, exp_leaves, strict=True):
         if isinstance(g, torch.Tensor) or isinstance(e, torch.Tensor):
             if not (isinstance(g, torch.Tensor) and isinstance(e, torch.Tensor)):
@@ -238,8 +248,13 @@ def first_difference(
             if g is not e:
                 # Not a value but an object forward made (a KV cache, say): no
                 # equality to trust, and a graph hands back the capture's one.
-                return Difference(path, f"a {type(g).__name__} object, not a tensor or a plain value",
-                                  got=g, expected=e, opaque=True)
+                return Difference(
+                    path,
+                    f"a {type(g).__name__} object, not a tensor or a plain value",
+                    got=g,
+                    expected=e,
+                    opaque=True,
+                )
         elif g != e and not (g != g and e != e):
             return Difference(path, "values differ", got=g, expected=e)
     return None

@@ -70,8 +70,13 @@ class ModuleState:
     A tensor written where no op shows it (a Triton kernel called directly)
     is found by its fingerprint (``unseen_writes``)."""
 
-    def __init__(self, module: torch.nn.Module, scratch_state: Mapping[str, ScratchRegion], seed: int,
-                 observer: ForwardObserver | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        scratch_state: Mapping[str, ScratchRegion],
+        seed: int,
+        observer: ForwardObserver | None = None,
+    ) -> None:
         self.module = module
         self.seed = seed
         self.observer = observer if observer is not None else ForwardObserver(module)
@@ -149,8 +154,11 @@ class ModuleState:
                 self.seed_all(self.seed)
                 forward()
         python_after = python_values(self.module)
-        self.python_written = [name for name, value in python_after.items()
-                               if name not in python_before or python_before[name] != value]
+        self.python_written = [
+            name
+            for name, value in python_after.items()
+            if name not in python_before or python_before[name] != value
+        ]
         for name in self.python_written:
             if name in python_before:
                 _set_python_value(self.module, name, python_before[name])
@@ -168,15 +176,18 @@ class ModuleState:
     def unseen_writes(self) -> list[str]:
         """Tensors that no forward was seen writing when ``learn_writes`` ran and that hold other values now."""
         items = dict(self._state_items())
-        return [name for name, fp in self._unwritten.items() if name in items and fingerprint(items[name]) != fp]
+        return [
+            name for name, fp in self._unwritten.items() if name in items and fingerprint(items[name]) != fp
+        ]
 
     @property
     def roundoff(self) -> float:
         """The coarsest unit roundoff of the forward's products seen so far (0.0: none seen)."""
         return self.observer.roundoff
 
-    def outside_scratch(self, name: str, *tensors: torch.Tensor,
-                        like: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def outside_scratch(
+        self, name: str, *tensors: torch.Tensor, like: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """``tensors`` (snapshots of state ``name``) with its declared scratch region zeroed, one
         region for all of them: a callable region is asked of ``like`` (default: the first tensor)
         only, so that the tensors compared are masked alike."""
@@ -191,9 +202,15 @@ class ModuleState:
             masked.append(t)
         return masked
 
-    def state_difference(self, got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-                         *, use_scratch: bool, rtol: float | None = 0.0,
-                         atol: float | None = 0.0) -> Difference | None:
+    def state_difference(
+        self,
+        got: Mapping[str, torch.Tensor],
+        expected: Mapping[str, torch.Tensor],
+        *,
+        use_scratch: bool,
+        rtol: float | None = 0.0,
+        atol: float | None = 0.0,
+    ) -> Difference | None:
         for name in expected:
             g, e = got[name], expected[name]
             if use_scratch:
@@ -204,10 +221,16 @@ class ModuleState:
                 return found
         return None
 
-    def state_across_shapes(self, got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-                            before: Mapping[str, torch.Tensor],
-                            padded: Callable[[], Mapping[str, torch.Tensor] | None], *, rtol: float | None,
-                            atol: float | None) -> tuple[str, Difference, str] | None:
+    def state_across_shapes(
+        self,
+        got: Mapping[str, torch.Tensor],
+        expected: Mapping[str, torch.Tensor],
+        before: Mapping[str, torch.Tensor],
+        padded: Callable[[], Mapping[str, torch.Tensor] | None],
+        *,
+        rtol: float | None,
+        atol: float | None,
+    ) -> tuple[str, Difference, str] | None:
         """(name, where, why) of the first tensor a padded run (``got``) left otherwise than eager on the
         unpadded batch (``expected``), both from ``before``, outside ``scratch_state``; or None.
 
@@ -232,7 +255,9 @@ class ModuleState:
                     return name, diff, diff.reason
                 continue
             (start,) = self.outside_scratch(name, start, like=raw)
-            same = (e == start) | (torch.isnan(e) & torch.isnan(start)) if e.is_floating_point() else e == start
+            same = (
+                (e == start) | (torch.isnan(e) & torch.isnan(start)) if e.is_floating_point() else e == start
+            )
             wrote = ~same
             untouched = first_difference(torch.where(wrote, 0, g), torch.where(wrote, 0, e))
             if untouched is not None:
@@ -272,8 +297,14 @@ class ModuleState:
 class VerifyContext(ModuleState):
     """Helpers shared by the checks; one per ``verify`` call."""
 
-    def __init__(self, manager: GraphManager, options: VerifyOptions, *, plan_dispatch: bool = False,
-                 dispatch_here: bool = True) -> None:
+    def __init__(
+        self,
+        manager: GraphManager,
+        options: VerifyOptions,
+        *,
+        plan_dispatch: bool = False,
+        dispatch_here: bool = True,
+    ) -> None:
         super().__init__(manager.module, options.scratch_state or {}, options.seed, manager.observer)
         self.manager = manager
         self.options = options
@@ -329,7 +360,8 @@ class VerifyContext(ModuleState):
                         f"forward reads memory nobody wrote: {reader} reads what {maker} handed back before "
                         "anything wrote it, so its results are whatever the allocator left there (eager differs "
                         "from itself, and a graph reads other memory again). Write it fully first, or make it "
-                        "with torch.zeros")
+                        "with torch.zeros"
+                    )
         return self._uninitialized
 
     def module_is_random(self, desc: BatchDescriptor) -> bool:
@@ -367,9 +399,13 @@ class VerifyContext(ModuleState):
         except LookupError:
             sample = self.make(self.exact_batch(desc))
         return {
-            name: (int(value.min()), int(value.max())) for name, value in sample.items()
-            if isinstance(value, torch.Tensor) and value.numel() and not value.is_floating_point()
-            and not value.is_complex() and value.dtype != torch.bool
+            name: (int(value.min()), int(value.max()))
+            for name, value in sample.items()
+            if isinstance(value, torch.Tensor)
+            and value.numel()
+            and not value.is_floating_point()
+            and not value.is_complex()
+            and value.dtype != torch.bool
         }
 
     def checked_batches(self, desc: BatchDescriptor) -> list[Batch]:
@@ -389,16 +425,27 @@ class VerifyContext(ModuleState):
             u = desc.uniform_token_count
             if n % u:
                 return None
-            return Batch(num_tokens=n, num_reqs=n // u, uniform_token_count=u, max_query_len=u,
-                         num_active_loras=loras, num_ubatches=desc.num_ubatches)
+            return Batch(
+                num_tokens=n,
+                num_reqs=n // u,
+                uniform_token_count=u,
+                max_query_len=u,
+                num_active_loras=loras,
+                num_ubatches=desc.num_ubatches,
+            )
         if desc.max_query_len is not None:
             # Varlen decode: as many requests as fit, so no request exceeds q.
             r = min(n, reqs_cap)
             longest = -(-n // r)
             if longest > desc.max_query_len:
                 return None
-            return Batch(num_tokens=n, num_reqs=r, max_query_len=longest, num_active_loras=loras,
-                         num_ubatches=desc.num_ubatches)
+            return Batch(
+                num_tokens=n,
+                num_reqs=r,
+                max_query_len=longest,
+                num_active_loras=loras,
+                num_ubatches=desc.num_ubatches,
+            )
         # Mixed batches: requests of about two tokens, like a prefill mix.
         r = min(reqs_cap, max(1, (n + 1) // 2), self.manager.config.max_num_reqs)
         return Batch(num_tokens=n, num_reqs=r, num_active_loras=loras, num_ubatches=desc.num_ubatches)
@@ -434,8 +481,14 @@ class VerifyContext(ModuleState):
         """``faults.phase`` for this module: where a lost CUDA context showed."""
         return faults.phase(name, type(self.module).__name__, desc, self.manager.device)
 
-    def eager(self, kwargs: Mapping[str, Any], desc: BatchDescriptor | None = None, *,
-              captured_path: bool = True, served_by: BatchDescriptor | None = None) -> Any:
+    def eager(
+        self,
+        kwargs: Mapping[str, Any],
+        desc: BatchDescriptor | None = None,
+        *,
+        captured_path: bool = True,
+        served_by: BatchDescriptor | None = None,
+    ) -> Any:
         """Run the module eagerly on exactly these keyword inputs.
 
         ``captured_path``: on the path a capture takes (``as_captured``), the
@@ -450,8 +503,12 @@ class VerifyContext(ModuleState):
                 return clone_tree(self.module(**dict(kwargs)))
         graph = served_by or desc
         exempt = self.manager.eager_modules(graph) if graph is not None else []
-        with self.phase("eager", where), torch.no_grad(), running(marker), \
-                as_captured(exempt, emulated=self.manager.backend == "emulate"):
+        with (
+            self.phase("eager", where),
+            torch.no_grad(),
+            running(marker),
+            as_captured(exempt, emulated=self.manager.backend == "emulate"),
+        ):
             return clone_tree(self.module(**dict(kwargs)))
 
     def eager_real(self, inputs: Mapping[str, Any], batch: Batch, *, captured_path: bool = True) -> Any:
@@ -460,10 +517,15 @@ class VerifyContext(ModuleState):
         ``captured_path=False`` runs it as users run the module without graphs
         (``real_batches`` compares with that, within tolerance)."""
         kwargs = self.manager.eager_kwargs(inputs, batch.num_tokens)
-        desc = BatchDescriptor(mode=GraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=batch.num_reqs,
-                               num_active_loras=self.manager.plan.effective_loras(batch.num_active_loras))
-        return self.eager(kwargs, desc, captured_path=captured_path,
-                          served_by=self.manager.dispatch_batch(batch))
+        desc = BatchDescriptor(
+            mode=GraphMode.NONE,
+            num_tokens=batch.num_tokens,
+            num_reqs=batch.num_reqs,
+            num_active_loras=self.manager.plan.effective_loras(batch.num_active_loras),
+        )
+        return self.eager(
+            kwargs, desc, captured_path=captured_path, served_by=self.manager.dispatch_batch(batch)
+        )
 
     def eager_padded(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> Any:
         """Eager at ``desc``'s padded shape on the batch as the graph sees it (padding

@@ -61,8 +61,15 @@ def _rows_ndim(graph: torch.Tensor, eager: torch.Tensor) -> int:
     return cut[-1] + 1 if cut else 1
 
 
-def _first_divergent(graph: list[Record], eager: list[Record], *, rtol: float | None,
-                     atol: float | None, padded: list[Record] | None = None, roundoff: float = 0.0) -> int | None:
+def _first_divergent(
+    graph: list[Record],
+    eager: list[Record],
+    *,
+    rtol: float | None,
+    atol: float | None,
+    padded: list[Record] | None = None,
+    roundoff: float = 0.0,
+) -> int | None:
     """Index in ``graph`` of the first record that differs from eager's: bit for bit
     or within tolerance, or, given ``padded`` (eager at the graph's shape), held to
     the floor across shapes as ``real_batches`` holds the outputs."""
@@ -79,8 +86,15 @@ def _first_divergent(graph: list[Record], eager: list[Record], *, rtol: float | 
                     return i
                 continue
             p = cut_leaf(p_out[k], e.shape) if p_out is not None and k < len(p_out) else None
-            verdict = across_shapes(cut, e, given(p) if p is not None else None, rtol=rtol,
-                                    atol=atol, roundoff=roundoff, rows_ndim=[_rows_ndim(g, e)])
+            verdict = across_shapes(
+                cut,
+                e,
+                given(p) if p is not None else None,
+                rtol=rtol,
+                atol=atol,
+                roundoff=roundoff,
+                rows_ndim=[_rows_ndim(g, e)],
+            )
             if not verdict.passed:
                 return i
     return None
@@ -128,8 +142,10 @@ def locate_divergence(
             held = graph_rec.records
             ctx.restore(state0)
             diag.load_inputs(desc, inputs, batch)
-            padded = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                      for k, v in diag.forward_inputs(desc.num_tokens, diag.capture_reqs(desc)).items()}
+            padded = {
+                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in diag.forward_inputs(desc.num_tokens, diag.capture_reqs(desc)).items()
+            }
             diag.replay(desc)
             diag.synchronize()
             graph = [(name, [t.detach().clone() for t in ts]) for name, ts in held]
@@ -163,8 +179,9 @@ def locate_divergence(
             if padded_records is not None:
                 padded_records = [r for r in padded_records if piece_of(r[0], pieces) in (None, r[0])]
         if against_real:
-            index = _first_divergent(graph, eager, rtol=ctx.rtol, atol=ctx.atol, padded=padded_records,
-                                     roundoff=ctx.roundoff)
+            index = _first_divergent(
+                graph, eager, rtol=ctx.rtol, atol=ctx.atol, padded=padded_records, roundoff=ctx.roundoff
+            )
         else:
             index = _first_divergent(graph, eager, rtol=0.0, atol=0.0)
         if index is None:

@@ -30,7 +30,15 @@ from .suite import attributes_restored, capture_safety, tensor_attributes
 
 # could_not_run and guarded are the seams runner/ runs its checks through: a check that raises
 # is a failure that says so, never a pass.
-__all__ = ["CHECKS", "DISPATCH_CHECK", "could_not_run", "guarded", "registry_with", "select_descriptors", "verify"]
+__all__ = [
+    "CHECKS",
+    "DISPATCH_CHECK",
+    "could_not_run",
+    "guarded",
+    "registry_with",
+    "select_descriptors",
+    "verify",
+]
 
 #: The built-in checks of a module's graphs, in the order they run (the
 #: dispatch check, which concerns the plan, is ``DISPATCH_CHECK``).
@@ -58,18 +66,23 @@ def _config(config: CaptureConfig | Mapping[str, Any] | None, keywords: Mapping[
         if isinstance(config, CaptureConfig):
             return config
         if not isinstance(config, Mapping):
-            raise ValueError(f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}")
+            raise ValueError(
+                f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}"
+            )
         keywords = config
     keywords = dict(keywords)
     if "capture_sizes" not in keywords:
-        raise ValueError("verify() needs capture_sizes (the token counts to capture a graph for), or a config")
+        raise ValueError(
+            "verify() needs capture_sizes (the token counts to capture a graph for), or a config"
+        )
     sizes = keywords["capture_sizes"]
     if isinstance(sizes, Iterable) and not isinstance(sizes, (str, bytes)):
         keywords["capture_sizes"] = sizes = tuple(sizes)
     if keywords.get("max_num_reqs") is None:
         # As many requests as the largest graph has tokens: every decode batch has a graph.
-        keywords["max_num_reqs"] = max(sizes) if isinstance(sizes, tuple) and sizes and \
-            all(isinstance(n, int) for n in sizes) else 1
+        keywords["max_num_reqs"] = (
+            max(sizes) if isinstance(sizes, tuple) and sizes and all(isinstance(n, int) for n in sizes) else 1
+        )
     return CaptureConfig(**keywords)
 
 
@@ -144,12 +157,19 @@ def _signature() -> inspect.Signature:
     keyword = inspect.Parameter.KEYWORD_ONLY
     params = [
         inspect.Parameter("module", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.nn.Module"),
-        inspect.Parameter("make_inputs", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                          annotation="Callable[[int, int], Mapping[str, Any]]"),
-        inspect.Parameter("config", keyword, default=None, annotation="CaptureConfig | Mapping[str, Any] | None"),
+        inspect.Parameter(
+            "make_inputs",
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            annotation="Callable[[int, int], Mapping[str, Any]]",
+        ),
+        inspect.Parameter(
+            "config", keyword, default=None, annotation="CaptureConfig | Mapping[str, Any] | None"
+        ),
         inspect.Parameter("options", keyword, default=None, annotation="VerifyOptions | None"),
-        *(inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
-          for f in dataclasses.fields(VerifyOptions)),
+        *(
+            inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
+            for f in dataclasses.fields(VerifyOptions)
+        ),
         inspect.Parameter("config_keywords", inspect.Parameter.VAR_KEYWORD),
     ]
     return inspect.Signature(params, return_annotation="VerifyReport")
@@ -172,8 +192,12 @@ def _lost_context_told() -> Iterator[None]:
             if cuda:
                 # A kernel an earlier test (or the test's own code) launched and
                 # nothing waited for shows here, not in this verification's first phase.
-                with faults.phase("a kernel launched before this verification", "the test", None,
-                                  torch.device("cuda", torch.cuda.current_device())):
+                with faults.phase(
+                    "a kernel launched before this verification",
+                    "the test",
+                    None,
+                    torch.device("cuda", torch.cuda.current_device()),
+                ):
                     pass
             yield
     except Exception as exc:
@@ -190,7 +214,12 @@ def _verify(
     checks: list[Check],
     options: VerifyOptions,
 ) -> VerifyReport:
-    seed, exhaustive, descriptors, progress = options.seed, options.exhaustive, options.descriptors, options.progress
+    seed, exhaustive, descriptors, progress = (
+        options.seed,
+        options.exhaustive,
+        options.descriptors,
+        options.progress,
+    )
     torch.manual_seed(seed)
     # The module is verified as it will run: a module left in train mode
     # (batch statistics, dropout) is a different program from its eval twin,
@@ -199,9 +228,17 @@ def _verify(
     training = _training_mode(module)
     # Checked capture: verification is where an op that cannot be captured
     # should be named before the device sees it.
-    manager = GraphManager(module, make_inputs, config, backend=options.backend, device=options.device,
-                           pad_values=options.pad_values, checked_capture=True,
-                           eager_submodules=options.eager_submodules, batch_dims=options.batch_dims)
+    manager = GraphManager(
+        module,
+        make_inputs,
+        config,
+        backend=options.backend,
+        device=options.device,
+        pad_values=options.pad_values,
+        checked_capture=True,
+        eager_submodules=options.eager_submodules,
+        batch_dims=options.batch_dims,
+    )
     selected = select_descriptors(manager.plan.capture_order, exhaustive=exhaustive)
     # The dispatch check concerns the whole plan: in a verification split by
     # descriptor it runs once, in the item of the plan's first descriptor.
@@ -211,7 +248,9 @@ def _verify(
         labels = [d.label() for d in order]
         unknown = [label for label in descriptors if label not in labels]
         if unknown:
-            raise ValueError(f"descriptors {unknown} are not in the plan; its descriptors are {', '.join(labels)}")
+            raise ValueError(
+                f"descriptors {unknown} are not in the plan; its descriptors are {', '.join(labels)}"
+            )
         # Named descriptors are verified whatever the quick selection says.
         selected = [d for d in order if d.label() in descriptors]
         dispatch_here = labels[0] in descriptors
@@ -261,8 +300,10 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
     more. A forward that fails here is left to capture_safety to tell."""
     if not selected:
         return
-    shapes = sorted({min(selected, key=lambda d: d.num_tokens), max(selected, key=lambda d: d.num_tokens)},
-                    key=lambda d: d.num_tokens)
+    shapes = sorted(
+        {min(selected, key=lambda d: d.num_tokens), max(selected, key=lambda d: d.num_tokens)},
+        key=lambda d: d.num_tokens,
+    )
 
     failures: list[tuple[BatchDescriptor, Exception]] = []
 
@@ -287,7 +328,9 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
             # a capture bug, which capture_safety names at each descriptor.
             return
         # Eager fails at every shape tried: one error that says how, not a failed capture per descriptor.
-        shown = ", ".join(f"(num_tokens={d.num_tokens}, num_reqs={ctx.manager.capture_reqs(d)})" for d in shapes)
+        shown = ", ".join(
+            f"(num_tokens={d.num_tokens}, num_reqs={ctx.manager.capture_reqs(d)})" for d in shapes
+        )
         raise EagerFailure(
             f"{type(ctx.module).__name__}'s eager forward fails on make_inputs' batches at {shown}, before "
             f"anything is captured: {type(exc).__name__}: {exc}. Nothing can be captured or compared; run "
@@ -299,7 +342,8 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
         ctx.notes.append(
             f"forward writes {names} where no op shows it to torch's dispatcher (a Triton kernel or an "
             "extension called directly); found by its fingerprint after a first eager pass, it is copied and put "
-            "back from then on, but what that first pass wrote there stays")
+            "back from then on, but what that first pass wrote there stays"
+        )
 
 
 def _tell_not_known(ctx: VerifyContext, report: VerifyReport) -> None:
@@ -313,7 +357,8 @@ def _tell_not_known(ctx: VerifyContext, report: VerifyReport) -> None:
     report.notes.append(
         f"capture_safety: whether a CUDA graph capture holds {len(unknown)} op(s) is not known to the emulator: "
         f"{shown}{more}. Its table of what CUDA captures ({table.source if table else 'none'}) has not seen them "
-        "with these kinds of arguments; verify on a GPU to be sure")
+        "with these kinds of arguments; verify on a GPU to be sure"
+    )
 
 
 def _tell_unseen_writes(ctx: VerifyContext, report: VerifyReport, checks: list[Check]) -> None:
@@ -324,9 +369,11 @@ def _tell_unseen_writes(ctx: VerifyContext, report: VerifyReport, checks: list[C
     if not changed:
         return
     names = ", ".join(repr(n) for n in changed)
-    message = (f"module tensor(s) {names} hold other values after verification than before it: a forward writes "
-               "them where the first pass saw no write (at another shape, or outside torch's dispatcher), so "
-               "they were not copied before and could not be put back")
+    message = (
+        f"module tensor(s) {names} hold other values after verification than before it: a forward writes "
+        "them where the first pass saw no write (at another shape, or outside torch's dispatcher), so "
+        "they were not copied before and could not be put back"
+    )
     if any(c.name == "state" for c in checks):
         report.add([Outcome("state", None, False, message, Finding(output=changed[0]))])
     else:
@@ -347,7 +394,9 @@ def _training_mode(module: torch.nn.Module) -> str:
 PROGRESS_DELAY = 2.0
 
 
-def progress_over(items: list[BatchDescriptor], progress: bool | None, *, desc: str) -> Iterable[BatchDescriptor]:
+def progress_over(
+    items: list[BatchDescriptor], progress: bool | None, *, desc: str
+) -> Iterable[BatchDescriptor]:
     """``items``, through a tqdm bar on stderr when ``progress`` is True, or
     None and stderr is a terminal (then after ``PROGRESS_DELAY`` seconds, so
     quick runs stay quiet). Captured output is not a terminal: pytest's
@@ -364,13 +413,26 @@ def progress_over(items: list[BatchDescriptor], progress: bool | None, *, desc: 
         from tqdm import tqdm
     except ImportError:  # tqdm is a dependency, but progress is optional
         return items
-    bar: Iterable[BatchDescriptor] = tqdm(items, desc=desc, unit="descriptor", file=sys.stderr,
-                                          delay=PROGRESS_DELAY if auto else 0.0, leave=False)
+    bar: Iterable[BatchDescriptor] = tqdm(
+        items,
+        desc=desc,
+        unit="descriptor",
+        file=sys.stderr,
+        delay=PROGRESS_DELAY if auto else 0.0,
+        leave=False,
+    )
     return bar
 
 
-def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescriptor], checks: list[Check],
-         *, progress: bool | None = None, meter: Meter | None = None) -> None:
+def _run(
+    ctx: VerifyContext,
+    report: VerifyReport,
+    selected: list[BatchDescriptor],
+    checks: list[Check],
+    *,
+    progress: bool | None = None,
+    meter: Meter | None = None,
+) -> None:
     """Every check of ``checks`` on ``selected``: one outcome per check and descriptor.
 
     A descriptor that a before-capture check fails, or whose capture fails,
@@ -393,7 +455,9 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
         for outcome in outcomes:
             report.add([outcome])
             if not outcome.passed and not outcome.skipped and outcome.descriptor is not None:
-                blocked.setdefault(outcome.descriptor, f"not captured: {check.name} failed for this descriptor")
+                blocked.setdefault(
+                    outcome.descriptor, f"not captured: {check.name} failed for this descriptor"
+                )
     runnable = []
     for check in checks:
         if check.prepare is None:
@@ -414,16 +478,38 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
             listed = None
             if capture_check is not None and error.op:
                 with meter.step(CAPTURE_CHECK):
-                    listed = next((o for o in _guarded_each(capture_check, ctx, [desc])
-                                   if not o.passed and not o.skipped), None)
-            report.add([listed or Outcome(
-                CAPTURE_CHECK, desc, False, str(error),
-                Finding(submodule=error.module_path, ops=[f"{error.op} ({error.reason})"] if error.op else []),
-            )])
+                    listed = next(
+                        (
+                            o
+                            for o in _guarded_each(capture_check, ctx, [desc])
+                            if not o.passed and not o.skipped
+                        ),
+                        None,
+                    )
+            report.add(
+                [
+                    listed
+                    or Outcome(
+                        CAPTURE_CHECK,
+                        desc,
+                        False,
+                        str(error),
+                        Finding(
+                            submodule=error.module_path,
+                            ops=[f"{error.op} ({error.reason})"] if error.op else [],
+                        ),
+                    )
+                ]
+            )
             blocked[desc] = f"not captured: its capture failed ({CAPTURE_CHECK} says why)"
         if capture_check is not None:
-            report.add([Outcome(CAPTURE_CHECK, d, True, figures={"guarded": "every op of its capture"})
-                        for d in to_capture if d not in manager.capture_failures])
+            report.add(
+                [
+                    Outcome(CAPTURE_CHECK, d, True, figures={"guarded": "every op of its capture"})
+                    for d in to_capture
+                    if d not in manager.capture_failures
+                ]
+            )
     captured = [d for d in selected if d not in blocked]
     # What forward stored on the module during capture: after a replay these
     # attributes still hold it (Python does not run on replay).
@@ -447,8 +533,13 @@ def _run(ctx: VerifyContext, report: VerifyReport, selected: list[BatchDescripto
         manager.drop_sample(desc)
     for check in (c for c in runnable if c.scope == "module"):
         if not captured:
-            report.add([Outcome(check.name, None, True, "nothing was captured (capture_safety says why)",
-                                skipped=True)])
+            report.add(
+                [
+                    Outcome(
+                        check.name, None, True, "nothing was captured (capture_safety says why)", skipped=True
+                    )
+                ]
+            )
         else:
             with meter.step(check.name):
                 outcome = guarded(check, None, partial(check.run, ctx, captured))
@@ -501,5 +592,6 @@ def _guarded_each(check: Check, ctx: VerifyContext, descs: list[BatchDescriptor]
     seen = {o.descriptor for o in outcomes}
     missing = [d for d in descs if d not in seen]
     # An outcome per descriptor, or the check says nothing about some: that is a defect of the check, told.
-    return outcomes + [Outcome(check.name, d, False, "the check returned no outcome for this descriptor")
-                       for d in missing]
+    return outcomes + [
+        Outcome(check.name, d, False, "the check returned no outcome for this descriptor") for d in missing
+    ]

@@ -45,7 +45,15 @@ from ..observe import unit_roundoff
 from .compare import CHUNK, Difference, default_tolerance, first_difference, largest_difference, leaves
 
 __all__ = [
-    "CAP", "FLOOR_MAX", "FLOOR_RMS", "SYSTEMATIC", "Verdict", "across_shapes", "compute_dtype", "cut_leaf", "cut_to",
+    "CAP",
+    "FLOOR_MAX",
+    "FLOOR_RMS",
+    "SYSTEMATIC",
+    "Verdict",
+    "across_shapes",
+    "compute_dtype",
+    "cut_leaf",
+    "cut_to",
     "given",
 ]
 
@@ -74,8 +82,14 @@ _DTYPE_OF_ROUNDOFF = {
     2.0**-11: torch.float16,
     2.0**-8: torch.bfloat16,
 }
-_PRECISION_NAME = {2.0**-53: "float64", 2.0**-24: "float32", 2.0**-11: "float16 or TF32", 2.0**-8: "bfloat16",
-                   2.0**-4: "float8", 2.0**-3: "float8"}
+_PRECISION_NAME = {
+    2.0**-53: "float64",
+    2.0**-24: "float32",
+    2.0**-11: "float16 or TF32",
+    2.0**-8: "bfloat16",
+    2.0**-4: "float8",
+    2.0**-3: "float8",
+}
 
 
 def cut_to(padded: Any, like: Any) -> Any:
@@ -144,7 +158,7 @@ def _rows_cols(t: torch.Tensor, rows_ndim: int) -> tuple[int, int]:
     if t.dim() == 0:
         return 1, 1
     rows = 1
-    for size in t.shape[:max(rows_ndim, 0)]:
+    for size in t.shape[: max(rows_ndim, 0)]:
         rows *= size
     return rows, max(t.numel() // max(rows, 1), 1)
 
@@ -161,7 +175,7 @@ def _sums(g: torch.Tensor, e: torch.Tensor, p: torch.Tensor, rows_ndim: int) -> 
     acc = torch.zeros(9, dtype=torch.float64, device=e.device)
     rows: list[torch.Tensor] = []
     for start in range(0, r, step):
-        gd, ed, pd = (x[start:start + step].to(wide) for x in (g2, e2, p2))
+        gd, ed, pd = (x[start : start + step].to(wide) for x in (g2, e2, p2))
         ok = torch.isfinite(gd) & torch.isfinite(ed) & torch.isfinite(pd)
         d = torch.where(ok, gd - ed, 0.0)
         f = torch.where(ok, pd - ed, 0.0)
@@ -169,8 +183,9 @@ def _sums(g: torch.Tensor, e: torch.Tensor, p: torch.Tensor, rows_ndim: int) -> 
         count = ok.sum(1, dtype=wide)
         row_d, row_e, row_ee, row_de = d.sum(1), ez.sum(1), (ez * ez).sum(1), (d * ez).sum(1)
         rows.append(torch.stack([count, row_d, row_e, row_ee, row_de], 1).double())
-        acc[:7] += torch.stack([count.sum(), row_d.sum(), (d * d).sum(), row_e.sum(), row_ee.sum(), row_de.sum(),
-                                (f * f).sum()]).double()
+        acc[:7] += torch.stack(
+            [count.sum(), row_d.sum(), (d * d).sum(), row_e.sum(), row_ee.sum(), row_de.sum(), (f * f).sum()]
+        ).double()
         acc[7] = torch.maximum(acc[7], d.abs().max().double())
         acc[8] = torch.maximum(acc[8], f.abs().max().double())
         cols += d.sum(0).double()
@@ -180,8 +195,9 @@ def _sums(g: torch.Tensor, e: torch.Tensor, p: torch.Tensor, rows_ndim: int) -> 
     return s
 
 
-def _affine(n: torch.Tensor, sd: torch.Tensor, se: torch.Tensor, see: torch.Tensor,
-            sde: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _affine(
+    n: torch.Tensor, sd: torch.Tensor, se: torch.Tensor, see: torch.Tensor, sde: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Least squares of d on (1, e), per entry, from sums: (offset, scale, energy of the fit)."""
     mean_e = se / n
     var = see - n * mean_e * mean_e
@@ -223,20 +239,36 @@ def _fits(s: _Sums, rows: int, cols: int) -> list[_Fit]:
         offset, scale, energy = _affine(*(total[i] for i in range(5)))
         a, b = float(offset), float(scale)
         # The offset is named only where it carries a share of its own.
-        words = f"a scale of {b * 100:+.2f}%" + (f" and an offset of {a:+.3g}" if s.n * a * a > 0.05 * s.dd else "")
+        words = f"a scale of {b * 100:+.2f}%" + (
+            f" and an offset of {a:+.3g}" if s.n * a * a > 0.05 * s.dd else ""
+        )
         fits.append(_Fit("global", float(energy) / s.dd, words, zeros + a, zeros + b))
     if s.cols is not None and rows > 1 and CHANCE * cols / s.n < 1:
         mean_c = s.cols / rows
         share = float((mean_c * mean_c).sum()) * rows / s.dd
-        fits.append(_Fit("column", share, "one offset per feature, the same in every row (statistics over the "
-                         "rows of the batch)", zeros, zeros, mean_c))
+        fits.append(
+            _Fit(
+                "column",
+                share,
+                "one offset per feature, the same in every row (statistics over the rows of the batch)",
+                zeros,
+                zeros,
+                mean_c,
+            )
+        )
     if CHANCE * 2 * rows / s.n < 1 and cols > 1:
         rn, rd, re, ree, rde = (per_row[:, i] for i in range(5))
         offset_r, scale_r, energy_r = _affine(rn.clamp_min(1), rd, re, ree, rde)
         typical = float(scale_r.abs().median()) if scale_r.numel() else 0.0
-        fits.append(_Fit("row", float(energy_r.sum()) / s.dd,
-                         f"a scale of each row (about {typical * 100:.2f}%) with an offset of its own",
-                         offset_r, scale_r))
+        fits.append(
+            _Fit(
+                "row",
+                float(energy_r.sum()) / s.dd,
+                f"a scale of each row (about {typical * 100:.2f}%) with an offset of its own",
+                offset_r,
+                scale_r,
+            )
+        )
     return fits
 
 
@@ -246,7 +278,7 @@ def _material(fit: _Fit, e: torch.Tensor, rows_ndim: int, rtol: float, atol: flo
     e2 = e.reshape(r, c)
     step = max(1, CHUNK // c)
     for start in range(0, r, step):
-        ed = e2[start:start + step].double()
+        ed = e2[start : start + step].double()
         ok = torch.isfinite(ed)
         part = fit.part(torch.where(ok, ed, 0.0), start)
         if bool(((part.abs() > atol + rtol * ed.abs()) & ok).any()):
@@ -295,16 +327,30 @@ def across_shapes(
         return Verdict(False, diff, _tolerance_words(diff))
     got_leaves, exp_leaves, pad_leaves = leaves(got), leaves(expected), leaves(reference)
     if [p for p, _ in pad_leaves] != [p for p, _ in exp_leaves]:
-        return Verdict(False, diff, _tolerance_words(diff) + " (eager at the padded shape returns another "
-                       "structure, so no floor could be measured)", floor_used=True)
+        return Verdict(
+            False,
+            diff,
+            _tolerance_words(diff) + " (eager at the padded shape returns another "
+            "structure, so no floor could be measured)",
+            floor_used=True,
+        )
     figures: dict[str, Any] = {}
     worst: Verdict | None = None
     for i, ((path, g), (_, e), (_, p)) in enumerate(zip(got_leaves, exp_leaves, pad_leaves, strict=True)):
         if not isinstance(g, torch.Tensor) or not isinstance(e, torch.Tensor):
             continue
-        found = _leaf(path, g, e, p, rtol=rtol, atol=atol, roundoff=roundoff, compute=compute,
-                      rows_ndim=rows_ndim[i] if rows_ndim is not None and i < len(rows_ndim) else 1,
-                      figures=figures)
+        found = _leaf(
+            path,
+            g,
+            e,
+            p,
+            rtol=rtol,
+            atol=atol,
+            roundoff=roundoff,
+            compute=compute,
+            rows_ndim=rows_ndim[i] if rows_ndim is not None and i < len(rows_ndim) else 1,
+            figures=figures,
+        )
         if found is not None and worst is None:
             worst = found
     if worst is not None:
@@ -318,8 +364,13 @@ def _largest(got: Any, expected: Any) -> dict[str, Any]:
     """The largest differences over every floating leaf (the figures a passing comparison reports)."""
     max_abs = 0.0
     for (_, g), (_, e) in zip(leaves(got), leaves(expected), strict=False):
-        if isinstance(g, torch.Tensor) and isinstance(e, torch.Tensor) and g.shape == e.shape \
-                and g.dtype == e.dtype and g.is_floating_point():
+        if (
+            isinstance(g, torch.Tensor)
+            and isinstance(e, torch.Tensor)
+            and g.shape == e.shape
+            and g.dtype == e.dtype
+            and g.is_floating_point()
+        ):
             max_abs = max(max_abs, largest_difference(g, e, ulp=False)[0])
     return {"max_abs": max_abs}
 
@@ -329,8 +380,14 @@ def _with_figures(diff: Difference, got: Any, expected: Any) -> Difference:
     if diff.index is None or diff.max_abs is not None:
         return diff
     for (path, g), (_, e) in zip(leaves(got), leaves(expected), strict=False):
-        if path == diff.path and isinstance(g, torch.Tensor) and isinstance(e, torch.Tensor) \
-                and g.shape == e.shape and g.dtype == e.dtype and g.is_floating_point():
+        if (
+            path == diff.path
+            and isinstance(g, torch.Tensor)
+            and isinstance(e, torch.Tensor)
+            and g.shape == e.shape
+            and g.dtype == e.dtype
+            and g.is_floating_point()
+        ):
             diff.max_abs, diff.max_ulp = largest_difference(g, e)
             break
     return diff
@@ -341,27 +398,70 @@ def _tolerance_words(diff: Difference) -> str:
     return f"real rows differ from eager on the unpadded batch ({path}: {diff.reason})"
 
 
-def _leaf(path: str, g: torch.Tensor, e: torch.Tensor, p: Any, *, rtol: float | None, atol: float | None,
-          roundoff: float, compute: torch.dtype | None, rows_ndim: int,
-          figures: dict[str, Any]) -> Verdict | None:
+def _leaf(
+    path: str,
+    g: torch.Tensor,
+    e: torch.Tensor,
+    p: Any,
+    *,
+    rtol: float | None,
+    atol: float | None,
+    roundoff: float,
+    compute: torch.dtype | None,
+    rows_ndim: int,
+    figures: dict[str, Any],
+) -> Verdict | None:
     where = path or "the output"
     own = first_difference(g, e, rtol=rtol, atol=atol, compute=compute, figures=False)
     if own is None:
         return None
-    verdict = _leaf_verdict(path, where, own, g, e, p, rtol=rtol, atol=atol, roundoff=roundoff, compute=compute,
-                            rows_ndim=rows_ndim, figures=figures)
-    if verdict is not None and verdict.diff is not None and verdict.diff.max_abs is None \
-            and verdict.diff.index is not None and g.is_floating_point():
+    verdict = _leaf_verdict(
+        path,
+        where,
+        own,
+        g,
+        e,
+        p,
+        rtol=rtol,
+        atol=atol,
+        roundoff=roundoff,
+        compute=compute,
+        rows_ndim=rows_ndim,
+        figures=figures,
+    )
+    if (
+        verdict is not None
+        and verdict.diff is not None
+        and verdict.diff.max_abs is None
+        and verdict.diff.index is not None
+        and g.is_floating_point()
+    ):
         verdict.diff.max_abs, verdict.diff.max_ulp = largest_difference(g, e)
     return verdict
 
 
-def _leaf_verdict(path: str, where: str, own: Difference, g: torch.Tensor, e: torch.Tensor, p: Any, *,
-                  rtol: float | None, atol: float | None, roundoff: float, compute: torch.dtype | None,
-                  rows_ndim: int, figures: dict[str, Any]) -> Verdict | None:
+def _leaf_verdict(
+    path: str,
+    where: str,
+    own: Difference,
+    g: torch.Tensor,
+    e: torch.Tensor,
+    p: Any,
+    *,
+    rtol: float | None,
+    atol: float | None,
+    roundoff: float,
+    compute: torch.dtype | None,
+    rows_ndim: int,
+    figures: dict[str, Any],
+) -> Verdict | None:
     if not isinstance(p, torch.Tensor) or p.shape != e.shape or p.dtype != e.dtype:
-        return Verdict(False, own, f"real rows differ from eager on the unpadded batch ({where}: {own.reason}); "
-                       "eager at the padded shape gives another shape there, so no floor could be measured")
+        return Verdict(
+            False,
+            own,
+            f"real rows differ from eager on the unpadded batch ({where}: {own.reason}); "
+            "eager at the padded shape gives another shape there, so no floor could be measured",
+        )
     if not (g.is_floating_point() or g.is_complex()):
         return _integers(where, own, g, e, p.to(g.device))
     if g.is_complex():
@@ -374,56 +474,84 @@ def _leaf_verdict(path: str, where: str, own: Difference, g: torch.Tensor, e: to
     if not torch.equal(finite_g, finite_e):
         bad = (finite_g != finite_e).reshape(-1).nonzero()[0, 0]
         index = tuple(int(i) for i in torch.unravel_index(bad, g.shape))
-        return Verdict(False, Difference(path, "values differ", index, g[index].item(), e[index].item()),
-                       f"real rows hold non-finite values where eager on the unpadded batch is finite, or the "
-                       f"other way round ({where}); rounding never does that")
+        return Verdict(
+            False,
+            Difference(path, "values differ", index, g[index].item(), e[index].item()),
+            f"real rows hold non-finite values where eager on the unpadded batch is finite, or the "
+            f"other way round ({where}); rounding never does that",
+        )
     s = _sums(g, e, p, rows_ndim)
     rms_d, rms_f, rms_e = _rms(s.dd, s.n), _rms(s.ff, s.n), _rms(s.ee, s.n)
     u = roundoff or unit_roundoff(g.dtype)
-    figures[path or "output"] = {"graph_max": s.max_d, "graph_rms": rms_d, "floor_max": s.max_f,
-                                  "floor_rms": rms_f, "roundoff": u}
-    both = (f"graph vs unpadded eager: max {_fmt(s.max_d)}, rms {_fmt(rms_d)}; eager vs itself across shapes "
-            f"(at the graph's padded shape): max {_fmt(s.max_f)}, rms {_fmt(rms_f)}")
+    figures[path or "output"] = {
+        "graph_max": s.max_d,
+        "graph_rms": rms_d,
+        "floor_max": s.max_f,
+        "floor_rms": rms_f,
+        "roundoff": u,
+    }
+    both = (
+        f"graph vs unpadded eager: max {_fmt(s.max_d)}, rms {_fmt(rms_d)}; eager vs itself across shapes "
+        f"(at the graph's padded shape): max {_fmt(s.max_f)}, rms {_fmt(rms_f)}"
+    )
     beyond = first_difference(g, e, rtol=r, atol=a + FLOOR_MAX * s.max_f, figures=False)
     tol_rms = a + r * rms_e
     if beyond is not None or rms_d > FLOOR_RMS * rms_f + tol_rms:
-        return Verdict(False, beyond or own,
-                       f"real rows differ from eager on the unpadded batch by more than eager differs from itself "
-                       f"across batch shapes ({where}; {both}; allowed: {FLOOR_MAX:g}x the max and "
-                       f"{FLOOR_RMS:g}x the rms, plus the dtype's tolerance)")
+        return Verdict(
+            False,
+            beyond or own,
+            f"real rows differ from eager on the unpadded batch by more than eager differs from itself "
+            f"across batch shapes ({where}; {both}; allowed: {FLOOR_MAX:g}x the max and "
+            f"{FLOOR_RMS:g}x the rms, plus the dtype's tolerance)",
+        )
     rows, cols = _rows_cols(e, rows_ndim)
     # The simplest family that explains the difference names it: a global scale before one per row.
     for fit in _fits(s, rows, cols):
         chance = {"global": 2 / s.n, "row": 2 * rows / s.n, "column": cols / s.n}[fit.family]
         if fit.share > max(SYSTEMATIC, CHANCE * chance) and _material(fit, e, rows_ndim, r, a):
-            return Verdict(False, own,
-                           f"real rows are off systematically: {fit.share:.0%} of their difference from eager on "
-                           f"the unpadded batch is {fit.describe} ({where}; {both}). Rounding across batch "
-                           f"shapes is random in sign; a systematic difference comes from a computation that "
-                           f"depends on the padded batch size (a Python branch on the token count, a scale "
-                           f"computed from it, statistics over the padded rows)")
+            return Verdict(
+                False,
+                own,
+                f"real rows are off systematically: {fit.share:.0%} of their difference from eager on "
+                f"the unpadded batch is {fit.describe} ({where}; {both}). Rounding across batch "
+                f"shapes is random in sign; a systematic difference comes from a computation that "
+                f"depends on the padded batch size (a Python branch on the token count, a scale "
+                f"computed from it, statistics over the padded rows)",
+            )
     if rms_e > 0 and rms_d > CAP * u * rms_e + tol_rms:
         name = _PRECISION_NAME.get(u, f"unit roundoff {u:.3g}")
-        return Verdict(False, own,
-                       f"real rows differ from eager on the unpadded batch by {rms_d / rms_e:.1%} (relative rms), "
-                       f"more than rounding at {name} precision moves a result ({CAP * u:.3g}; {both}): the "
-                       f"difference comes from a computation that depends on the padded batch size, not from "
-                       f"rounding")
+        return Verdict(
+            False,
+            own,
+            f"real rows differ from eager on the unpadded batch by {rms_d / rms_e:.1%} (relative rms), "
+            f"more than rounding at {name} precision moves a result ({CAP * u:.3g}; {both}): the "
+            f"difference comes from a computation that depends on the padded batch size, not from "
+            f"rounding",
+        )
     return None
 
 
-def _integers(where: str, own: Difference, g: torch.Tensor, e: torch.Tensor, p: torch.Tensor) -> Verdict | None:
+def _integers(
+    where: str, own: Difference, g: torch.Tensor, e: torch.Tensor, p: torch.Tensor
+) -> Verdict | None:
     """Integer outputs (token ids): a flip is rounding only where eager at the padded shape flipped too."""
     off = g != e
     unexplained = off & (g != p)
     share = float(off.double().mean())
     if bool(unexplained.any()):
         index = tuple(int(i) for i in torch.unravel_index(unexplained.reshape(-1).nonzero()[0, 0], g.shape))
-        return Verdict(False, Difference(own.path, "values differ", index, g[index].item(), e[index].item()),
-                       f"real rows differ from eager on the unpadded batch ({where}: integer values that eager at "
-                       f"the graph's padded shape does not give either)")
+        return Verdict(
+            False,
+            Difference(own.path, "values differ", index, g[index].item(), e[index].item()),
+            f"real rows differ from eager on the unpadded batch ({where}: integer values that eager at "
+            f"the graph's padded shape does not give either)",
+        )
     if share > INT_SHARE:
-        return Verdict(False, own, f"real rows differ from eager on the unpadded batch at {share:.0%} of the "
-                       f"integer values of {where}, as eager at the padded shape does: more than rounding flips "
-                       f"(at most {INT_SHARE:.0%}); the computation depends on the padded batch size")
+        return Verdict(
+            False,
+            own,
+            f"real rows differ from eager on the unpadded batch at {share:.0%} of the "
+            f"integer values of {where}, as eager at the padded shape does: more than rounding flips "
+            f"(at most {INT_SHARE:.0%}); the computation depends on the padded batch size",
+        )
     return None

@@ -80,7 +80,9 @@ class Check:
                 f"checks=... and shown in reports); got {self.name!r}"
             )
         if self.scope not in SCOPES:
-            raise ValueError(f"check {self.name!r}: scope must be one of {', '.join(SCOPES)}; got {self.scope!r}")
+            raise ValueError(
+                f"check {self.name!r}: scope must be one of {', '.join(SCOPES)}; got {self.scope!r}"
+            )
         if not callable(self.run):
             raise ValueError(
                 f"check {self.name!r}: run must be a function ({_SIGNATURES[self.scope]}); "
@@ -89,7 +91,9 @@ class Check:
         if self.prepare is not None and not callable(self.prepare):
             raise ValueError(f"check {self.name!r}: prepare must be a function (ctx) -> None or None")
         if not isinstance(self.compares, str) or not self.compares.strip():
-            raise ValueError(f"check {self.name!r}: compares must say, in a sentence, what the check compares")
+            raise ValueError(
+                f"check {self.name!r}: compares must say, in a sentence, what the check compares"
+            )
         if not self.doc:
             object.__setattr__(self, "doc", inspect.getdoc(self.run) or self.compares)
 
@@ -208,8 +212,9 @@ class CheckRegistry:
         chosen = [c for c in given if not c.startswith("-")]
         unknown = [c for c in (*chosen, *dropped) if c not in self._checks]
         if unknown:
-            raise ValueError(f"unknown check(s) {unknown}; the checks are {', '.join(known)} (a leading '-' "
-                             "deselects one)")
+            raise ValueError(
+                f"unknown check(s) {unknown}; the checks are {', '.join(known)} (a leading '-' deselects one)"
+            )
         if not chosen and dropped:
             chosen = [c.name for c in self if c.default]
         chosen = [c for c in chosen if c not in dropped]
@@ -219,10 +224,18 @@ class CheckRegistry:
 
     def markdown_table(self) -> str:
         """The table of docs/checks.md: one row per check."""
-        rows = ["| check | runs | what it proves | the bug class it finds | skipped when |", "|---|---|---|---|---|"]
-        runs = {"before_capture": "each descriptor, before capture", "descriptor": "each descriptor",
-                "module": "once"}
+        rows = [
+            "| check | runs | what it proves | the bug class it finds | skipped when |",
+            "|---|---|---|---|---|",
+        ]
+        runs = {
+            "before_capture": "each descriptor, before capture",
+            "descriptor": "each descriptor",
+            "module": "once",
+        }
         for c in self:
             cells = [f"`{c.name}`", runs[c.scope], c.compares, c.catches, c.applies]
-            rows.append("| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |")
+            rows.append(
+                "| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |"
+            )
         return "\n".join(rows)

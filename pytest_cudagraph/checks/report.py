@@ -65,8 +65,11 @@ class Finding:
             ulp = f", max ULP {self.max_ulp}" if self.max_ulp is not None else ""
             parts.append(f"max abs diff {self.max_abs:.3g}{ulp}")
         if self.submodule is not None and not self.ops:
-            parts.append(f"first divergent submodule: '{self.submodule}'" if self.submodule else
-                         "first divergent submodule: the top-level module")
+            parts.append(
+                f"first divergent submodule: '{self.submodule}'"
+                if self.submodule
+                else "first divergent submodule: the top-level module"
+            )
         if self.segment is not None:
             parts.append(f"in {self.segment}")
         return "; ".join(parts)
@@ -193,14 +196,18 @@ class VerifyReport:
         if self.kind == "runner":
             sizes = sum(1 for d in self.descriptors if d.mode.name != "NONE")
             fallback = " and the eager fallback" if sizes < len(self.descriptors) else ""
-            return (f"{self.module} on {self.device}{mode}: {sizes} capture sizes{fallback} verified, "
-                    f"{self.real_batches} runner calls, {status}{self._coverage()}; capture "
-                    f"{format_seconds(self.capture_seconds)}")
+            return (
+                f"{self.module} on {self.device}{mode}: {sizes} capture sizes{fallback} verified, "
+                f"{self.real_batches} runner calls, {status}{self._coverage()}; capture "
+                f"{format_seconds(self.capture_seconds)}"
+            )
         # Quick mode verifies two descriptors a mode by design: "2/67 captured" would read as failed captures.
-        verified = (f"{len(self.descriptors)}/{self.planned} descriptors captured and verified (every descriptor)"
-                    if self.exhaustive else
-                    f"{len(self.descriptors)} of {self.planned} descriptors verified (quick mode: the smallest and "
-                    f"largest of each mode)")
+        verified = (
+            f"{len(self.descriptors)}/{self.planned} descriptors captured and verified (every descriptor)"
+            if self.exhaustive
+            else f"{len(self.descriptors)} of {self.planned} descriptors verified (quick mode: the smallest and "
+            f"largest of each mode)"
+        )
         return (
             f"{self.module} on {self.backend} ({self.device}){mode}: {verified}, "
             f"{self.real_batches} real batches, {status}; capture {format_seconds(self.capture_seconds)}, "
@@ -217,12 +224,14 @@ class VerifyReport:
         total = sum(c.seconds for c in self.costs.values()) or 1.0
         lines = []
         for name, cost in sorted(self.costs.items(), key=lambda kv: -kv[1].seconds):
-            lines.append(f"  {name:<22} {format_seconds(cost.seconds):>9} {cost.seconds / total:5.0%}  "
-                         f"{cost.forwards:6d} forwards {cost.replays:6d} replays")
+            lines.append(
+                f"  {name:<22} {format_seconds(cost.seconds):>9} {cost.seconds / total:5.0%}  "
+                f"{cost.forwards:6d} forwards {cost.replays:6d} replays"
+            )
         return lines
 
     def _coverage(self) -> str:
-        """", graph coverage k/n calls" from the graph_coverage outcomes, when they counted."""
+        """ ", graph coverage k/n calls" from the graph_coverage outcomes, when they counted."""
         counted = [o.figures for o in self.outcomes if o.check == "graph_coverage" and "calls" in o.figures]
         if not counted:
             return ""

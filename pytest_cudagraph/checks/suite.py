@@ -40,8 +40,9 @@ __all__ = [
 # (``finding_of``, ``where_of``) and fresh values for an input (``drawn_value``).
 
 
-def finding_of(diff: Difference, batch: Batch | None = None, submodule: str | None = None,
-             segment: str | None = None) -> Finding:
+def finding_of(
+    diff: Difference, batch: Batch | None = None, submodule: str | None = None, segment: str | None = None
+) -> Finding:
     return Finding(
         output=diff.path,
         index=diff.index,
@@ -62,12 +63,17 @@ def where_of(diff: Difference) -> str:
 
 def _batch_norm_hint(ctx: VerifyContext) -> str:
     """Why padded rows reach real ones when a BatchNorm is in train mode (the module is verified as it is)."""
-    names = [name for name, m in ctx.module.named_modules()
-             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    names = [
+        name
+        for name, m in ctx.module.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+    ]
     if not names:
         return ""
-    return (f". '{names[0] or type(ctx.module).__name__}' is a BatchNorm in train mode: it normalises with the "
-            "statistics of the whole batch, padded rows included (call module.eval() to verify inference)")
+    return (
+        f". '{names[0] or type(ctx.module).__name__}' is a BatchNorm in train mode: it normalises with the "
+        "statistics of the whole batch, padded rows included (call module.eval() to verify inference)"
+    )
 
 
 # -- before capture -------------------------------------------------------
@@ -88,8 +94,13 @@ def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list
                     with ctx.phase("eager", desc), torch.no_grad(), running(desc):
                         ctx.module(**kwargs)
 
-                return find_violations(forward, tracker, manager.device, exempt=manager.eager_modules(desc),
-                                       first_only=first_only)
+                return find_violations(
+                    forward,
+                    tracker,
+                    manager.device,
+                    exempt=manager.eager_modules(desc),
+                    first_only=first_only,
+                )
 
             try:
                 violations = run(first_only=False)
@@ -97,8 +108,10 @@ def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list
                 if faults.is_sticky(exc):
                     raise  # the process's CUDA context is gone: verify tells it, no check can go on
                 finding = Finding(submodule=tracker.failed_path)
-                why = (f"the module fails eagerly at this shape (tokens={desc.num_tokens}, reqs={reqs}): "
-                       f"{faults.described(exc, manager.device)}")
+                why = (
+                    f"the module fails eagerly at this shape (tokens={desc.num_tokens}, reqs={reqs}): "
+                    f"{faults.described(exc, manager.device)}"
+                )
                 # Every op ran, so the op that failed may be one a graph cannot hold (on a GPU, a CPU
                 # tensor as a device op's operand fails eagerly too): run again from the same state,
                 # stopping before the first such op, to name it.
@@ -116,19 +129,24 @@ def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list
                 continue
         if violations:
             first = violations[0]
-            outcomes.append(Outcome(
-                "capture_safety", desc, False,
-                f"{len(violations)} op(s) cannot be captured in a graph; the first is {first.describe()}",
-                Finding(submodule=first.module_path, ops=[v.describe() for v in violations]),
-            ))
+            outcomes.append(
+                Outcome(
+                    "capture_safety",
+                    desc,
+                    False,
+                    f"{len(violations)} op(s) cannot be captured in a graph; the first is {first.describe()}",
+                    Finding(submodule=first.module_path, ops=[v.describe() for v in violations]),
+                )
+            )
         else:
             outcomes.append(Outcome("capture_safety", desc, True))
     return outcomes
 
 
 # -- replay against eager ---------------------------------------------------
-def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: dict[str, Any],
-                    check: str, fresh: bool) -> Outcome:
+def _compare_padded(
+    ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: dict[str, Any], check: str, fresh: bool
+) -> Outcome:
     with ctx.preserved_state() as state0:
         padded = ctx.load(desc, inputs, batch)
         ctx.seed_all(ctx.seed)
@@ -144,7 +162,11 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
             # left) until the descriptor is done.
             ctx.exact_eager[desc] = (padded, state0, ctx.snapshot())
         diff = first_difference(graph, eager, check_strides=True)
-        if diff is None and not fresh and not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves(eager)):
+        if (
+            diff is None
+            and not fresh
+            and not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves(eager))
+        ):
             return _nothing_to_compare(check, desc, eager, batch)  # told once, by replay_matches_eager
         if diff is None:
             return Outcome(check, desc, True, figures={"real_batch": batch.shape()})
@@ -154,7 +176,9 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
         if changed:
             name = changed[0]
             return Outcome(
-                check, desc, False,
+                check,
+                desc,
+                False,
                 f"Python state changes on every forward ({name}: {before.get(name)!r} -> {after[name]!r}), "
                 f"but a graph runs Python only at capture, so replay keeps the capture-time value "
                 f"({where_of(diff)}); keep such state in a registered buffer updated in place",
@@ -168,23 +192,32 @@ def _compare_padded(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inp
         again = ctx.eager(padded, desc)
         if first_difference(again, eager) is not None:
             return Outcome(
-                check, desc, False,
+                check,
+                desc,
+                False,
                 "eager differs from itself on the same inputs, state and seed: the module is nondeterministic "
                 "(state outside registered buffers, or nondeterministic kernels), so replay cannot be compared "
                 "bit for bit",
                 finding_of(diff, batch),
             )
     submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=False)
-    what = ("with fresh inputs after capture, replay differs from eager: values or tensors computed at capture "
-            "were frozen into the graph" if fresh else
-            "replay differs from eager on the inputs the graph was captured with")
-    return Outcome(check, desc, False, f"{what} ({where_of(diff)})", finding_of(diff, batch, submodule, segment))
+    what = (
+        "with fresh inputs after capture, replay differs from eager: values or tensors computed at capture "
+        "were frozen into the graph"
+        if fresh
+        else "replay differs from eager on the inputs the graph was captured with"
+    )
+    return Outcome(
+        check, desc, False, f"{what} ({where_of(diff)})", finding_of(diff, batch, submodule, segment)
+    )
 
 
 def _nothing_to_compare(check: str, desc: BatchDescriptor, output: Any, batch: Batch) -> Outcome:
     what = "None" if output is None else f"a {type(output).__name__} with no tensor in it"
     return Outcome(
-        check, desc, False,
+        check,
+        desc,
+        False,
         f"forward returned {what}: there is nothing to compare between replay and eager, so no check can "
         "tell whether the graph is right. Return the output tensor(s) from forward (a module that writes "
         "its result into a buffer: return that buffer)",
@@ -194,7 +227,9 @@ def _nothing_to_compare(check: str, desc: BatchDescriptor, output: Any, batch: B
 
 def _opaque_output(check: str, desc: BatchDescriptor, diff: Difference, batch: Batch) -> Outcome:
     return Outcome(
-        check, desc, False,
+        check,
+        desc,
+        False,
         f"forward returns {diff.reason} at {diff.path or 'the output'}: a graph runs Python only at capture, so "
         "every replay hands back the object made then, holding graph memory of the capture's shape. Return "
         "tensors instead (a transformers model: use_cache=False, or a static cache passed in)",
@@ -206,8 +241,9 @@ def replay_matches_eager(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     # Exactly the inputs the graph was captured on: the graph must reproduce
     # eager there before anything else can be trusted.
     batch = ctx.exact_batch(desc)
-    return _compare_padded(ctx, desc, batch, ctx.manager.capture_sample(desc), "replay_matches_eager",
-                           fresh=False)
+    return _compare_padded(
+        ctx, desc, batch, ctx.manager.capture_sample(desc), "replay_matches_eager", fresh=False
+    )
 
 
 def drawn_value(value: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -221,8 +257,9 @@ def drawn_value(value: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return drawn.to(dtype=value.dtype, device=value.device)
 
 
-def _permuted_rows(value: torch.Tensor, dim: int, gen: torch.Generator,
-                   observed: tuple[int, int]) -> tuple[torch.Tensor, str]:
+def _permuted_rows(
+    value: torch.Tensor, dim: int, gen: torch.Generator, observed: tuple[int, int]
+) -> tuple[torch.Tensor, str]:
     """``value``'s rows along ``dim`` in another order; if that changes nothing, integers drawn in the
     ``observed`` range (what make_inputs gives at the largest shape, so an index stays a valid index).
     With what was done ("" when nothing could change)."""
@@ -268,8 +305,11 @@ def drawn_inputs(ctx: VerifyContext, inputs: dict[str, Any]) -> tuple[dict[str, 
     """
     gen = torch.Generator().manual_seed(ctx.seed + 7919)
     specs = ctx.manager.input_specs
-    tensors = {name: v for name, v in inputs.items()
-               if isinstance(v, torch.Tensor) and v.numel() and getattr(specs.get(name), "kind", "") != "const"}
+    tensors = {
+        name: v
+        for name, v in inputs.items()
+        if isinstance(v, torch.Tensor) and v.numel() and getattr(specs.get(name), "kind", "") != "const"
+    }
     drawn = dict(inputs)
     floats = [name for name, v in tensors.items() if v.is_floating_point()]
     for name in floats:
@@ -303,7 +343,9 @@ def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         second, made = drawn_inputs(ctx, second)
         if not made:
             return Outcome(
-                "fresh_inputs", desc, False,
+                "fresh_inputs",
+                desc,
+                False,
                 "the check could not run: make_inputs returns the same values on every call, and no input "
                 "can be given other values by the harness (no floating input; integer inputs hold one value "
                 f"each). {_RETURN_FRESH}",
@@ -319,7 +361,9 @@ def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         if not made:
             raise
         return Outcome(
-            "fresh_inputs", desc, False,
+            "fresh_inputs",
+            desc,
+            False,
             f"the check could not run: make_inputs returns the same values on every call, and on the inputs "
             f"the harness drew instead ({made}) the module raised {type(exc).__name__}: {exc}. {_RETURN_FRESH}",
             Finding(real_batch=batch.shape()),
@@ -327,8 +371,10 @@ def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     if made:
         outcome.figures["harness_inputs"] = made
         if not outcome.passed:
-            outcome.message += (f" [make_inputs returns the same values on every call, so the harness drew "
-                                f"these inputs: {made}]")
+            outcome.message += (
+                f" [make_inputs returns the same values on every call, so the harness drew "
+                f"these inputs: {made}]"
+            )
     return outcome
 
 
@@ -338,13 +384,24 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     held to the measured floor (``checks/floor.py``), or bit for bit with ``batch_invariant``."""
     batches = ctx.checked_batches(desc)
     if not batches:
-        return Outcome("real_batches", desc, True, skipped=True,
-                       message="no real batch dispatches to this descriptor" if ctx.given_batches is None else
-                       "no batch of the trace (the given batches) dispatches to this descriptor")
+        return Outcome(
+            "real_batches",
+            desc,
+            True,
+            skipped=True,
+            message="no real batch dispatches to this descriptor"
+            if ctx.given_batches is None
+            else "no batch of the trace (the given batches) dispatches to this descriptor",
+        )
     if ctx.module_is_random(desc):
-        return Outcome("real_batches", desc, True, skipped=True,
-                       message="the module draws random numbers, which cannot match unpadded eager draw for "
-                               "draw (the rng check covers them)")
+        return Outcome(
+            "real_batches",
+            desc,
+            True,
+            skipped=True,
+            message="the module draws random numbers, which cannot match unpadded eager draw for "
+            "draw (the rng check covers them)",
+        )
     rows = ctx.rows_ndim(desc)
     totals: dict[str, Any] = {"batches": len(batches), "max_abs": 0.0, "floor_measured": 0, "floor_max": 0.0}
     for batch in batches:
@@ -361,36 +418,66 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             expected = ctx.eager_real(clone_tree(inputs), batch, captured_path=False)
             if ctx.batch_invariant:
                 diff = first_difference(got, expected)
-                verdict = Verdict(diff is None, diff, "" if diff is None else
-                                  f"real rows differ from eager on the unpadded batch bit for bit "
-                                  f"(batch_invariant) ({where_of(diff)})")
+                verdict = Verdict(
+                    diff is None,
+                    diff,
+                    ""
+                    if diff is None
+                    else f"real rows differ from eager on the unpadded batch bit for bit "
+                    f"(batch_invariant) ({where_of(diff)})",
+                )
             else:
-                def padded(state0: dict[str, torch.Tensor] = state0, inputs: dict[str, Any] = inputs,
-                           batch: Batch = batch) -> Any:
+
+                def padded(
+                    state0: dict[str, torch.Tensor] = state0,
+                    inputs: dict[str, Any] = inputs,
+                    batch: Batch = batch,
+                ) -> Any:
                     ctx.restore(state0)
                     ctx.seed_all(ctx.seed)
                     return ctx.eager_padded(desc, clone_tree(inputs), batch)
 
-                verdict = across_shapes(got, expected, padded, rtol=ctx.rtol, atol=ctx.atol, roundoff=ctx.roundoff,
-                                        rows_ndim=rows)
+                verdict = across_shapes(
+                    got, expected, padded, rtol=ctx.rtol, atol=ctx.atol, roundoff=ctx.roundoff, rows_ndim=rows
+                )
         _tally(totals, verdict)
         if verdict.passed:
             continue
         diff = verdict.diff
         if diff is not None and diff.opaque:
             return _opaque_output("real_batches", desc, diff, batch)
-        submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=True) \
-            if diff is not None and diff.index is not None else (None, None)
-        finding = finding_of(diff, batch, submodule, segment) if diff is not None else Finding(real_batch=batch.shape())
+        submodule, segment = (
+            locate_divergence(ctx, desc, inputs, batch, against_real=True)
+            if diff is not None and diff.index is not None
+            else (None, None)
+        )
+        finding = (
+            finding_of(diff, batch, submodule, segment)
+            if diff is not None
+            else Finding(real_batch=batch.shape())
+        )
         cause = _capture_path(ctx, inputs, batch, state0, got, None if ctx.batch_invariant else padded, rows)
         why = f"{cause}. What the check saw: {verdict.why}" if cause else verdict.why
-        return Outcome("real_batches", desc, False, f"{why}{_batch_norm_hint(ctx)}{_python_hint(ctx)}",
-                       finding, figures={**totals, **verdict.figures})
+        return Outcome(
+            "real_batches",
+            desc,
+            False,
+            f"{why}{_batch_norm_hint(ctx)}{_python_hint(ctx)}",
+            finding,
+            figures={**totals, **verdict.figures},
+        )
     return Outcome("real_batches", desc, True, figures=totals)
 
 
-def _capture_path(ctx: VerifyContext, inputs: dict[str, Any], batch: Batch, state0: Snapshot, got: Any,
-                  padded: Callable[[], Any] | None, rows: list[int]) -> str:
+def _capture_path(
+    ctx: VerifyContext,
+    inputs: dict[str, Any],
+    batch: Batch,
+    state0: Snapshot,
+    got: Any,
+    padded: Callable[[], Any] | None,
+    rows: list[int],
+) -> str:
     """Why real rows differ when the module computes something else under capture: on the unpadded
     batch itself, eager on its capture path differs from eager as users run it, and the graph agrees
     with the capture path where it disagreed with users' eager (``""`` otherwise: then the padding,
@@ -413,24 +500,29 @@ def _capture_path(ctx: VerifyContext, inputs: dict[str, Any], batch: Batch, stat
     if padded is None:  # batch_invariant: bit for bit, the graph against the capture path
         explained = first_difference(got, runs[0]) is None
     else:
-        explained = across_shapes(got, runs[0], padded, rtol=ctx.rtol, atol=ctx.atol, roundoff=ctx.roundoff,
-                                  rows_ndim=rows).passed
+        explained = across_shapes(
+            got, runs[0], padded, rtol=ctx.rtol, atol=ctx.atol, roundoff=ctx.roundoff, rows_ndim=rows
+        ).passed
     ctx.restore(state0)
     if not explained:
         return ""
-    return ("the module computes something else when it is captured: on the unpadded batch itself, eager on its "
-            "capture path (torch.cuda.is_current_stream_capturing() answering True) differs from eager as users "
-            f"run it ({where_of(diff)}), and the graph agrees with the capture path. Look for a branch on "
-            "capturing, or state kept for captures (metadata planned per request count or per token count, "
-            "shared by graphs of several query lengths)")
+    return (
+        "the module computes something else when it is captured: on the unpadded batch itself, eager on its "
+        "capture path (torch.cuda.is_current_stream_capturing() answering True) differs from eager as users "
+        f"run it ({where_of(diff)}), and the graph agrees with the capture path. Look for a branch on "
+        "capturing, or state kept for captures (metadata planned per request count or per token count, "
+        "shared by graphs of several query lengths)"
+    )
 
 
 def _python_hint(ctx: VerifyContext) -> str:
     """Where forwards change Python state, that is the likelier cause of a difference than the padding."""
     if not ctx.python_written:
         return ""
-    return (f". Forward changes Python state ({', '.join(ctx.python_written[:3])}) on every call, which a graph "
-            "freezes at capture: replay_matches_eager names it")
+    return (
+        f". Forward changes Python state ({', '.join(ctx.python_written[:3])}) on every call, which a graph "
+        "freezes at capture: replay_matches_eager names it"
+    )
 
 
 def _tally(totals: dict[str, Any], verdict: Verdict) -> None:
@@ -466,13 +558,16 @@ _NONFINITE_FILLS: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
 # routes or indexes by shows.
 _INT_FILLS: list[tuple[str, Callable[[torch.Tensor, int, int, torch.Generator], Any]]] = [
     ("the largest value make_inputs gives", lambda t, lo, hi, gen: t.fill_(hi)),
-    ("other values within make_inputs' range",
-     lambda t, lo, hi, gen: t.copy_(torch.randint(lo, hi + 1, t.shape, generator=gen))),
+    (
+        "other values within make_inputs' range",
+        lambda t, lo, hi, gen: t.copy_(torch.randint(lo, hi + 1, t.shape, generator=gen)),
+    ),
 ]
 
 
-def _fill_plans(ctx: VerifyContext, desc: BatchDescriptor,
-                batch: Batch) -> tuple[list[tuple[str, str, Callable[[], None]]], list[str], list[str]]:
+def _fill_plans(
+    ctx: VerifyContext, desc: BatchDescriptor, batch: Batch
+) -> tuple[list[tuple[str, str, Callable[[], None]]], list[str], list[str]]:
     """How padded rows are filled, one plan a run: (label, the inputs it fills, fill). The first is
     the base (floats zeroed, integers at their pad value); then each finite (and, when asked, each
     non-finite) floating fill, then each integer fill, integers with a declared pad value (whose
@@ -482,14 +577,22 @@ def _fill_plans(ctx: VerifyContext, desc: BatchDescriptor,
     floats = [(name, v) for name, v in views if v.is_floating_point()]
     declared = manager.declared_pads
     ranges = ctx.integer_ranges(desc)
-    ints = [(name, v) for name, v in views if not v.is_floating_point() and v.dtype != torch.bool
-            and name not in declared and ranges.get(name, (0, 0))[0] < ranges.get(name, (0, 0))[1]]
+    ints = [
+        (name, v)
+        for name, v in views
+        if not v.is_floating_point()
+        and v.dtype != torch.bool
+        and name not in declared
+        and ranges.get(name, (0, 0))[0] < ranges.get(name, (0, 0))[1]
+    ]
 
     def zero_floats() -> None:
         for _, view in floats:
             view.zero_()
 
-    plans: list[tuple[str, str, Callable[[], None]]] = [("zeros" if floats else "their pad value", "", zero_floats)]
+    plans: list[tuple[str, str, Callable[[], None]]] = [
+        ("zeros" if floats else "their pad value", "", zero_floats)
+    ]
     float_names = ", ".join(f"'{name}'" for name, _ in floats)
     for label, fill in _FINITE_FILLS[1:] + (_NONFINITE_FILLS if ctx.nonfinite_padding else []):
         if floats:
@@ -498,7 +601,9 @@ def _fill_plans(ctx: VerifyContext, desc: BatchDescriptor,
     for label, int_fill in _INT_FILLS:
         for name, view in ints:
             lo, hi = ranges[name]
-            plans.append((label, f"'{name}'", functools.partial(_fill_int, zero_floats, view, int_fill, lo, hi, gen)))
+            plans.append(
+                (label, f"'{name}'", functools.partial(_fill_int, zero_floats, view, int_fill, lo, hi, gen))
+            )
     return plans, [name for name, _ in floats], [name for name, _ in ints]
 
 
@@ -507,9 +612,14 @@ def _fill_all(views: list[tuple[str, torch.Tensor]], fill: Callable[[torch.Tenso
         fill(view)
 
 
-def _fill_int(zero_floats: Callable[[], None], view: torch.Tensor,
-              fill: Callable[[torch.Tensor, int, int, torch.Generator], Any], lo: int, hi: int,
-              gen: torch.Generator) -> None:
+def _fill_int(
+    zero_floats: Callable[[], None],
+    view: torch.Tensor,
+    fill: Callable[[torch.Tensor, int, int, torch.Generator], Any],
+    lo: int,
+    hi: int,
+    gen: torch.Generator,
+) -> None:
     zero_floats()
     drawn = torch.empty(view.shape, dtype=torch.int64)
     fill(drawn, lo, hi, gen)
@@ -519,14 +629,26 @@ def _fill_int(zero_floats: Callable[[], None], view: torch.Tensor,
 def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     batch = ctx.padded_batch(desc)
     manager = ctx.manager
-    if batch is None or (batch.num_tokens == desc.num_tokens and batch.num_reqs == manager.capture_reqs(desc)):
-        return Outcome("padding_isolation", desc, True, skipped=True,
-                       message="no real batch of this descriptor leaves padded rows")
+    if batch is None or (
+        batch.num_tokens == desc.num_tokens and batch.num_reqs == manager.capture_reqs(desc)
+    ):
+        return Outcome(
+            "padding_isolation",
+            desc,
+            True,
+            skipped=True,
+            message="no real batch of this descriptor leaves padded rows",
+        )
     plans, floats, ints = _fill_plans(ctx, desc, batch)
     if len(plans) == 1:
-        return Outcome("padding_isolation", desc, True, skipped=True,
-                       message="no input has padded rows that can hold other values (no floating input; integer "
-                               "inputs hold one value each, or their pad value is declared in pad_values)")
+        return Outcome(
+            "padding_isolation",
+            desc,
+            True,
+            skipped=True,
+            message="no input has padded rows that can hold other values (no floating input; integer "
+            "inputs hold one value each, or their pad value is declared in pad_values)",
+        )
     inputs = ctx.make(batch)
     results: list[tuple[str, str, Any, dict[str, torch.Tensor]]] = []
     with ctx.preserved_state() as state0:
@@ -542,14 +664,21 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             results.append((label, filled, out, ctx.snapshot()))
     base_label, _, base_out, base_state = results[0]
     for label, filled, out, state in results[1:]:
-        strict = "" if label not in dict(_NONFINITE_FILLS) else (
-            " (found by nonfinite_padding=True, a strictness beyond engines, which pad with finite values: "
-            "every finite padding tried left the real rows unchanged; typically 0 * NaN where a weight is 0)")
+        strict = (
+            ""
+            if label not in dict(_NONFINITE_FILLS)
+            else (
+                " (found by nonfinite_padding=True, a strictness beyond engines, which pad with finite values: "
+                "every finite padding tried left the real rows unchanged; typically 0 * NaN where a weight is 0)"
+            )
+        )
         instead = "their pad value" if label in dict(_INT_FILLS) else base_label
         diff = first_difference(out, base_out)
         if diff is not None:
             return Outcome(
-                "padding_isolation", desc, False,
+                "padding_isolation",
+                desc,
+                False,
                 f"real rows change when padded rows of {filled} hold {label} instead of {instead}: padding "
                 f"leaks into real rows ({where_of(diff)}){strict}{_batch_norm_hint(ctx)}",
                 finding_of(diff, batch),
@@ -558,15 +687,21 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         diff = ctx.state_difference(state, base_state, use_scratch=True)
         if diff is not None:
             return Outcome(
-                "padding_isolation", desc, False,
+                "padding_isolation",
+                desc,
+                False,
                 f"module state '{diff.path}' changes when padded rows of {filled} hold {label} instead of "
                 f"{instead}: padded rows write into state (mask them out through is_padding, or route them to a "
                 f"scratch slot and name it in scratch_state){strict}",
                 finding_of(diff, batch),
                 figures={"fill": label, "nonfinite": bool(strict)},
             )
-    return Outcome("padding_isolation", desc, True,
-                   figures={"fills": [label for label, _, _, _ in results], "floating": floats, "integer": ints})
+    return Outcome(
+        "padding_isolation",
+        desc,
+        True,
+        figures={"fills": [label for label, _, _, _ in results], "floating": floats, "integer": ints},
+    )
 
 
 # -- side outputs --------------------------------------------------------------
@@ -618,7 +753,8 @@ def _rebound_attributes(ctx: VerifyContext, desc: BatchDescriptor) -> list[str]:
                 seen.append(tensor_attributes(module))
         before, first, second = seen
         ctx.rebound_attributes = [
-            name for name, value in second.items()
+            name
+            for name, value in second.items()
             if first.get(name) is not value and before.get(name) is not first.get(name)
         ]
     return ctx.rebound_attributes
@@ -663,7 +799,9 @@ def side_outputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             continue
         diff.path = f"module attribute '{name}'"
         return Outcome(
-            "side_outputs", desc, False,
+            "side_outputs",
+            desc,
+            False,
             f"forward stores a new tensor in the plain attribute '{name}' on every call, but a graph runs "
             f"Python only at capture: after replay '{name}' still holds the tensor stored at capture "
             f"({_shape(got[name])}, in graph memory that later replays overwrite) where eager leaves "
@@ -702,13 +840,19 @@ def state(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             eager_state = ctx.snapshot()
     diff = ctx.state_difference(graph_state, eager_state, use_scratch=False)
     if diff is not None:
-        return Outcome("state", desc, False,
-                       f"module state '{diff.path}' ends differently after run() than after eager",
-                       finding_of(diff, batch))
+        return Outcome(
+            "state",
+            desc,
+            False,
+            f"module state '{diff.path}' ends differently after run() than after eager",
+            finding_of(diff, batch),
+        )
     diff = first_difference(graph_inputs, eager_inputs)
     if diff is not None:
         return Outcome(
-            "state", desc, False,
+            "state",
+            desc,
+            False,
             f"input {diff.path} is mutated in place by eager but not by run(): the graph writes into its "
             "static copy, never the caller's tensor (return the result instead of writing into an input)",
             finding_of(diff, batch),
@@ -722,8 +866,11 @@ def _state_padded(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome | None:
     write module state at all (seen op by op); declared ``scratch_state`` regions exempt."""
     batch = ctx.padded_batch(desc)
     exact = ctx.exact_batch(desc)
-    if batch is None or (batch.num_tokens, batch.num_reqs) == (exact.num_tokens, exact.num_reqs) \
-            or not ctx.observer.written:
+    if (
+        batch is None
+        or (batch.num_tokens, batch.num_reqs) == (exact.num_tokens, exact.num_reqs)
+        or not ctx.observer.written
+    ):
         return None
     inputs = ctx.make(batch)
     with ctx.preserved_state() as state0:
@@ -742,12 +889,16 @@ def _state_padded(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome | None:
             ctx.eager_padded(desc, clone_tree(inputs), batch)
             return ctx.snapshot()
 
-        found = ctx.state_across_shapes(graph_state, eager_state, state0, padded_state, rtol=ctx.rtol, atol=ctx.atol)
+        found = ctx.state_across_shapes(
+            graph_state, eager_state, state0, padded_state, rtol=ctx.rtol, atol=ctx.atol
+        )
     if found is None:
         return None
     name, diff, why = found
     return Outcome(
-        "state", desc, False,
+        "state",
+        desc,
+        False,
         f"after a padded batch, module state '{name}' differs from what eager leaves on its real rows ({why}): "
         "padded rows write into state (a count of the pad id, a live slot). Mask them out through is_padding, "
         "or route them to a scratch region and name it in scratch_state",
@@ -783,18 +934,27 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         graph_diff = first_difference(outs[2], outs[0])
     read_poison = (
         f"with the graph's free memory poisoned one way before each of two replays of the same inputs they agree, "
-        f"and poisoned the other way they differ ({where_of(graph_diff)})" if graph_diff is not None else "")
+        f"and poisoned the other way they differ ({where_of(graph_diff)})"
+        if graph_diff is not None
+        else ""
+    )
     uninitialized = ctx.uninitialized()
     if uninitialized:
         # Undefined whether the two replays happened to agree: the memory they read is anybody's.
         shown = diff or graph_diff
-        return Outcome("determinism", desc, False,
-                       f"{uninitialized}; a replay reads it too: {read_poison}" if read_poison else uninitialized,
-                       finding_of(shown, batch) if shown is not None else Finding(real_batch=batch.shape()))
+        return Outcome(
+            "determinism",
+            desc,
+            False,
+            f"{uninitialized}; a replay reads it too: {read_poison}" if read_poison else uninitialized,
+            finding_of(shown, batch) if shown is not None else Finding(real_batch=batch.shape()),
+        )
     if graph_diff is not None:
         left = ". Two plain replays differ too: each reads what the last one left" if diff is not None else ""
         return Outcome(
-            "determinism", desc, False,
+            "determinism",
+            desc,
+            False,
             f"a replay reads graph memory nobody wrote: {read_poison}{left}. No op the dispatcher sees reads "
             "unwritten memory, so it happens below it (in a custom op's or an extension's own buffer, say): write "
             "that buffer fully first, or make it with zeros",
@@ -803,7 +963,9 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     if diff is None:
         return Outcome("determinism", desc, True)
     return Outcome(
-        "determinism", desc, False,
+        "determinism",
+        desc,
+        False,
         f"two replays of the same inputs, from the same module state and seed, differ ({where_of(diff)}): "
         "the module keeps state outside its registered buffers, or uses nondeterministic kernels",
         finding_of(diff, batch),
@@ -823,7 +985,9 @@ def _lifetime(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch) -> Outcom
         return None
     path = "graph" if desc.mode is not GraphMode.NONE else "eager (NONE)"
     return Outcome(
-        "output_lifetime", desc, False,
+        "output_lifetime",
+        desc,
+        False,
         f"an output returned by run() on the {path} path changed when later batches ran ({where_of(diff)}): "
         "it aliases memory the module or the graph reuses; return a fresh tensor",
         finding_of(diff, batch),
@@ -870,8 +1034,9 @@ def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 ctx.seed_all(seed)
                 replays.append(replayed())
         if first_difference(replays[0], replays[1]) is None:
-            return Outcome("rng", desc, True, message="the module draws no random numbers",
-                           figures={"random": False})
+            return Outcome(
+                "rng", desc, True, message="the module draws no random numbers", figures={"random": False}
+            )
     draws: dict[tuple[str, int], Any] = {}
     with ctx.preserved_state() as state0:
         padded = ctx.load(desc, inputs, batch)
@@ -890,18 +1055,28 @@ def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         repeat = ctx.eager(padded, desc)
     s0, s1 = ctx.seed, ctx.seed + 1
     if first_difference(repeat, draws["eager", s0]) is not None:
-        return Outcome("rng", desc, True, skipped=True,
-                       message="eager is not reproducible under the same seed and state, so draws cannot be "
-                               "compared (the determinism and replay checks report why)")
+        return Outcome(
+            "rng",
+            desc,
+            True,
+            skipped=True,
+            message="eager is not reproducible under the same seed and state, so draws cannot be "
+            "compared (the determinism and replay checks report why)",
+        )
     # Random if either side's output depends on the seed.
-    random = any(first_difference(draws[side, s0], draws[side, s1]) is not None for side in ("eager", "graph"))
+    random = any(
+        first_difference(draws[side, s0], draws[side, s1]) is not None for side in ("eager", "graph")
+    )
     if not random:
-        return Outcome("rng", desc, True, message="the module draws no random numbers",
-                       figures={"random": False})
+        return Outcome(
+            "rng", desc, True, message="the module draws no random numbers", figures={"random": False}
+        )
     diff = first_difference(draws["graph", s0], draws["eager", s0])
     if diff is not None:
         return Outcome(
-            "rng", desc, False,
+            "rng",
+            desc,
+            False,
             f"under the same seed, replay draws differ from eager draws ({where_of(diff)}): the graph does "
             "not read the seeded generator the way eager does (a seed set inside forward, or a private "
             "generator)",
@@ -910,9 +1085,13 @@ def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     # ``again`` follows the seed-s1 replay without reseeding: the generator
     # must have moved on since.
     if first_difference(again, draws["graph", s1]) is None:
-        return Outcome("rng", desc, False,
-                       "two successive replays drew the same random values: the graph does not advance the "
-                       "generator", Finding(output=""))
+        return Outcome(
+            "rng",
+            desc,
+            False,
+            "two successive replays drew the same random values: the graph does not advance the generator",
+            Finding(output=""),
+        )
     return Outcome("rng", desc, True, figures={"random": True})
 
 
@@ -937,17 +1116,30 @@ def address_stability(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> O
         # The object, not only the address: a rebound buffer can land at the
         # old address again once the allocator reuses it.
         if now is None or now[0] is not tensor or now[1] != ptr:
-            moved = "it is gone" if now is None else (
-                f"it was rebound to another tensor (address {ptr:#x} -> {now[1]:#x})" if now[0] is not tensor
-                else f"its storage moved ({ptr:#x} -> {now[1]:#x})")
+            moved = (
+                "it is gone"
+                if now is None
+                else (
+                    f"it was rebound to another tensor (address {ptr:#x} -> {now[1]:#x})"
+                    if now[0] is not tensor
+                    else f"its storage moved ({ptr:#x} -> {now[1]:#x})"
+                )
+            )
             return Outcome(
-                "address_stability", None, False,
+                "address_stability",
+                None,
+                False,
                 f"{name} moved: {moved}, and graphs keep reading the old memory. Update it in place "
                 "(copy_, mul_, add_) instead of rebinding the attribute",
                 Finding(output=name),
             )
     missing = set(after) - set(before)
     if missing:
-        return Outcome("address_stability", None, False,
-                       f"new module tensors appeared after capture: {sorted(missing)}", Finding())
+        return Outcome(
+            "address_stability",
+            None,
+            False,
+            f"new module tensors appeared after capture: {sorted(missing)}",
+            Finding(),
+        )
     return Outcome("address_stability", None, True)

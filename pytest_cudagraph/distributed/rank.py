@@ -32,8 +32,20 @@ __all__ = ["COLLECTIVES", "RankResult", "Seen", "rank_main"]
 #: The ``torch.distributed`` functions a module calls to communicate: each is
 #: wrapped in a rank's process so that the rank says where it waits.
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "send", "recv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "send",
+    "recv",
 )
 
 
@@ -89,6 +101,7 @@ def _watch_collectives(where: _Where) -> None:
             shape = f" of {tuple(first.shape)}" if first is not None else ""
             with where.inside(f"{name}{shape}"):
                 return original(*args, **kwargs)
+
         return wrapper
 
     for name in COLLECTIVES:
@@ -113,17 +126,31 @@ def _record_batches(seen: list[Seen]) -> None:
     def run_batch(self: Any, inputs: Any, batch: Any = None, **keywords: Any) -> Any:
         out = original(self, inputs, batch, **keywords)
         b = batch if batch is not None else self.batch_of(inputs, **keywords)
-        seen.append(Seen(b.num_tokens, b.num_reqs, self.dispatch_batch(b).label(),
-                         tree.tree_map(lambda t: t.detach().cpu() if hasattr(t, "detach") else t,
-                                       clone_tree(out))))
+        seen.append(
+            Seen(
+                b.num_tokens,
+                b.num_reqs,
+                self.dispatch_batch(b).label(),
+                tree.tree_map(lambda t: t.detach().cpu() if hasattr(t, "detach") else t, clone_tree(out)),
+            )
+        )
         return out
 
     GraphManager.run_batch = run_batch  # type: ignore[method-assign]
 
 
-def rank_main(rank: int, world_size: int, init_file: str, folder: str, backend: str, build: Callable[..., Any],
-              make_inputs: Callable[[int, int], Mapping[str, Any]], keywords: dict[str, Any],
-              devices: list[int] | None, sys_path: list[str]) -> None:
+def rank_main(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    folder: str,
+    backend: str,
+    build: Callable[..., Any],
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    keywords: dict[str, Any],
+    devices: list[int] | None,
+    sys_path: list[str],
+) -> None:
     """One rank: the process group, ``build(rank, world_size)``, ``verify`` with ``keywords``."""
     sys.path[:] = sys_path
     out = Path(folder)
@@ -141,8 +168,12 @@ def rank_main(rank: int, world_size: int, init_file: str, folder: str, backend: 
             index = devices[rank] if devices else rank
             torch.cuda.set_device(index)
             device = torch.device("cuda", index)
-        dist.init_process_group("nccl" if backend == "cuda" else "gloo", init_method=f"file://{init_file}",
-                                rank=rank, world_size=world_size)
+        dist.init_process_group(
+            "nccl" if backend == "cuda" else "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+        )
         _watch_collectives(where)
         seen: list[Seen] = []
         _record_batches(seen)
@@ -150,7 +181,9 @@ def rank_main(rank: int, world_size: int, init_file: str, folder: str, backend: 
         module = build(rank, world_size)
         # Every rank draws the same inputs: the same seed, the same sequence of calls.
         torch.manual_seed(int(keywords.get("seed", 0)))
-        result.report = verify(module, make_inputs, backend=backend, device=device, progress=False, **keywords)
+        result.report = verify(
+            module, make_inputs, backend=backend, device=device, progress=False, **keywords
+        )
         result.seen = seen
     except (ValueError, TypeError) as exc:  # a usage error (make_inputs, keywords): its message says it all
         result.error = f"{type(exc).__name__}: {exc}"

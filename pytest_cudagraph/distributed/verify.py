@@ -42,8 +42,10 @@ def _resolve_backend(backend: str, world_size: int) -> str:
     if backend == "auto":
         return "cuda" if gpus >= world_size else "emulate"
     if backend == "cuda" and gpus < world_size:
-        raise ValueError(f"verify_distributed: backend='cuda' runs one rank a GPU, and world_size={world_size} "
-                         f"needs {world_size} GPUs; {gpus} are visible. Use backend='emulate' (gloo on the CPU)")
+        raise ValueError(
+            f"verify_distributed: backend='cuda' runs one rank a GPU, and world_size={world_size} "
+            f"needs {world_size} GPUs; {gpus} are visible. Use backend='emulate' (gloo on the CPU)"
+        )
     return backend
 
 
@@ -91,23 +93,48 @@ def verify_distributed(
     _check_picklable("make_inputs", make_inputs)
     chosen = _resolve_backend(backend, world_size)
     if devices is not None and len(devices) < world_size:
-        raise ValueError(f"verify_distributed: devices={devices} has fewer than world_size={world_size} entries")
+        raise ValueError(
+            f"verify_distributed: devices={devices} has fewer than world_size={world_size} entries"
+        )
     with tempfile.TemporaryDirectory(prefix="cudagraph-ranks-") as folder:
-        results, hung = _launch(world_size, Path(folder), chosen, build, make_inputs, keywords, devices, timeout)
+        results, hung = _launch(
+            world_size, Path(folder), chosen, build, make_inputs, keywords, devices, timeout
+        )
     return _merged(results, hung, world_size, chosen, replicated, timeout)
 
 
-def _launch(world_size: int, folder: Path, backend: str, build: Any, make_inputs: Any, keywords: dict[str, Any],
-            devices: list[int] | None, timeout: float) -> tuple[dict[int, RankResult], dict[int, str]]:
+def _launch(
+    world_size: int,
+    folder: Path,
+    backend: str,
+    build: Any,
+    make_inputs: Any,
+    keywords: dict[str, Any],
+    devices: list[int] | None,
+    timeout: float,
+) -> tuple[dict[int, RankResult], dict[int, str]]:
     """Run the ranks: (what each rank wrote, {rank: why it has no result} for the others)."""
     from torch.multiprocessing.spawn import start_processes
 
     init_file = str(folder / "rendezvous")
     # The children start from scratch (spawn): they find the test's modules on the parent's path.
     context = start_processes(  # type: ignore[no-untyped-call]
-        rank_main, args=(world_size, init_file, str(folder), backend, build, make_inputs, keywords, devices,
-                         list(sys.path)),
-        nprocs=world_size, join=False, start_method="spawn")
+        rank_main,
+        args=(
+            world_size,
+            init_file,
+            str(folder),
+            backend,
+            build,
+            make_inputs,
+            keywords,
+            devices,
+            list(sys.path),
+        ),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + timeout
     processes = context.processes
 
@@ -125,13 +152,17 @@ def _launch(world_size: int, folder: Path, backend: str, build: Any, make_inputs
         if path.exists():
             results[rank] = pickle.loads(path.read_bytes())
         elif process.is_alive():
-            missing[rank] = (f"rank {rank} still running after {timeout:g} s, "
-                             f"{where or 'before its first collective'}{_async_note(where, backend)}")
+            missing[rank] = (
+                f"rank {rank} still running after {timeout:g} s, "
+                f"{where or 'before its first collective'}{_async_note(where, backend)}"
+            )
         else:
             code = process.exitcode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            missing[rank] = (f"rank {rank} ended ({how}) without a report, "
-                             f"{where or 'before its first collective'} (its stderr says why)")
+            missing[rank] = (
+                f"rank {rank} ended ({how}) without a report, "
+                f"{where or 'before its first collective'} (its stderr says why)"
+            )
     (folder / "release").write_text("")
     if missing:  # a rank in a collective never returns from it: stop them all
         for process in processes:
@@ -144,6 +175,7 @@ def _launch(world_size: int, folder: Path, backend: str, build: Any, make_inputs
             process.join(5)
     return results, missing
 
+
 def _async_note(where: str, backend: str) -> str:
     """Why a rank stuck on NCCL is "after" its collective, not "in" it."""
     if backend != "cuda" or not where.startswith("after "):
@@ -152,26 +184,47 @@ def _async_note(where: str, backend: str) -> str:
     # does a graph replay holding one): the host then blocks on the first
     # thing that waits for the GPU, while the GPU waits in that collective or
     # an earlier one whose peer never came.
-    return (" (NCCL returns before a collective completes: the rank waits on the GPU, in this collective or an "
-            "earlier one)")
+    return (
+        " (NCCL returns before a collective completes: the rank waits on the GPU, in this collective or an "
+        "earlier one)"
+    )
 
 
-def _merged(results: dict[int, RankResult], hung: dict[int, str], world_size: int, backend: str,
-            replicated: bool, timeout: float) -> VerifyReport:
+def _merged(
+    results: dict[int, RankResult],
+    hung: dict[int, str],
+    world_size: int,
+    backend: str,
+    replicated: bool,
+    timeout: float,
+) -> VerifyReport:
     first = next((r.report for r in results.values() if r.report is not None), None)
     report = VerifyReport(
-        module=first.module if first is not None else "the sharded module", backend=backend,
+        module=first.module if first is not None else "the sharded module",
+        backend=backend,
         device=f"{world_size} ranks ({'gloo, cpu' if backend == 'emulate' else 'nccl, one GPU a rank'})",
-        mode=first.mode if first is not None else "", exhaustive=first.exhaustive if first is not None else True,
+        mode=first.mode if first is not None else "",
+        exhaustive=first.exhaustive if first is not None else True,
         checks=(*(first.checks if first is not None else ()), AGREEMENT_CHECK),
-        descriptors=first.descriptors if first is not None else (), planned=first.planned if first is not None else 0,
-        config=first.config if first is not None else {}, training=first.training if first is not None else None,
+        descriptors=first.descriptors if first is not None else (),
+        planned=first.planned if first is not None else 0,
+        config=first.config if first is not None else {},
+        training=first.training if first is not None else None,
     )
     for rank in sorted(results):
         result = results[rank]
         if result.error is not None:
-            report.add([Outcome(AGREEMENT_CHECK, None, False, f"rank {rank} stopped: {result.error.strip()}",
-                                rank=rank)])
+            report.add(
+                [
+                    Outcome(
+                        AGREEMENT_CHECK,
+                        None,
+                        False,
+                        f"rank {rank} stopped: {result.error.strip()}",
+                        rank=rank,
+                    )
+                ]
+            )
             continue
         for outcome in result.report.outcomes:
             outcome.rank = rank
@@ -188,13 +241,21 @@ def _merged(results: dict[int, RankResult], hung: dict[int, str], world_size: in
         finished = sorted(set(range(world_size)) - set(hung))
         stuck = any("still running" in why for why in hung.values())
         what = "hang" if stuck else "ranks ended without a report"
-        report.add([Outcome(
-            AGREEMENT_CHECK, None, False,
-            f"{what}: {'; '.join(hung[r] for r in sorted(hung))}"
-            f"{f' (finished: ranks {finished})' if finished else ''}. A collective one rank issues and another "
-            "does not (a branch on the rank, a different graph or padding per rank) waits forever, or fails "
-            "on mismatched sizes",
-            Finding(), rank=min(hung))])
+        report.add(
+            [
+                Outcome(
+                    AGREEMENT_CHECK,
+                    None,
+                    False,
+                    f"{what}: {'; '.join(hung[r] for r in sorted(hung))}"
+                    f"{f' (finished: ranks {finished})' if finished else ''}. A collective one rank issues and another "
+                    "does not (a branch on the rank, a different graph or padding per rank) waits forever, or fails "
+                    "on mismatched sizes",
+                    Finding(),
+                    rank=min(hung),
+                )
+            ]
+        )
     else:
         report.add([_agreement(results, replicated)])
     report.add(per_rank)
@@ -210,37 +271,69 @@ def _agreement(results: dict[int, RankResult], replicated: bool) -> Outcome:
     for rank in ranks[1:]:
         other = results[rank].seen or []
         if len(other) != len(base):
-            return Outcome(AGREEMENT_CHECK, None, False,
-                           f"rank {rank} ran {len(other)} real batches and rank {ranks[0]} {len(base)}: the ranks did "
-                           "not run the same steps", rank=rank)
+            return Outcome(
+                AGREEMENT_CHECK,
+                None,
+                False,
+                f"rank {rank} ran {len(other)} real batches and rank {ranks[0]} {len(base)}: the ranks did "
+                "not run the same steps",
+                rank=rank,
+            )
         for i, (a, b) in enumerate(zip(base, other, strict=True)):
             shape = {"num_tokens": a.num_tokens, "num_reqs": a.num_reqs}
             if (a.num_tokens, a.num_reqs) != (b.num_tokens, b.num_reqs):
-                return _disagree(rank, ranks[0], i, f"batch shapes differ ({a.num_tokens} tokens, {a.num_reqs} "
-                                 f"requests on rank {ranks[0]}; {b.num_tokens}, {b.num_reqs} on rank {rank}): "
-                                 "make_inputs gives the ranks different batches", shape)
+                return _disagree(
+                    rank,
+                    ranks[0],
+                    i,
+                    f"batch shapes differ ({a.num_tokens} tokens, {a.num_reqs} "
+                    f"requests on rank {ranks[0]}; {b.num_tokens}, {b.num_reqs} on rank {rank}): "
+                    "make_inputs gives the ranks different batches",
+                    shape,
+                )
             if a.descriptor != b.descriptor:
-                return _disagree(rank, ranks[0], i, f"rank {ranks[0]} served it with {a.descriptor} and rank {rank} "
-                                 f"with {b.descriptor}: the ranks pad to different sizes, so their collectives "
-                                 "carry mismatched tensors", shape)
+                return _disagree(
+                    rank,
+                    ranks[0],
+                    i,
+                    f"rank {ranks[0]} served it with {a.descriptor} and rank {rank} "
+                    f"with {b.descriptor}: the ranks pad to different sizes, so their collectives "
+                    "carry mismatched tensors",
+                    shape,
+                )
             if replicated:
                 diff = first_difference(b.output, a.output)
                 if diff is not None:
                     where = diff.path or "the output"
-                    return _disagree(rank, ranks[0], i, f"outputs that must be replicated differ ({where}: "
-                                     f"{diff.reason}): a Python branch on the rank, or a collective missing on one "
-                                     "rank's path (replicated=False if these outputs are sharded)", shape, diff)
+                    return _disagree(
+                        rank,
+                        ranks[0],
+                        i,
+                        f"outputs that must be replicated differ ({where}: "
+                        f"{diff.reason}): a Python branch on the rank, or a collective missing on one "
+                        "rank's path (replicated=False if these outputs are sharded)",
+                        shape,
+                        diff,
+                    )
     return Outcome(AGREEMENT_CHECK, None, True, figures={"ranks": len(ranks), "batches": len(base)})
 
 
-def _disagree(rank: int, base: int, index: int, what: str, shape: dict[str, int], diff: Any = None) -> Outcome:
+def _disagree(
+    rank: int, base: int, index: int, what: str, shape: dict[str, int], diff: Any = None
+) -> Outcome:
     finding = Finding(real_batch=shape)
     if diff is not None:
         # Rank against rank, not graph against eager: the values go in the message.
         if diff.got is not None or diff.expected is not None:
             what += f"; rank {rank} gave {diff.got!r}, rank {base} gave {diff.expected!r}"
-        finding = Finding(output=diff.path, index=diff.index, real_batch=shape, max_abs=diff.max_abs,
-                          max_ulp=diff.max_ulp)
-    return Outcome(AGREEMENT_CHECK, None, False, f"rank {rank} disagrees with rank {base} at real batch {index + 1} "
-                   f"of the run: {what}", finding, rank=rank)
-
+        finding = Finding(
+            output=diff.path, index=diff.index, real_batch=shape, max_abs=diff.max_abs, max_ulp=diff.max_ulp
+        )
+    return Outcome(
+        AGREEMENT_CHECK,
+        None,
+        False,
+        f"rank {rank} disagrees with rank {base} at real batch {index + 1} of the run: {what}",
+        finding,
+        rank=rank,
+    )

@@ -163,7 +163,9 @@ class CapturePart(RuntimePart):
         submodule that ran it first): whether a CUDA capture holds them is not known."""
         return dict(self._tracker.not_known)
 
-    def capture(self, descriptors: Iterable[BatchDescriptor] | None = None, *, keep_going: bool = False) -> None:
+    def capture(
+        self, descriptors: Iterable[BatchDescriptor] | None = None, *, keep_going: bool = False
+    ) -> None:
         """Capture every descriptor of the plan (or those given), largest first.
 
         Each descriptor is warmed up eagerly, then captured on the static
@@ -228,8 +230,11 @@ class CapturePart(RuntimePart):
                 # just before its capture, as vLLM's capture loop does, so a
                 # warm-up that leaves state for the capture shows as it
                 # would in such an engine (a tensor memoised by identity).
-                staged = {} if self._backend.checked else self._warm_up(
-                    order, measure=measured and estimate.memory_check_enabled())
+                staged = (
+                    {}
+                    if self._backend.checked
+                    else self._warm_up(order, measure=measured and estimate.memory_check_enabled())
+                )
                 for desc in self._progress(order):
                     try:
                         self._capture_one(desc, staged.get(desc))
@@ -309,8 +314,9 @@ class CapturePart(RuntimePart):
         self._load_sample(desc, reqs, sample, kwargs)
         return sample, kwargs
 
-    def _load_sample(self, desc: BatchDescriptor, reqs: int, sample: Mapping[str, Any],
-                     kwargs: Mapping[str, Any]) -> None:
+    def _load_sample(
+        self, desc: BatchDescriptor, reqs: int, sample: Mapping[str, Any], kwargs: Mapping[str, Any]
+    ) -> None:
         """Copy ``desc``'s own sample into the static buffers.
 
         A sample of the descriptor's exact shape (what ``make_inputs`` gives at
@@ -325,9 +331,12 @@ class CapturePart(RuntimePart):
             exact = True
             for name, spec in self._tensor_specs:
                 value = sample[name]
-                if not (isinstance(value, torch.Tensor) and value.dtype == spec.dtype
-                        and value.shape == kwargs[name].shape
-                        and (value.is_cpu if index < 0 else value.get_device() == index)):
+                if not (
+                    isinstance(value, torch.Tensor)
+                    and value.dtype == spec.dtype
+                    and value.shape == kwargs[name].shape
+                    and (value.is_cpu if index < 0 else value.get_device() == index)
+                ):
                     exact = False
                     break
             if exact:
@@ -347,8 +356,9 @@ class CapturePart(RuntimePart):
         self.load_inputs(desc, sample, batch)
 
     # -- warm-up ----------------------------------------------------------
-    def _warm_up(self, order: list[BatchDescriptor], *,
-                 measure: bool = False) -> dict[BatchDescriptor, _Staged | Exception]:
+    def _warm_up(
+        self, order: list[BatchDescriptor], *, measure: bool = False
+    ) -> dict[BatchDescriptor, _Staged | Exception]:
         """Stage every descriptor's sample and run its forward once, back to back, in one warm-up.
 
         Lazy initialisation (cuBLAS handles, workspaces) must happen before a
@@ -390,11 +400,15 @@ class CapturePart(RuntimePart):
 
         self._backend.warmup(warm)
         if largest is not None and meter is not None and isinstance(staged.get(largest), _Staged):
+
             def remeasure() -> Any:
                 # Only when the allocator's reading would refuse: the largest
                 # warm-up again, under the storage counter, on its own sample.
                 return self._backend.warmup(
-                    lambda: estimate.measure_forward(self.module, self.stage_sample(largest)[1], marker=largest))
+                    lambda: estimate.measure_forward(
+                        self.module, self.stage_sample(largest)[1], marker=largest
+                    )
+                )
 
             estimate.check_measured_memory(self, order, largest, meter, remeasure)
         return staged
@@ -423,7 +437,9 @@ class CapturePart(RuntimePart):
 
         self._tracker.failed_path = ""
         holders = self._holders
-        guard = CaptureGuard(self._tracker, self.device, on_violation=_raise_violation, observer=self.observer)
+        guard = CaptureGuard(
+            self._tracker, self.device, on_violation=_raise_violation, observer=self.observer
+        )
         try:
             try:
                 # Capture runs as fast as the module allows: no hooks on
@@ -460,8 +476,14 @@ class CapturePart(RuntimePart):
                 if isinstance(exc, _Uncapturable):
                     # The rerun did not meet the op again (it came from a
                     # capture-only branch): name what the capture saw.
-                    raise _Uncapturable(Violation(exc.violation.op, exc.violation.reason,
-                                                  self._tracker.failed_path, exc.violation.location)) from None
+                    raise _Uncapturable(
+                        Violation(
+                            exc.violation.op,
+                            exc.violation.reason,
+                            self._tracker.failed_path,
+                            exc.violation.location,
+                        )
+                    ) from None
                 raise
             # Tensors bound before capture are what the graph reads; those bound
             # during capture live in its own pool.
@@ -472,7 +494,11 @@ class CapturePart(RuntimePart):
                 f"cannot capture {v.describe()} while capturing {desc} on the {self.backend} "
                 f"backend. A graph cannot read device values on the host or size outputs "
                 f"from data: keep shapes static and values on the device{self._piece_hint(desc, v.module_path)}",
-                op=v.op, reason=v.reason, module_path=v.module_path, descriptor=desc, backend=self.backend,
+                op=v.op,
+                reason=v.reason,
+                module_path=v.module_path,
+                descriptor=desc,
+                backend=self.backend,
             ) from None
         except CaptureError:
             raise
@@ -482,12 +508,18 @@ class CapturePart(RuntimePart):
                 f"capture of {desc} failed on the {self.backend} backend"
                 f"{f' in submodule {where!r}' if where else ''}: {faults.described(exc, self.device)}"
                 f"{self._piece_hint(desc, where)}",
-                module_path=where, descriptor=desc, backend=self.backend,
+                module_path=where,
+                descriptor=desc,
+                backend=self.backend,
             ) from exc
         # Only the checked capture keeps the sample (capture_sample, which the
         # checks replay on); the fast capture drops it (see _warm_up).
-        self._entries[desc] = Entry(graph, reqs, self._out_dims(graph.output, desc.num_tokens, reqs),
-                                    sample if self._backend.checked else None)
+        self._entries[desc] = Entry(
+            graph,
+            reqs,
+            self._out_dims(graph.output, desc.num_tokens, reqs),
+            sample if self._backend.checked else None,
+        )
 
     def _phase(self, name: str, desc: BatchDescriptor) -> Any:
         return faults.phase(name, type(self.module).__name__, desc, self.device)
@@ -498,13 +530,18 @@ class CapturePart(RuntimePart):
         None. When the forward fails eagerly too, the tracker's ``failed_path``
         names the submodule that was running."""
         try:
-            found: list[Violation] = self._backend.warmup(lambda: find_violations(
-                forward, self._tracker, self.device, exempt=self.eager_modules(desc), first_only=True))
+            found: list[Violation] = self._backend.warmup(
+                lambda: find_violations(
+                    forward, self._tracker, self.device, exempt=self.eager_modules(desc), first_only=True
+                )
+            )
         except Exception:
             return None  # no op to name: the original error stands
         return found[0] if found else None
 
-    def _record(self, desc: BatchDescriptor, forward: Callable[[], Any], guard: CaptureGuard) -> CapturedGraph:
+    def _record(
+        self, desc: BatchDescriptor, forward: Callable[[], Any], guard: CaptureGuard
+    ) -> CapturedGraph:
         """Capture ``desc``'s forward, whole or in pieces.
 
         The backend keeps the allocator's cache through a sequence (see
@@ -537,9 +574,11 @@ class CapturePart(RuntimePart):
             return ""
         piece = piece_of(path, [p for p, _ in self.eager_pieces])
         if piece is not None:
-            return (f". '{piece}' is an eager piece, but only PIECEWISE graphs run it eagerly: a FULL "
-                    f"graph captures the whole forward. Make it capturable, or use mode='PIECEWISE' "
-                    f"(no FULL graphs)")
+            return (
+                f". '{piece}' is an eager piece, but only PIECEWISE graphs run it eagerly: a FULL "
+                f"graph captures the whole forward. Make it capturable, or use mode='PIECEWISE' "
+                f"(no FULL graphs)"
+            )
         return ""
 
     # -- output rows ----------------------------------------------------
@@ -607,7 +646,9 @@ class CapturePart(RuntimePart):
         (t1, r1), (t2, r2) = probes
         kinds: list[OutCut] = []
         for (path, a), (_, b) in zip(first, second, strict=True):
-            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or (a.dim() == 0 and b.dim() == 0):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or (
+                a.dim() == 0 and b.dim() == 0
+            ):
                 kinds.append(())
                 continue
             dims: list[tuple[int, CountKind]] = []
@@ -665,8 +706,11 @@ class CapturePart(RuntimePart):
                 elif not constant and (follows_tokens or follows_reqs):
                     later.append((d, "tokens" if follows_tokens else "reqs"))
             for entry in self._entries.values():
-                if i >= len(entry.leaves) or not isinstance(entry.leaves[i], torch.Tensor) \
-                        or entry.leaves[i].dim() != ndim:
+                if (
+                    i >= len(entry.leaves)
+                    or not isinstance(entry.leaves[i], torch.Tensor)
+                    or entry.leaves[i].dim() != ndim
+                ):
                     continue
                 own = [(d, k) for d, k in entry.out_dims[i] if d == 0]
                 if lead == "whole":

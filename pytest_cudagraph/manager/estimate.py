@@ -123,7 +123,9 @@ class _StorageCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     inputs = {
                         t.untyped_storage().data_ptr()
                         for t in tree_leaves((args, kwargs))
-                        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided
+                        if isinstance(t, torch.Tensor)
+                        and t.device.type != "meta"
+                        and t.layout == torch.strided
                     }
                 if ptr in inputs:  # a view or an in-place result of something not ours
                     continue
@@ -210,10 +212,16 @@ class CaptureEstimate:
         where = "free on the device" if self.backend == "cuda" else "available in RAM"
         have = format_bytes(self.available_bytes) if self.available_bytes is not None else "unknown"
         how = "extrapolated from smaller shapes" if self.extrapolated else "measured by an eager forward"
-        extra = (f" (graph memory {format_bytes(self.graph_bytes)} plus {format_bytes(self.transient_bytes)} "
-                 f"held while a capture records)" if self.transient_bytes else "")
-        return (f"capturing {self.count} graph{'s' if self.count != 1 else ''} (the largest {self.largest}) "
-                f"needs about {format_bytes(self.total_bytes)}{extra}, {how}; {have} {where}")
+        extra = (
+            f" (graph memory {format_bytes(self.graph_bytes)} plus {format_bytes(self.transient_bytes)} "
+            f"held while a capture records)"
+            if self.transient_bytes
+            else ""
+        )
+        return (
+            f"capturing {self.count} graph{'s' if self.count != 1 else ''} (the largest {self.largest}) "
+            f"needs about {format_bytes(self.total_bytes)}{extra}, {how}; {have} {where}"
+        )
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -264,7 +272,9 @@ def estimate_capture(manager: CapturePart, descriptors: Iterable[BatchDescriptor
         return None
 
 
-def _estimate(manager: CapturePart, order: list[BatchDescriptor], largest: BatchDescriptor) -> CaptureEstimate:
+def _estimate(
+    manager: CapturePart, order: list[BatchDescriptor], largest: BatchDescriptor
+) -> CaptureEstimate:
     top = largest.num_tokens
     if top <= DIRECT_TOKENS:
         foot = _footprint_at(manager, top, manager.capture_reqs(largest))
@@ -280,9 +290,16 @@ def _estimate(manager: CapturePart, order: list[BatchDescriptor], largest: Batch
         out_per_token = out / top
         extrapolated = True
     transient = created if manager.backend == "emulate" else 0
-    return _capture_estimate(manager, order, largest, peak=peak, out_per_token=out_per_token,
-                             transient=transient, extrapolated=extrapolated,
-                             available=lambda need: available_memory(manager.device))
+    return _capture_estimate(
+        manager,
+        order,
+        largest,
+        peak=peak,
+        out_per_token=out_per_token,
+        transient=transient,
+        extrapolated=extrapolated,
+        available=lambda need: available_memory(manager.device),
+    )
 
 
 def _capture_estimate(
@@ -317,7 +334,9 @@ def memory_check_enabled() -> bool:
     return os.environ.get(CHECK_ENV, "").strip() != "0"
 
 
-def check_capture_memory(manager: CapturePart, descriptors: Iterable[BatchDescriptor]) -> CaptureEstimate | None:
+def check_capture_memory(
+    manager: CapturePart, descriptors: Iterable[BatchDescriptor]
+) -> CaptureEstimate | None:
     """Refuse, with a ``CaptureError`` that gives the estimate, a capture that
     will not fit; else return the estimate (None when none could be made).
 
@@ -429,7 +448,10 @@ def _cuda_room(device: torch.device, need: int) -> int | None:
 
 
 def check_measured_memory(
-    manager: CapturePart, order: Sequence[BatchDescriptor], largest: BatchDescriptor, meter: WarmupMeter,
+    manager: CapturePart,
+    order: Sequence[BatchDescriptor],
+    largest: BatchDescriptor,
+    meter: WarmupMeter,
     remeasure: Callable[[], Footprint],
 ) -> CaptureEstimate:
     """``check_capture_memory`` for the fast CUDA capture: the estimate from
@@ -449,11 +471,19 @@ def check_measured_memory(
     return estimate
 
 
-def _measured_estimate(manager: CapturePart, order: Sequence[BatchDescriptor], largest: BatchDescriptor,
-                       foot: Footprint) -> CaptureEstimate:
-    return _capture_estimate(manager, order, largest, peak=foot.peak,
-                             out_per_token=foot.output / largest.num_tokens, transient=0,
-                             extrapolated=False, available=lambda need: _cuda_room(manager.device, need))
+def _measured_estimate(
+    manager: CapturePart, order: Sequence[BatchDescriptor], largest: BatchDescriptor, foot: Footprint
+) -> CaptureEstimate:
+    return _capture_estimate(
+        manager,
+        order,
+        largest,
+        peak=foot.peak,
+        out_per_token=foot.output / largest.num_tokens,
+        transient=0,
+        extrapolated=False,
+        available=lambda need: _cuda_room(manager.device, need),
+    )
 
 
 def _tensor_bytes(inputs: Mapping[str, Any]) -> int:

@@ -108,7 +108,9 @@ class GraphManager(CapturePart):
                     f"{', '.join(CaptureConfig.defaults())}"
                 ) from None
         if not isinstance(config, CaptureConfig):
-            raise ValueError(f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}")
+            raise ValueError(
+                f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}"
+            )
         self.module = module
         self.observer = ForwardObserver(module)
         self.replays = 0
@@ -195,7 +197,10 @@ class GraphManager(CapturePart):
         return None
 
     def _check_not_meta(self) -> None:
-        tensors: list[tuple[str, torch.Tensor]] = [*self.module.named_parameters(), *self.module.named_buffers()]
+        tensors: list[tuple[str, torch.Tensor]] = [
+            *self.module.named_parameters(),
+            *self.module.named_buffers(),
+        ]
         for name, tensor in tensors:
             if tensor.device.type == "meta":
                 raise ValueError(
@@ -205,11 +210,12 @@ class GraphManager(CapturePart):
                 )
 
     def _check_module_device(self) -> None:
-        tensors: list[tuple[str, torch.Tensor]] = [*self.module.named_parameters(), *self.module.named_buffers()]
+        tensors: list[tuple[str, torch.Tensor]] = [
+            *self.module.named_parameters(),
+            *self.module.named_buffers(),
+        ]
         for name, tensor in tensors:
-            if tensor.device != self.device and not (
-                tensor.device.type == self.device.type == "cpu"
-            ):
+            if tensor.device != self.device and not (tensor.device.type == self.device.type == "cpu"):
                 raise ValueError(
                     f"module tensor '{name}' is on {tensor.device}, but the {self.backend} "
                     f"backend runs on {self.device}; move the module with module.to('{self.device}')"
@@ -263,10 +269,12 @@ class GraphManager(CapturePart):
         no graph; LookupError if its capture kept no sample."""
         entry = self._entries[desc]
         if entry.sample is None:
-            why = ("its sample was dropped (drop_sample: verification drops each once its checks are done)"
-                   if entry.dropped else
-                   "it was captured by the fast capture, which keeps no samples (each would hold memory of its "
-                   "size until release()); build the manager with checked_capture=True to keep them")
+            why = (
+                "its sample was dropped (drop_sample: verification drops each once its checks are done)"
+                if entry.dropped
+                else "it was captured by the fast capture, which keeps no samples (each would hold memory of its "
+                "size until release()); build the manager with checked_capture=True to keep them"
+            )
             raise LookupError(
                 f"{desc} has no capture sample: {why}; call make_inputs({desc.num_tokens}, "
                 f"{self.capture_reqs(desc)}) for inputs of that shape"

@@ -18,7 +18,9 @@ class MakeInputsError(ValueError):
     """``make_inputs`` returned something unusable; the message names the call and the fix."""
 
 
-def call_make_inputs(make_inputs: Callable[[int, int], Mapping[str, Any]], num_tokens: int, num_reqs: int) -> dict[str, Any]:
+def call_make_inputs(
+    make_inputs: Callable[[int, int], Mapping[str, Any]], num_tokens: int, num_reqs: int
+) -> dict[str, Any]:
     try:
         inputs = make_inputs(num_tokens, num_reqs)
     except MakeInputsError:  # already says which call and what to do

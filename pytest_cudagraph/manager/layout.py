@@ -67,10 +67,11 @@ def forward_probes(max_tokens: int, max_reqs: int) -> tuple[tuple[int, int], tup
     CUDA context, not an exception to catch."""
     fit = [(t, r) for t, r in _FORWARD_PROBES if t <= max_tokens and r <= max_reqs and t > r]
     for i, (t1, r1) in enumerate(fit):
-        for t2, r2 in fit[i + 1:]:
+        for t2, r2 in fit[i + 1 :]:
             if t1 != t2 and r1 != r2 and t1 * r2 != t2 * r1:
                 return (t1, r1), (t2, r2)
     return None
+
 
 _COUNT_NAME = {"tokens": "num_tokens", "reqs": "num_reqs"}
 
@@ -181,10 +182,14 @@ def not_a_module(module: object, where: str = "module") -> str:
 
 def _shapes_seen(shapes: list[tuple[int, ...]], max_tokens: int, max_reqs: int) -> str:
     at = [*PROBES, (max_tokens, max_reqs)]
-    return ", ".join(f"{shape} at (num_tokens={t}, num_reqs={r})" for shape, (t, r) in zip(shapes, at, strict=True))
+    return ", ".join(
+        f"{shape} at (num_tokens={t}, num_reqs={r})" for shape, (t, r) in zip(shapes, at, strict=True)
+    )
 
 
-def _following_dims(name: str, shapes: list[tuple[int, ...]], max_tokens: int, max_reqs: int) -> list[BatchDim]:
+def _following_dims(
+    name: str, shapes: list[tuple[int, ...]], max_tokens: int, max_reqs: int
+) -> list[BatchDim]:
     """The dimensions of an input that follow a count, learned from its shapes
     at the two probes and at the largest batch; every other one must be fixed."""
     (t1, r1), (t2, r2) = PROBES
@@ -229,8 +234,10 @@ def _check_batch_dims(batch_dims: Mapping[str, int], specs: Mapping[str, Any]) -
 
 def _pad_hint(name: str, dtype: torch.dtype) -> str:
     if dtype == torch.bool:
-        return (f"pad_values={{'{name}': False}} or {{'{name}': True}}, whichever your mask's convention "
-                "reads as 'masked out'")
+        return (
+            f"pad_values={{'{name}': False}} or {{'{name}': True}}, whichever your mask's convention "
+            "reads as 'masked out'"
+        )
     if dtype.is_floating_point:
         return f"pad_values={{'{name}': float('-inf')}} for an additive mask (0 for a multiplicative one)"
     return f"pad_values={{'{name}': 0}} (or whatever value your module reads as padding)"
@@ -253,7 +260,8 @@ def infer_layout(
     batch_dims = dict(batch_dims or {})
     probes = [call_make_inputs(make_inputs, t, r) for t, r in PROBES]
     check_input_memory(  # refuses static buffers that will not fit, before making them
-        probes, PROBES, max_tokens=max_tokens, max_reqs=max_reqs, device=device)
+        probes, PROBES, max_tokens=max_tokens, max_reqs=max_reqs, device=device
+    )
     full = call_make_inputs(make_inputs, max_tokens, max_reqs)
     names = list(full)
     for (t, r), probe in zip(PROBES, probes, strict=False):
@@ -265,9 +273,7 @@ def infer_layout(
             )
     unknown = set(pad_values) - set(names)
     if unknown:
-        raise ValueError(
-            f"pad_values names unknown input(s) {sorted(unknown)}; inputs are {names}"
-        )
+        raise ValueError(f"pad_values names unknown input(s) {sorted(unknown)}; inputs are {names}")
     _check_batch_dims(batch_dims, full)
     specs: dict[str, InputSpec] = {}
     for name in names:
@@ -299,7 +305,9 @@ def infer_layout(
             )
         dtype = tensors[-1].dtype
         if any(t.dtype != dtype for t in tensors):
-            raise ValueError(f"input '{name}' changes dtype with the batch shape: {[t.dtype for t in tensors]}")
+            raise ValueError(
+                f"input '{name}' changes dtype with the batch shape: {[t.dtype for t in tensors]}"
+            )
         shapes = [tuple(t.shape) for t in tensors]
         ndim = len(shapes[-1])
         if any(len(shape) != ndim for shape in shapes):
@@ -324,7 +332,8 @@ def infer_layout(
                     found = f"dimension(s) {[d for d in moving if d != given]} also change with the batch"
                 else:
                     found = f"dimension {given} is {shapes[-1][given]} at every shape seen" + (
-                        f", and dimension(s) {moving} change with the batch instead" if moving else "")
+                        f", and dimension(s) {moving} change with the batch instead" if moving else ""
+                    )
                 raise ValueError(
                     f"batch_dims['{name}'] = {given}, but {found} "
                     f"({_shapes_seen(shapes, max_tokens, max_reqs)}); the dimension given must follow "
@@ -358,13 +367,22 @@ def infer_layout(
         # Contiguous and owned by the manager: graphs hold its address for life.
         buffer = tensors[-1].detach().to(device=device, copy=True).contiguous()
         specs[name] = InputSpec(
-            name, kind, offset, dtype, tuple(buffer.shape[1:]), pad, buffer,
-            dim=dim, dims=tuple(following),
+            name,
+            kind,
+            offset,
+            dtype,
+            tuple(buffer.shape[1:]),
+            pad,
+            buffer,
+            dim=dim,
+            dims=tuple(following),
         )
     return specs
 
 
-def padded_inputs(specs: Mapping[str, InputSpec], inputs: Mapping[str, Any], num_tokens: int, num_reqs: int) -> dict[str, Any]:
+def padded_inputs(
+    specs: Mapping[str, InputSpec], inputs: Mapping[str, Any], num_tokens: int, num_reqs: int
+) -> dict[str, Any]:
     """``inputs`` of a real batch padded to ``num_tokens`` tokens and ``num_reqs`` requests as the
     static buffers pad them (each input's pad value, or its last row for "edge"), as new tensors:
     what a graph of that size would read, for an eager run of the same program."""
@@ -387,7 +405,8 @@ def padded_inputs(specs: Mapping[str, InputSpec], inputs: Mapping[str, Any], num
         else:
             d = spec.dim
             tail = value.narrow(d, value.shape[d] - 1, 1).expand(
-                *[shape[i] - value.shape[i] if i == d else shape[i] for i in range(value.dim())])
+                *[shape[i] - value.shape[i] if i == d else shape[i] for i in range(value.dim())]
+            )
             t = torch.cat([value, tail], d)
         out[name] = t
     return out

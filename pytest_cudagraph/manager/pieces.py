@@ -32,7 +32,12 @@ from ..guard import CaptureGuard
 from ..plan import BatchDescriptor
 
 __all__ = [
-    "EagerCall", "EagerPieceError", "EagerSpec", "SegmentedGraph", "capture_in_pieces", "piece_of",
+    "EagerCall",
+    "EagerPieceError",
+    "EagerSpec",
+    "SegmentedGraph",
+    "capture_in_pieces",
+    "piece_of",
     "resolve_eager_submodules",
 ]
 
@@ -96,8 +101,10 @@ def resolve_eager_submodules(module: torch.nn.Module, spec: EagerSpec) -> list[t
             elif isinstance(item, str):
                 if item not in names:
                     shown = ", ".join(sorted(names)[:12]) + (", ..." if len(names) > 12 else "")
-                    raise ValueError(f"eager_submodules names {item!r}, which is not a submodule; "
-                                     f"the submodules are: {shown}")
+                    raise ValueError(
+                        f"eager_submodules names {item!r}, which is not a submodule; "
+                        f"the submodules are: {shown}"
+                    )
                 wanted.add(item)
             else:
                 raise ValueError(
@@ -156,8 +163,9 @@ def own_result(output: Any, reads: set[int]) -> Any:
 class EagerCall:
     """One eager piece as captured: its call, and the tensors its result goes into."""
 
-    def __init__(self, path: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 output: Any) -> None:
+    def __init__(
+        self, path: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
         self.path = path
         self.module = module
         self.args = args
@@ -258,6 +266,7 @@ def capture_in_pieces(
             steps.append(segment)
             if not backend.capture_executes:
                 segment.replay()
+
         return before
 
     def resume(path: str) -> Callable[..., Any]:
@@ -265,11 +274,13 @@ def capture_in_pieces(
             _, args, kwargs = inside.pop()
             if inside:
                 return None  # still inside the outer piece
-            output = own_result(output, _storages((args, kwargs)) | _storages(
-                [*module.parameters(), *module.buffers()]))
+            output = own_result(
+                output, _storages((args, kwargs)) | _storages([*module.parameters(), *module.buffers()])
+            )
             steps.append(EagerCall(path, module, args, kwargs, output))
             current.append(backend.open_capture(guard))
             return output
+
         return after
 
     handles = []
@@ -290,7 +301,8 @@ def capture_in_pieces(
                 if inside and not isinstance(exc, EagerPieceError):
                     path = inside[0][0]
                     raise EagerPieceError(
-                        path, f"eager piece '{path}' failed while {desc} was captured: {type(exc).__name__}: {exc}"
+                        path,
+                        f"eager piece '{path}' failed while {desc} was captured: {type(exc).__name__}: {exc}",
                     ) from exc
                 raise
             steps.append(current.pop().end(output))

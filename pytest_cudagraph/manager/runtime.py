@@ -46,7 +46,9 @@ class Entry:
     graph: CapturedGraph
     num_reqs: int  # request rows the graph was captured with
     out_dims: list[OutCut]  # per output leaf (tree.flatten's order)
-    sample: dict[str, Any] | None  # the make_inputs batch the graph was captured on; kept by the checked capture only
+    sample: (
+        dict[str, Any] | None
+    )  # the make_inputs batch the graph was captured on; kept by the checked capture only
     dropped: bool = False  # the sample was let go (drop_sample)
 
     def __post_init__(self) -> None:
@@ -190,10 +192,16 @@ class RuntimePart:
     ) -> BatchDescriptor:
         """The plan's answer, or ``NONE`` when that descriptor has no live graph
         (``dispatch_batch`` with the batch's fields as keywords)."""
-        return self.dispatch_batch(Batch(
-            num_tokens=num_tokens, num_reqs=num_reqs, uniform_token_count=uniform_token_count,
-            num_active_loras=num_active_loras, max_query_len=max_query_len, num_ubatches=num_ubatches,
-        ))
+        return self.dispatch_batch(
+            Batch(
+                num_tokens=num_tokens,
+                num_reqs=num_reqs,
+                uniform_token_count=uniform_token_count,
+                num_active_loras=num_active_loras,
+                max_query_len=max_query_len,
+                num_ubatches=num_ubatches,
+            )
+        )
 
     def dispatch_batch(self, batch: Batch) -> BatchDescriptor:
         """The descriptor whose live graph serves ``batch``, or a ``NONE`` one
@@ -251,8 +259,13 @@ class RuntimePart:
         if batch is not None:
             if args != _DEFAULT_BATCH_ARGS:
                 raise TypeError("run_batch takes a Batch or its keywords, not both")
-            args = (batch.num_reqs, batch.uniform_token_count, batch.num_active_loras, batch.max_query_len,
-                    batch.num_ubatches)
+            args = (
+                batch.num_reqs,
+                batch.uniform_token_count,
+                batch.num_active_loras,
+                batch.max_query_len,
+                batch.num_ubatches,
+            )
             tokens = batch.num_tokens
         key: tuple[Any, ...] | None = None
         if inputs.keys() == self._tensor_names:
@@ -271,8 +284,14 @@ class RuntimePart:
                 key = hot = None
             if hot is not None and self._same_kind(inputs):
                 return self._replay_hot(hot, inputs)
-        real = self.batch_of(inputs, num_reqs=args[0], uniform_token_count=args[1], num_active_loras=args[2],
-                             max_query_len=args[3], num_ubatches=args[4])
+        real = self.batch_of(
+            inputs,
+            num_reqs=args[0],
+            uniform_token_count=args[1],
+            num_active_loras=args[2],
+            max_query_len=args[3],
+            num_ubatches=args[4],
+        )
         if tokens is not None and tokens != real.num_tokens:
             raise ValueError(f"the Batch says {tokens} tokens, but the inputs hold {real.num_tokens}")
         desc = self.dispatch_batch(real)
@@ -369,13 +388,17 @@ class RuntimePart:
                 said = f"'{name}'" if d == 0 else f"'{name}' (dimension {d})"
                 if kind == "tokens":
                     if num_tokens >= 0 and count != num_tokens:
-                        raise ValueError(f"inputs disagree on num_tokens: {token_input} says {num_tokens}, "
-                                         f"{said} says {count}")
+                        raise ValueError(
+                            f"inputs disagree on num_tokens: {token_input} says {num_tokens}, "
+                            f"{said} says {count}"
+                        )
                     num_tokens, token_input = count, said
                 else:
                     if from_inputs is not None and count != from_inputs:
-                        raise ValueError(f"inputs disagree on num_reqs: {reqs_input} says {from_inputs}, "
-                                         f"{said} says {count}")
+                        raise ValueError(
+                            f"inputs disagree on num_reqs: {reqs_input} says {from_inputs}, "
+                            f"{said} says {count}"
+                        )
                     from_inputs, reqs_input = count, said
         if num_tokens < 0:
             raise ValueError("no input follows num_tokens, so the batch's token count is unknown")
@@ -391,8 +414,14 @@ class RuntimePart:
             raise ValueError(
                 f"the batch has {num_reqs} requests, above max_num_reqs={self.config.max_num_reqs}"
             )
-        batch = Batch(num_tokens=num_tokens, num_reqs=num_reqs, uniform_token_count=uniform_token_count,
-                      num_active_loras=num_active_loras, max_query_len=max_query_len, num_ubatches=num_ubatches)
+        batch = Batch(
+            num_tokens=num_tokens,
+            num_reqs=num_reqs,
+            uniform_token_count=uniform_token_count,
+            num_active_loras=num_active_loras,
+            max_query_len=max_query_len,
+            num_ubatches=num_ubatches,
+        )
         self.plan.dispatch_batch(batch)  # validates the counts (num_reqs <= num_tokens, non-negative, ...)
         return batch
 
@@ -481,8 +510,9 @@ class RuntimePart:
             if spec.kind == "multi":
                 real_block = window
                 for d, kind, offset in spec.dims:
-                    real_block = real_block.narrow(d, 0, (batch.num_tokens if kind == "tokens"
-                                                          else batch.num_reqs) + offset)
+                    real_block = real_block.narrow(
+                        d, 0, (batch.num_tokens if kind == "tokens" else batch.num_reqs) + offset
+                    )
                 padded = real_block.shape != window.shape
                 assert spec.pad != "edge"  # refused by infer_layout: a block has no last row
                 blocks.append((name, real_block, window if padded else None, spec.pad))
@@ -551,9 +581,11 @@ class RuntimePart:
         real rows exactly as the graph's output is."""
         entry = self._entries[desc]
         leaves, structure = tree.flatten(output)
-        cut = [_cut_leaf(leaf, dims, batch) if isinstance(leaf, torch.Tensor) else leaf
-               for leaf, dims in zip(leaves, entry.out_dims, strict=False)]
-        cut.extend(leaves[len(cut):])
+        cut = [
+            _cut_leaf(leaf, dims, batch) if isinstance(leaf, torch.Tensor) else leaf
+            for leaf, dims in zip(leaves, entry.out_dims, strict=False)
+        ]
+        cut.extend(leaves[len(cut) :])
         return structure.unflatten(cut)
 
     @staticmethod
@@ -562,7 +594,9 @@ class RuntimePart:
         key = (batch.num_tokens, batch.num_reqs)
         cut = entry.cuts.get(key)
         if cut is None:
-            cut = [_cut_leaf(leaf, dims, batch) for leaf, dims in zip(entry.leaves, entry.out_dims, strict=False)]
+            cut = [
+                _cut_leaf(leaf, dims, batch) for leaf, dims in zip(entry.leaves, entry.out_dims, strict=False)
+            ]
             entry.cuts[key] = cut
         return cut
 

@@ -156,9 +156,7 @@ class CapturePlan:
             if mixed_mode:
                 # PIECEWISE graphs pad tokens only; a FULL mixed graph also
                 # fixes the request count it was captured with.
-                reqs_or_none = (
-                    min(num_tokens, cfg.max_num_reqs) if mixed_mode is GraphMode.FULL else None
-                )
+                reqs_or_none = min(num_tokens, cfg.max_num_reqs) if mixed_mode is GraphMode.FULL else None
                 desc = BatchDescriptor(
                     mode=mixed_mode,
                     num_tokens=num_tokens,
@@ -312,7 +310,9 @@ class CapturePlan:
             and (num_reqs > 0 or num_tokens == 0)
             and num_active_loras >= 0
             and num_ubatches >= 1
-            and (uniform_token_count is None or (type(uniform_token_count) is int and uniform_token_count >= 1))
+            and (
+                uniform_token_count is None or (type(uniform_token_count) is int and uniform_token_count >= 1)
+            )
             and (max_query_len is None or (type(max_query_len) is int and max_query_len >= 1))
         ):
             self._validate_batch(*key)
@@ -328,9 +328,14 @@ class CapturePlan:
         The memo and the miss path work on the raw values (a tuple): making a
         ``Batch`` per new shape would double the cost of a first dispatch.
         """
-        return self.dispatch(num_reqs=batch.num_reqs, num_tokens=batch.num_tokens,
-                             uniform_token_count=batch.uniform_token_count, num_active_loras=batch.num_active_loras,
-                             max_query_len=batch.max_query_len, num_ubatches=batch.num_ubatches)
+        return self.dispatch(
+            num_reqs=batch.num_reqs,
+            num_tokens=batch.num_tokens,
+            uniform_token_count=batch.uniform_token_count,
+            num_active_loras=batch.num_active_loras,
+            max_query_len=batch.max_query_len,
+            num_ubatches=batch.num_ubatches,
+        )
 
     @staticmethod
     def _validate_batch(

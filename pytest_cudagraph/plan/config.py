@@ -37,26 +37,30 @@ def _int_tuple(name: str, values: Iterable[int] | int, *, minimum: int, maximum:
         # At most MAX_GRAPHS + 1 items are read: range(2**40) is an error, not a wait.
         items = tuple(islice(values, MAX_GRAPHS + 1))  # type: ignore[arg-type]
     except TypeError:
-        raise ValueError(
-            f"{name} must be a sequence of integers; got {values!r}"
-        ) from None
+        raise ValueError(f"{name} must be a sequence of integers; got {values!r}") from None
     if len(items) > MAX_GRAPHS:
-        raise ValueError(f"{name} holds more than {MAX_GRAPHS} values: far more graphs than any engine "
-                         f"captures (vLLM: about 70 sizes); give fewer")
+        raise ValueError(
+            f"{name} holds more than {MAX_GRAPHS} values: far more graphs than any engine "
+            f"captures (vLLM: about 70 sizes); give fewer"
+        )
     bad = [v for v in items if not _is_int(v) or v < minimum]
     if bad:
         raise ValueError(f"{name} must hold integers >= {minimum}; got {bad[0]!r} in {_short(items)}")
     huge = [v for v in items if v > maximum]
     if huge:
-        raise ValueError(f"{name} must hold integers <= {maximum}; got {huge[0]!r} in {_short(items)}: "
-                         f"far beyond any device (vLLM's largest capture sizes are 8192-65536 tokens)")
+        raise ValueError(
+            f"{name} must hold integers <= {maximum}; got {huge[0]!r} in {_short(items)}: "
+            f"far beyond any device (vLLM's largest capture sizes are 8192-65536 tokens)"
+        )
     # Keep the order given (the capture order of LoRA cases follows it, as in
     # vLLM) but drop repeats, which would only capture the same graph twice.
     return tuple(dict.fromkeys(items))
 
 
 def _short(items: tuple[int, ...]) -> str:
-    return repr(items) if len(items) <= 20 else f"({', '.join(map(str, items[:20]))}, ... {len(items)} in all)"
+    return (
+        repr(items) if len(items) <= 20 else f"({', '.join(map(str, items[:20]))}, ... {len(items)} in all)"
+    )
 
 
 def _check_at_most(name: str, value: int, maximum: int, what: str) -> None:
@@ -123,8 +127,7 @@ class CaptureConfig:
         _check_at_most("max_num_reqs", max_num_reqs, MAX_CAPTURE_TOKENS, "requests in one batch")
         if not _is_int(decode_query_len) or decode_query_len < 1:
             raise ValueError(
-                f"decode_query_len must be an integer >= 1 (1 + speculative tokens); "
-                f"got {decode_query_len!r}"
+                f"decode_query_len must be an integer >= 1 (1 + speculative tokens); got {decode_query_len!r}"
             )
         _check_at_most("decode_query_len", decode_query_len, MAX_CAPTURE_TOKENS, "tokens per request")
         cases = _int_tuple("lora_cases", lora_cases, minimum=0, maximum=MAX_LORA_CASE)
@@ -147,7 +150,9 @@ class CaptureConfig:
             )
         _check_at_most("max_capture_size", max_capture_size, MAX_CAPTURE_TOKENS, "tokens in one graph")
         if not _is_int(num_ubatches) or num_ubatches < 1:
-            raise ValueError(f"num_ubatches must be an integer >= 1 (1: no microbatching); got {num_ubatches!r}")
+            raise ValueError(
+                f"num_ubatches must be an integer >= 1 (1: no microbatching); got {num_ubatches!r}"
+            )
         _check_at_most("num_ubatches", num_ubatches, MAX_CAPTURE_TOKENS, "microbatches of one batch")
         if not _is_int(ubatch_min_tokens) or ubatch_min_tokens < 1:
             raise ValueError(f"ubatch_min_tokens must be an integer >= 1; got {ubatch_min_tokens!r}")
@@ -156,14 +161,17 @@ class CaptureConfig:
         else:
             lens = _int_tuple("decode_query_lens", decode_query_lens, minimum=1, maximum=MAX_CAPTURE_TOKENS)
             if not lens:
-                raise ValueError(f"decode_query_lens must name at least one query length, e.g. "
-                                 f"({decode_query_len},); leave it out for decode_query_len alone")
+                raise ValueError(
+                    f"decode_query_lens must name at least one query length, e.g. "
+                    f"({decode_query_len},); leave it out for decode_query_len alone"
+                )
             above = [q for q in lens if q > decode_query_len]
             if above:
                 raise ValueError(
                     f"decode_query_lens must hold query lengths between 1 and decode_query_len ({decode_query_len}, "
                     f"the longest: 1 + the most speculative tokens); got {above[0]}. Raise decode_query_len to "
-                    f"{max(lens)}, or drop {above[0]}")
+                    f"{max(lens)}, or drop {above[0]}"
+                )
             lens = tuple(sorted(lens))
         set_ = object.__setattr__
         set_(self, "capture_sizes", sizes)
@@ -220,8 +228,11 @@ class CaptureConfig:
         if "capture_sizes" in changes and "max_capture_size" not in changes:
             # The bound followed the old sizes; let it follow the new ones.
             current["max_capture_size"] = None
-        if ("decode_query_len" in changes and "decode_query_lens" not in changes
-                and current["decode_query_lens"] == (self.decode_query_len,)):
+        if (
+            "decode_query_len" in changes
+            and "decode_query_lens" not in changes
+            and current["decode_query_lens"] == (self.decode_query_len,)
+        ):
             # The lengths were the default, decode_query_len alone: they follow it.
             current["decode_query_lens"] = None
         current.update(changes)

@@ -36,9 +36,21 @@ class BatchDescriptor:
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.mode, self.num_tokens, self.num_reqs,
-                                                self.uniform_token_count, self.max_query_len,
-                                                self.num_active_loras, self.num_ubatches)))
+        object.__setattr__(
+            self,
+            "_hash",
+            hash(
+                (
+                    self.mode,
+                    self.num_tokens,
+                    self.num_reqs,
+                    self.uniform_token_count,
+                    self.max_query_len,
+                    self.num_active_loras,
+                    self.num_ubatches,
+                )
+            ),
+        )
 
     def __hash__(self) -> int:
         return self._hash
@@ -63,9 +75,7 @@ class BatchDescriptor:
             return False
         # A graph that bounds query length cannot serve a caller that does not
         # say its longest query (None means "may hold a prefill").
-        if self.max_query_len is not None and (
-            max_query_len is None or max_query_len > self.max_query_len
-        ):
+        if self.max_query_len is not None and (max_query_len is None or max_query_len > self.max_query_len):
             return False
         if self.num_reqs is not None and num_reqs > self.num_reqs:
             return False

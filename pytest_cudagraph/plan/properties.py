@@ -52,8 +52,11 @@ class DispatchPropertyError(AssertionError):
         self.property = prop
         self.batch = batch
         self.answer = answer
-        answer_text = "no answer" if answer is None else (
-            answer.label() if answer.mode is not GraphMode.NONE else "NONE (eager)")
+        answer_text = (
+            "no answer"
+            if answer is None
+            else (answer.label() if answer.mode is not GraphMode.NONE else "NONE (eager)")
+        )
         super().__init__(f"dispatch property '{prop}' broken: {batch} -> {answer_text}; rule: {rule}")
 
 
@@ -100,9 +103,13 @@ def _compatible(desc: BatchDescriptor, batch: Batch, loras: int) -> bool:
     )
 
 
-def _group(captured: Iterable[BatchDescriptor], mode: GraphMode, loras: int, num_tokens: int) -> list[BatchDescriptor]:
+def _group(
+    captured: Iterable[BatchDescriptor], mode: GraphMode, loras: int, num_tokens: int
+) -> list[BatchDescriptor]:
     """The candidates of one mode: graphs of the smallest captured size holding the batch."""
-    holding = [d for d in captured if d.mode is mode and d.num_active_loras == loras and d.num_tokens >= num_tokens]
+    holding = [
+        d for d in captured if d.mode is mode and d.num_active_loras == loras and d.num_tokens >= num_tokens
+    ]
     if not holding:
         return []
     smallest = min(d.num_tokens for d in holding)
@@ -114,7 +121,9 @@ def _answer(dispatch: Dispatch, batch: Batch) -> BatchDescriptor:
         return dispatch(**batch.dispatch_args())
     except Exception as exc:
         raise DispatchPropertyError(
-            "totality", batch, None,
+            "totality",
+            batch,
+            None,
             f"a valid batch must get an answer, but dispatch raised {type(exc).__name__}: {exc}",
         ) from exc
 
@@ -125,15 +134,25 @@ def _next_batch(batch: Batch) -> Batch | None:
         return None
     if batch.uniform_token_count is not None:
         u = batch.uniform_token_count
-        return Batch(num_tokens=batch.num_tokens + u, num_reqs=batch.num_reqs + 1, uniform_token_count=u,
-                     num_active_loras=batch.num_active_loras, max_query_len=batch.max_query_len,
-                     num_ubatches=batch.num_ubatches)
+        return Batch(
+            num_tokens=batch.num_tokens + u,
+            num_reqs=batch.num_reqs + 1,
+            uniform_token_count=u,
+            num_active_loras=batch.num_active_loras,
+            max_query_len=batch.max_query_len,
+            num_ubatches=batch.num_ubatches,
+        )
     n = batch.num_tokens + 1
     mql = batch.max_query_len
     if mql is not None:
         mql = max(mql, -(-n // batch.num_reqs))
-    return Batch(num_tokens=n, num_reqs=batch.num_reqs, num_active_loras=batch.num_active_loras,
-                 max_query_len=mql, num_ubatches=batch.num_ubatches)
+    return Batch(
+        num_tokens=n,
+        num_reqs=batch.num_reqs,
+        num_active_loras=batch.num_active_loras,
+        max_query_len=mql,
+        num_ubatches=batch.num_ubatches,
+    )
 
 
 def check_dispatch(
@@ -213,7 +232,11 @@ def check_dispatch(
                 f"{group[0].num_tokens if group else 'none'} tokens in {answer.mode.name}",
             )
         if answer.mode is GraphMode.PIECEWISE:
-            full = [d for d in _group(graphs, GraphMode.FULL, loras, batch.num_tokens) if _compatible(d, batch, loras)]
+            full = [
+                d
+                for d in _group(graphs, GraphMode.FULL, loras, batch.num_tokens)
+                if _compatible(d, batch, loras)
+            ]
             if full:
                 broken(
                     "minimal_padding",
@@ -221,7 +244,9 @@ def check_dispatch(
                 )
     else:
         for mode in (GraphMode.FULL, GraphMode.PIECEWISE):
-            serving = [d for d in _group(graphs, mode, loras, batch.num_tokens) if _compatible(d, batch, loras)]
+            serving = [
+                d for d in _group(graphs, mode, loras, batch.num_tokens) if _compatible(d, batch, loras)
+            ]
             if serving and batch.num_tokens > 0:
                 if loras != batch.num_active_loras:
                     broken(
@@ -243,7 +268,9 @@ def _check_monotonic(dispatch: Dispatch, batch: Batch, answer: BatchDescriptor) 
     later = _answer(dispatch, following)
     if later.mode is answer.mode and later.num_tokens < answer.num_tokens:
         raise DispatchPropertyError(
-            "monotonicity", following, later,
+            "monotonicity",
+            following,
+            later,
             f"more tokens never dispatch to a smaller graph: {batch} went to {answer.label()}",
         )
 
@@ -274,7 +301,9 @@ def check_reachability(
         answer = _answer(dispatch, batch)
         if answer != desc:
             raise DispatchPropertyError(
-                "reachability", batch, answer,
+                "reachability",
+                batch,
+                answer,
                 f"every captured graph serves its own exact shape; {desc.label()} is never reached there",
             )
 
@@ -289,11 +318,17 @@ def check_rejects(plan: CapturePlan, batch: Batch, *, dispatch: Dispatch | None 
         return
     except Exception as exc:
         raise DispatchPropertyError(
-            "totality", batch, None,
+            "totality",
+            batch,
+            None,
             f"an invalid batch ({reason}) must raise ValueError, not {type(exc).__name__}: {exc}",
         ) from exc
-    raise DispatchPropertyError("totality", batch, answer if isinstance(answer, BatchDescriptor) else None,
-                                f"an invalid batch ({reason}) must raise ValueError")
+    raise DispatchPropertyError(
+        "totality",
+        batch,
+        answer if isinstance(answer, BatchDescriptor) else None,
+        f"an invalid batch ({reason}) must raise ValueError",
+    )
 
 
 class DispatchProperties:

@@ -122,16 +122,22 @@ def _batch_reason(values: tuple[Any, ...]) -> str | None:
         if u < 1:
             return f"uniform_token_count must be >= 1 or empty; got {u}"
         if u * r != t:
-            return (f"uniform_token_count {u} with {r} requests makes {u * r} tokens, not num_tokens {t}: "
-                    "a uniform batch holds exactly uniform_token_count tokens a request")
+            return (
+                f"uniform_token_count {u} with {r} requests makes {u * r} tokens, not num_tokens {t}: "
+                "a uniform batch holds exactly uniform_token_count tokens a request"
+            )
     if q is not None:
         if q < 1:
             return f"max_query_len must be >= 1 or empty; got {q}"
         if q * r < t:
-            return f"max_query_len {q} with {r} requests holds at most {q * r} tokens, fewer than num_tokens {t}"
+            return (
+                f"max_query_len {q} with {r} requests holds at most {q * r} tokens, fewer than num_tokens {t}"
+            )
         if q > t - r + 1:
-            return (f"max_query_len {q} is more than num_tokens - num_reqs + 1 = {t - r + 1}: the other "
-                    "requests hold at least a token each")
+            return (
+                f"max_query_len {q} is more than num_tokens - num_reqs + 1 = {t - r + 1}: the other "
+                "requests hold at least a token each"
+            )
     if loras < 0:
         return f"num_active_loras must be >= 0; got {loras}"
     return None
@@ -183,7 +189,10 @@ def _rows_jsonl(f: IO[str]) -> Iterator[tuple[int, Mapping[str, Any] | str]]:
         except json.JSONDecodeError as exc:
             yield number, f"not JSON ({exc.msg} at column {exc.colno})"
             continue
-        yield number, row if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object of fields"
+        yield (
+            number,
+            row if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object of fields",
+        )
 
 
 def _rows_csv(f: IO[str], path: str) -> Iterator[tuple[int, Mapping[str, Any] | str]]:
@@ -197,8 +206,11 @@ def _rows_csv(f: IO[str], path: str) -> Iterator[tuple[int, Mapping[str, Any] | 
             header = [cell.strip() for cell in row]
             missing = [n for n in REQUIRED_FIELDS if n not in header]
             if missing:
-                raise TraceError(path, f"the CSV header (line {number}) has no column {', '.join(missing)}; "
-                                 f"it needs {', '.join(REQUIRED_FIELDS)} and may have {', '.join(OPTIONAL_FIELDS)}")
+                raise TraceError(
+                    path,
+                    f"the CSV header (line {number}) has no column {', '.join(missing)}; "
+                    f"it needs {', '.join(REQUIRED_FIELDS)} and may have {', '.join(OPTIONAL_FIELDS)}",
+                )
             continue
         if len(row) != len(header):
             yield number, f"{len(row)} cells for the header's {len(header)} columns"
@@ -236,11 +248,13 @@ def read_trace(path: str | Path, *, skip_bad: bool = False) -> Trace:
                     bad.append(BadLine(number, row))
                     continue
                 try:
-                    values = (_int(row.get("num_tokens"), "num_tokens", optional=False),
-                              _int(row.get("num_reqs"), "num_reqs", optional=False),
-                              _int(row.get("uniform_token_count"), "uniform_token_count", optional=True),
-                              _int(row.get("max_query_len"), "max_query_len", optional=True),
-                              _int(row.get("num_active_loras"), "num_active_loras", optional=True) or 0)
+                    values = (
+                        _int(row.get("num_tokens"), "num_tokens", optional=False),
+                        _int(row.get("num_reqs"), "num_reqs", optional=False),
+                        _int(row.get("uniform_token_count"), "uniform_token_count", optional=True),
+                        _int(row.get("max_query_len"), "max_query_len", optional=True),
+                        _int(row.get("num_active_loras"), "num_active_loras", optional=True) or 0,
+                    )
                 except ValueError as exc:
                     bad.append(BadLine(number, str(exc)))
                     continue
@@ -256,14 +270,22 @@ def read_trace(path: str | Path, *, skip_bad: bool = False) -> Trace:
     except (OSError, UnicodeDecodeError, EOFError, csv.Error, zlib.error) as exc:
         raise TraceError(name, f"cannot be read: {type(exc).__name__}: {exc}") from None
     if bad and not skip_bad:
-        raise TraceError(name, f"{len(bad)} line(s) are not batches (fix them, or skip them and have them "
-                         "listed)", bad)
+        raise TraceError(
+            name, f"{len(bad)} line(s) are not batches (fix them, or skip them and have them listed)", bad
+        )
     if not counts:
         raise TraceError(name, "holds no batch" + (" that could be read" if bad else ""), bad)
-    shapes = {Batch(num_tokens=t, num_reqs=r, uniform_token_count=u, max_query_len=q, num_active_loras=loras): n
-              for (t, r, u, q, loras), n in counts.items()}
-    return Trace(name, shapes, tuple(bad), tuple(sorted(ignored)),
-                 tuple(f for f in OPTIONAL_FIELDS if f not in present))
+    shapes = {
+        Batch(num_tokens=t, num_reqs=r, uniform_token_count=u, max_query_len=q, num_active_loras=loras): n
+        for (t, r, u, q, loras), n in counts.items()
+    }
+    return Trace(
+        name,
+        shapes,
+        tuple(bad),
+        tuple(sorted(ignored)),
+        tuple(f for f in OPTIONAL_FIELDS if f not in present),
+    )
 
 
 # -- dispatching a trace ----------------------------------------------------------
@@ -274,17 +296,29 @@ def assumed(config: CaptureConfig, missing: Iterable[str]) -> list[str]:
     mode = config.mode
     separate = mode.separate_routine() and bool(mode.decode_mode())
     mixed = mode.mixed_mode()
-    served = f"{mixed.name} graphs serve them as mixed batches" if mixed else "they run eagerly (no mixed graphs)"
+    served = (
+        f"{mixed.name} graphs serve them as mixed batches" if mixed else "they run eagerly (no mixed graphs)"
+    )
     lines = []
     for name in missing:
         if name == "uniform_token_count":
-            lines.append("uniform_token_count: no batch is known to be a uniform decode batch; " + (
-                f"the {mode.decode_mode().name} uniform decode graphs serve none of them, and {served}"
-                if separate and not config.varlen_decode else "this plan has no uniform decode graphs to miss"))
+            lines.append(
+                "uniform_token_count: no batch is known to be a uniform decode batch; "
+                + (
+                    f"the {mode.decode_mode().name} uniform decode graphs serve none of them, and {served}"
+                    if separate and not config.varlen_decode
+                    else "this plan has no uniform decode graphs to miss"
+                )
+            )
         elif name == "max_query_len":
-            lines.append("max_query_len: every request may hold a prefill; " + (
-                f"the varlen decode graphs serve none of them, and {served}" if separate and config.varlen_decode
-                else "this plan has no varlen decode graphs to miss"))
+            lines.append(
+                "max_query_len: every request may hold a prefill; "
+                + (
+                    f"the varlen decode graphs serve none of them, and {served}"
+                    if separate and config.varlen_decode
+                    else "this plan has no varlen decode graphs to miss"
+                )
+            )
         elif name == "num_active_loras":
             lines.append("num_active_loras: no adapter is active (0) in any batch")
     return lines
@@ -296,12 +330,17 @@ def fallback_reason(plan: CapturePlan, batch: Batch) -> str:
     if not cfg.mode:
         return "the plan captures no graphs (mode NONE)"
     q = cfg.decode_query_len
-    decode = (batch.max_query_len is not None and batch.max_query_len <= q) if cfg.varlen_decode \
+    decode = (
+        (batch.max_query_len is not None and batch.max_query_len <= q)
+        if cfg.varlen_decode
         else batch.uniform_token_count in cfg.query_lens
+    )
     if cfg.mode is GraphMode.FULL_DECODE_ONLY and not decode:
         if not cfg.varlen_decode and batch.uniform_token_count is not None:
-            return (f"a uniform decode batch of {batch.uniform_token_count} tokens a request, a length the plan "
-                    f"captures no decode graph for (decode_query_lens {list(cfg.query_lens)})")
+            return (
+                f"a uniform decode batch of {batch.uniform_token_count} tokens a request, a length the plan "
+                f"captures no decode graph for (decode_query_lens {list(cfg.query_lens)})"
+            )
         return "a mixed batch: FULL_DECODE_ONLY runs mixed batches eagerly"
     loras = plan.effective_loras(batch.num_active_loras)
     same_case = [d for d in plan.descriptors if d.num_active_loras == loras]
@@ -315,18 +354,29 @@ def fallback_reason(plan: CapturePlan, batch: Batch) -> str:
     for desc in candidates:
         if desc.uniform_token_count is not None and desc.uniform_token_count != batch.uniform_token_count:
             lens = cfg.query_lens
-            served = (f"{desc.uniform_token_count} tokens a request, which is all the {desc.mode.name} decode "
-                      "graphs serve") if len(lens) == 1 else (
-                      f"{' or '.join(map(str, lens))} tokens a request (decode_query_lens), which is all the "
-                      f"{desc.mode.name} decode graphs serve, each the batches of its own length")
+            served = (
+                (
+                    f"{desc.uniform_token_count} tokens a request, which is all the {desc.mode.name} decode "
+                    "graphs serve"
+                )
+                if len(lens) == 1
+                else (
+                    f"{' or '.join(map(str, lens))} tokens a request (decode_query_lens), which is all the "
+                    f"{desc.mode.name} decode graphs serve, each the batches of its own length"
+                )
+            )
             reasons.append(f"not a uniform decode batch of {served}")
-        elif desc.max_query_len is not None and (batch.max_query_len is None
-                                                 or batch.max_query_len > desc.max_query_len):
-            reasons.append(f"a request of more than {desc.max_query_len} tokens (or an unknown max_query_len: a "
-                           f"possible prefill), which the varlen decode graphs do not take")
+        elif desc.max_query_len is not None and (
+            batch.max_query_len is None or batch.max_query_len > desc.max_query_len
+        ):
+            reasons.append(
+                f"a request of more than {desc.max_query_len} tokens (or an unknown max_query_len: a "
+                f"possible prefill), which the varlen decode graphs do not take"
+            )
         elif desc.num_reqs is not None and batch.num_reqs > desc.num_reqs:
-            reasons.append("more requests than the graph that holds its tokens (max_num_reqs "
-                           f"{cfg.max_num_reqs})")
+            reasons.append(
+                f"more requests than the graph that holds its tokens (max_num_reqs {cfg.max_num_reqs})"
+            )
         else:
             reasons.append("no compatible graph")
     return reasons[0]
@@ -395,18 +445,31 @@ class Analysis:
             "coverage": self.coverage,
             "padding_waste": self.padding_waste,
             "padded_tokens": self.served.padded_tokens,
-            "by_mode": {m: {"batches": s.batches, "real_tokens": s.real_tokens, "padded_tokens": s.padded_tokens,
-                            "padding_waste": s.padding_waste} for m, s in self.by_mode.items()},
-            "eager": {"batches": self.eager.batches, "real_tokens": self.eager.real_tokens,
-                      "reasons": dict(self.fallbacks.most_common())},
+            "by_mode": {
+                m: {
+                    "batches": s.batches,
+                    "real_tokens": s.real_tokens,
+                    "padded_tokens": s.padded_tokens,
+                    "padding_waste": s.padding_waste,
+                }
+                for m, s in self.by_mode.items()
+            },
+            "eager": {
+                "batches": self.eager.batches,
+                "real_tokens": self.eager.real_tokens,
+                "reasons": dict(self.fallbacks.most_common()),
+            },
         }
 
 
 def analyse(plan: CapturePlan, trace: Trace | Mapping[Batch, int]) -> Analysis:
     """Dispatch every batch of ``trace`` with ``plan``: what each mode serves, the padding, the eager fallbacks."""
     counts = trace.counts if isinstance(trace, Trace) else trace
-    result = Analysis(plan.config.sorted_capture_sizes, sum(counts.values()),
-                      sum(b.num_tokens * n for b, n in counts.items()))
+    result = Analysis(
+        plan.config.sorted_capture_sizes,
+        sum(counts.values()),
+        sum(b.num_tokens * n for b, n in counts.items()),
+    )
     for batch, count in counts.items():
         desc = plan.dispatch_batch(batch)
         if desc.is_graphed:
@@ -490,7 +553,10 @@ def best_ladder(demand: Mapping[int, tuple[int, int]], max_graphs: int) -> tuple
             if head >= len(slopes):
                 continue
             x = xs[j - 1]
-            while head + 1 < len(slopes) and slopes[head + 1] * x + inter[head + 1] <= slopes[head] * x + inter[head]:
+            while (
+                head + 1 < len(slopes)
+                and slopes[head + 1] * x + inter[head + 1] <= slopes[head] * x + inter[head]
+            ):
                 head += 1
             cur[j] = x * counts[j] - tokens[j] + slopes[head] * x + inter[head]
             parent[j] = owner[head]
@@ -525,13 +591,16 @@ class Ladder:
 
 def _routine(desc: BatchDescriptor, cfg: CaptureConfig) -> str:
     """The routine whose ladder a served batch belongs to (the mode that captures separately)."""
-    if cfg.mode.separate_routine() and (desc.uniform_token_count is not None or desc.max_query_len is not None):
+    if cfg.mode.separate_routine() and (
+        desc.uniform_token_count is not None or desc.max_query_len is not None
+    ):
         return "decode"
     return "mixed"
 
 
-def suggest(config: CaptureConfig, trace: Trace | Mapping[Batch, int], max_graphs: int
-            ) -> tuple[Ladder, dict[str, Ladder]]:
+def suggest(
+    config: CaptureConfig, trace: Trace | Mapping[Batch, int], max_graphs: int
+) -> tuple[Ladder, dict[str, Ladder]]:
     """The best ladder of at most ``max_graphs`` sizes for ``trace`` under ``config``'s other settings.
 
     Returns the one ladder a ``CaptureConfig`` takes, chosen for every batch
@@ -554,8 +623,13 @@ def suggest(config: CaptureConfig, trace: Trace | Mapping[Batch, int], max_graph
     q = config.decode_query_len
     # With several query lengths no one step makes every decode graph exact: sizes stay as observed
     # (each uniform batch's token count is already a multiple of its own length).
-    rounded = config.mode.separate_routine() and bool(config.mode.decode_mode()) and not config.varlen_decode \
-        and q > 1 and config.query_lens == (q,)
+    rounded = (
+        config.mode.separate_routine()
+        and bool(config.mode.decode_mode())
+        and not config.varlen_decode
+        and q > 1
+        and config.query_lens == (q,)
+    )
     step = q if rounded else 1
 
     def size_of(tokens: int) -> int:
@@ -564,8 +638,10 @@ def suggest(config: CaptureConfig, trace: Trace | Mapping[Batch, int], max_graph
     sizes = sorted({size_of(b.num_tokens) for b in counts})
     per_case = max(1, len(config.lora_cases))
     if len(sizes) * per_case > MAX_GRAPHS:
-        raise ValueError(f"the trace holds {len(sizes)} distinct token counts, and a plan with a graph at each "
-                         f"(times {per_case} LoRA cases) is more than {MAX_GRAPHS} graphs: bucket the trace's sizes")
+        raise ValueError(
+            f"the trace holds {len(sizes)} distinct token counts, and a plan with a graph at each "
+            f"(times {per_case} LoRA cases) is more than {MAX_GRAPHS} graphs: bucket the trace's sizes"
+        )
     everywhere = CapturePlan(config.replace(capture_sizes=sizes, max_capture_size=None))
     demand: dict[str, dict[int, tuple[int, int]]] = {"all": {}, "decode": {}, "mixed": {}}
     for batch, count in counts.items():
@@ -576,12 +652,17 @@ def suggest(config: CaptureConfig, trace: Trace | Mapping[Batch, int], max_graph
         for key in ("all", _routine(desc, config)):
             c, t = demand[key].get(size, (0, 0))
             demand[key][size] = (c + count, t + batch.num_tokens * count)
-    restricted = (f"uniform decode of {q} tokens a request: the best ladder whose sizes are multiples of {q}"
-                  if rounded else None)
+    restricted = (
+        f"uniform decode of {q} tokens a request: the best ladder whose sizes are multiples of {q}"
+        if rounded
+        else None
+    )
 
     def ladder(d: Mapping[int, tuple[int, int]]) -> Ladder:
         chosen, padded = best_ladder(d, max_graphs)
-        return Ladder(chosen, padded, sum(c for c, _ in d.values()), sum(t for _, t in d.values()), restricted)
+        return Ladder(
+            chosen, padded, sum(c for c, _ in d.values()), sum(t for _, t in d.values()), restricted
+        )
 
     joint = ladder(demand["all"])
     by_mode: dict[str, Ladder] = {}

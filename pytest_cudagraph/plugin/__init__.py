@@ -44,8 +44,9 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     environment = "".join(f"\n  {name}: {what}" for name, what in ENVIRONMENT)
-    group = parser.getgroup("cudagraph", f"CUDA-graph verification (pytest-cudagraph). Environment:{environment}\n"
-                                         "Options")
+    group = parser.getgroup(
+        "cudagraph", f"CUDA-graph verification (pytest-cudagraph). Environment:{environment}\nOptions"
+    )
     group.addoption(
         "--cudagraph-verify",
         action="store_true",
@@ -186,32 +187,68 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "random, large) engines leave there: a strictness that fails causal attention (0 * NaN). "
         "ini: cudagraph_nonfinite_padding",
     )
-    parser.addini("cudagraph_verify", "exhaustive verification (as --cudagraph-verify)", type="bool", default=False)
-    parser.addini("cudagraph_backend", "graph backend: auto, cuda or emulate (as --cudagraph-backend)", default="")
+    parser.addini(
+        "cudagraph_verify", "exhaustive verification (as --cudagraph-verify)", type="bool", default=False
+    )
+    parser.addini(
+        "cudagraph_backend", "graph backend: auto, cuda or emulate (as --cudagraph-backend)", default=""
+    )
     parser.addini("cudagraph_sizes", "capture sizes, such as 1,2,4,8 (as --cudagraph-sizes)", default="")
-    parser.addini("cudagraph_report", "path of the JSON report, relative to the ini file (as --cudagraph-report)",
-                  default="")
-    parser.addini("cudagraph_bench_report", "path of the Markdown benchmark report (as --cudagraph-bench-report)",
-                  default="")
-    parser.addini("cudagraph_devices", "CUDA devices for xdist workers, such as 0,1 (as --cudagraph-devices)",
-                  default="")
+    parser.addini(
+        "cudagraph_report",
+        "path of the JSON report, relative to the ini file (as --cudagraph-report)",
+        default="",
+    )
+    parser.addini(
+        "cudagraph_bench_report",
+        "path of the Markdown benchmark report (as --cudagraph-bench-report)",
+        default="",
+    )
+    parser.addini(
+        "cudagraph_devices",
+        "CUDA devices for xdist workers, such as 0,1 (as --cudagraph-devices)",
+        default="",
+    )
     parser.addini("cudagraph_split", "test or descriptor (as --cudagraph-split)", default="")
-    parser.addini("cudagraph_world_size", "ranks of distributed verifications (as --cudagraph-world-size)",
-                  default="")
-    parser.addini("cudagraph_trace", "trace of real batches, relative to the ini file (as --cudagraph-trace)",
-                  default="")
-    parser.addini("cudagraph_isolate", "each plugin test in a child process (as --cudagraph-isolate)",
-                  type="bool", default=False)
-    parser.addini("cudagraph_isolate_timeout", "seconds before an isolated child is killed (as "
-                  "--cudagraph-isolate-timeout)", default="")
-    parser.addini("cudagraph_checks", "checks to select (name) or deselect (-name) (as --cudagraph-checks)",
-                  default="")
-    parser.addini("cudagraph_compare", "a JSON report to compare the run with, relative to the ini file (as "
-                  "--cudagraph-compare)", default="")
-    parser.addini("cudagraph_compare_fail", "fail on a new failure (as --cudagraph-compare-fail)", type="bool",
-                  default=False)
-    parser.addini("cudagraph_nonfinite_padding", "pad with NaN and inf too (as --cudagraph-nonfinite-padding)",
-                  type="bool", default=False)
+    parser.addini(
+        "cudagraph_world_size", "ranks of distributed verifications (as --cudagraph-world-size)", default=""
+    )
+    parser.addini(
+        "cudagraph_trace",
+        "trace of real batches, relative to the ini file (as --cudagraph-trace)",
+        default="",
+    )
+    parser.addini(
+        "cudagraph_isolate",
+        "each plugin test in a child process (as --cudagraph-isolate)",
+        type="bool",
+        default=False,
+    )
+    parser.addini(
+        "cudagraph_isolate_timeout",
+        "seconds before an isolated child is killed (as --cudagraph-isolate-timeout)",
+        default="",
+    )
+    parser.addini(
+        "cudagraph_checks", "checks to select (name) or deselect (-name) (as --cudagraph-checks)", default=""
+    )
+    parser.addini(
+        "cudagraph_compare",
+        "a JSON report to compare the run with, relative to the ini file (as --cudagraph-compare)",
+        default="",
+    )
+    parser.addini(
+        "cudagraph_compare_fail",
+        "fail on a new failure (as --cudagraph-compare-fail)",
+        type="bool",
+        default=False,
+    )
+    parser.addini(
+        "cudagraph_nonfinite_padding",
+        "pad with NaN and inf too (as --cudagraph-nonfinite-padding)",
+        type="bool",
+        default=False,
+    )
 
 
 # -- configuration and run state -------------------------------------------
@@ -238,9 +275,16 @@ class _Collector:
 
 #: The plugin's fixtures: a test that requests one (or carries the marker) is listed in the JSON report.
 _PLUGIN_FIXTURES = frozenset(
-    {"cudagraph_verify", "cudagraph_verify_runner", "cudagraph_verify_distributed", "cudagraph_manager",
-     "cudagraph_benchmark",
-     "cudagraph_dispatch_properties", "cudagraph_trace_batches", "_cudagraph_slice"}
+    {
+        "cudagraph_verify",
+        "cudagraph_verify_runner",
+        "cudagraph_verify_distributed",
+        "cudagraph_manager",
+        "cudagraph_benchmark",
+        "cudagraph_dispatch_properties",
+        "cudagraph_trace_batches",
+        "_cudagraph_slice",
+    }
 )
 
 
@@ -282,8 +326,11 @@ _THREADS_KEY = pytest.StashKey["str | None"]()
 #: The environment variables the plugin reads, shown in --help (their homes import torch; these
 #: names are held equal to theirs by a test).
 ENVIRONMENT = (
-    ("PYTEST_CUDAGRAPH_THREADS", "torch intra-op threads of a test process (0: leave torch alone; default: the "
-                                 "cores shared among xdist workers, unless OMP_NUM_THREADS or MKL_NUM_THREADS is set)"),
+    (
+        "PYTEST_CUDAGRAPH_THREADS",
+        "torch intra-op threads of a test process (0: leave torch alone; default: the "
+        "cores shared among xdist workers, unless OMP_NUM_THREADS or MKL_NUM_THREADS is set)",
+    ),
     ("PYTEST_CUDAGRAPH_CAPTURE", "checked or fast: the mode of every capture, over the default"),
     ("PYTEST_CUDAGRAPH_MEMORY_CHECK", "0 skips the graph-memory estimate made before capturing"),
     ("PYTEST_CUDAGRAPH_ISOLATED", "set by --cudagraph-isolate in its child processes (not for users to set)"),
@@ -326,8 +373,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     labels = settings.split_labels(run, marker)
     if labels:
         metafunc.parametrize("_cudagraph_slice", labels, indirect=True, ids=labels)
-
-
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -376,7 +421,8 @@ def _needs_cuda(item: pytest.Item) -> bool:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # A test that imports torch only in its body, or only through this plugin's fixtures.
     if not workers.is_torch_ready(item.config) and (
-            "torch" in sys.modules or any(n.startswith("cudagraph") for n in getattr(item, "fixturenames", ()))):
+        "torch" in sys.modules or any(n.startswith("cudagraph") for n in getattr(item, "fixturenames", ()))
+    ):
         workers.torch_ready(item.config)
     marker_error = item.stash.get(settings.MARKER_ERROR_KEY, None)
     if marker_error is not None:
@@ -387,9 +433,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if state.lost_here is not None and _needs_cuda(item):
         # This process's CUDA context is gone: the test would fail for a fault not its own.
         state.not_run.append(item.nodeid)
-        pytest.skip(f"not run: this process lost its CUDA context in {state.lost_here} (a sticky CUDA error), so no "
-                    "CUDA call can succeed in it. Run with pytest-xdist (-n N: the worker is replaced) or "
-                    "--cudagraph-isolate (a process per test) so that one fault costs one test")
+        pytest.skip(
+            f"not run: this process lost its CUDA context in {state.lost_here} (a sticky CUDA error), so no "
+            "CUDA call can succeed in it. Run with pytest-xdist (-n N: the worker is replaced) or "
+            "--cudagraph-isolate (a process per test) so that one fault costs one test"
+        )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -415,8 +463,13 @@ def pytest_runtest_makereport(
             # A test that still ran (it uses CUDA without the marker or the
             # plugin) meets the context an earlier test lost: its own failure
             # stays as it is, with where the loss began.
-            report.sections.append(("cudagraph", f"this process's CUDA context was lost earlier, in "
-                                                 f"{state.lost_here}: every CUDA call fails since"))
+            report.sections.append(
+                (
+                    "cudagraph",
+                    f"this process's CUDA context was lost earlier, in "
+                    f"{state.lost_here}: every CUDA call fails since",
+                )
+            )
     records = state.take_pending(item.nodeid)
     if records:
         setattr(report, pytest_report.REPORT_ATTR, records)
@@ -439,21 +492,32 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
     state = _state(config)
     run = state.settings
     if run.report is not None or run.compare is not None:
-        complete = (int(exitstatus) != pytest.ExitCode.INTERRUPTED
-                    and not session.shouldstop and not session.shouldfail)
-        document = pytest_report.report_document(state, int(exitstatus), complete=complete, root=config.rootpath)
+        complete = (
+            int(exitstatus) != pytest.ExitCode.INTERRUPTED
+            and not session.shouldstop
+            and not session.shouldfail
+        )
+        document = pytest_report.report_document(
+            state, int(exitstatus), complete=complete, root=config.rootpath
+        )
         if run.compare is not None:
             from .compare_report import compare, load_baseline
 
-            state.comparison = compare(load_baseline(run.compare, "--cudagraph-compare"), document,
-                                       str(run.compare))
-            if run.compare_fail and state.comparison.new_failures and session.exitstatus == pytest.ExitCode.OK:
+            state.comparison = compare(
+                load_baseline(run.compare, "--cudagraph-compare"), document, str(run.compare)
+            )
+            if (
+                run.compare_fail
+                and state.comparison.new_failures
+                and session.exitstatus == pytest.ExitCode.OK
+            ):
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
                 document["exitstatus"] = int(session.exitstatus)
                 document["passed"] = False
         if run.report is not None:
-            pytest_report.write_report(state, run.report, int(session.exitstatus), complete=complete,
-                                       document=document)
+            pytest_report.write_report(
+                state, run.report, int(session.exitstatus), complete=complete, document=document
+            )
     bench_report = state.settings.bench_report
     if bench_report is not None:
         state.bench_results.extend(state.take_bench_rows())  # rows made outside a test's phases
@@ -464,10 +528,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
         else:
             import warnings
 
-            warnings.warn(pytest.PytestWarning(
-                f"cudagraph: the benchmark report {bench_report} was not written: no cudagraph_benchmark "
-                "results reached this process"
-            ), stacklevel=1)
+            warnings.warn(
+                pytest.PytestWarning(
+                    f"cudagraph: the benchmark report {bench_report} was not written: no cudagraph_benchmark "
+                    "results reached this process"
+                ),
+                stacklevel=1,
+            )
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
@@ -476,8 +543,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.section("cudagraph")
         for nodeid, records in state.results.items():
             terminalreporter.line(pytest_report.summary_line(nodeid, records, state.outcomes.get(nodeid)))
-    unverified = [n for n in state.listed if n not in state.results
-                  and state.outcomes.get(n) not in (None, "passed", "skipped")]
+    unverified = [
+        n
+        for n in state.listed
+        if n not in state.results and state.outcomes.get(n) not in (None, "passed", "skipped")
+    ]
     if unverified:  # failed, errored or crashed before any verification finished
         if not state.results:
             terminalreporter.section("cudagraph")
@@ -539,8 +609,14 @@ def cudagraph_verify(request: pytest.FixtureRequest, _cudagraph_slice: str | Non
 
     state = _state(request.config)
     record = functools.partial(state.add_pending, request.node.nodeid)
-    return Verifier(state.settings, settings.marker_keywords(request.node), record, descriptor=_cudagraph_slice,
-                    quiet=request.config.get_verbosity() < 0, hook_checks=_hook_checks(request))
+    return Verifier(
+        state.settings,
+        settings.marker_keywords(request.node),
+        record,
+        descriptor=_cudagraph_slice,
+        quiet=request.config.get_verbosity() < 0,
+        hook_checks=_hook_checks(request),
+    )
 
 
 @pytest.fixture
@@ -612,8 +688,13 @@ def cudagraph_benchmark(request: pytest.FixtureRequest) -> BenchmarkRunner:
     state = _state(request.config)
     test = settings.resolve(state.settings, settings.marker_keywords(request.node))
     backend = settings.concrete_backend(test.backend)
-    return BenchmarkRunner(request.node, getattr(request.config, "_benchmarksession", None),
-                           backend=backend, device=default_device(backend), record=state.bench_rows.append)
+    return BenchmarkRunner(
+        request.node,
+        getattr(request.config, "_benchmarksession", None),
+        backend=backend,
+        device=default_device(backend),
+        record=state.bench_rows.append,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -26,10 +26,18 @@ __all__ = ["MOVED", "Comparison", "compare", "load_baseline"]
 #: A figure moved when it changed by at least this fraction of its baseline value.
 MOVED = 0.10
 # Below these a change is noise, whatever its fraction (a 2 ms capture that takes 3 ms).
-_FLOORS = {"capture_seconds": 0.05, "check_seconds": 0.05, "peak_memory_bytes": 1 << 20, "graph_memory_bytes": 1 << 20}
+_FLOORS = {
+    "capture_seconds": 0.05,
+    "check_seconds": 0.05,
+    "peak_memory_bytes": 1 << 20,
+    "graph_memory_bytes": 1 << 20,
+}
 _FORMAT: dict[str, Callable[[float], str]] = {
-    "capture_seconds": format_seconds, "check_seconds": format_seconds,
-    "peak_memory_bytes": lambda n: format_bytes(int(n)), "graph_memory_bytes": lambda n: format_bytes(int(n))}
+    "capture_seconds": format_seconds,
+    "check_seconds": format_seconds,
+    "peak_memory_bytes": lambda n: format_bytes(int(n)),
+    "graph_memory_bytes": lambda n: format_bytes(int(n)),
+}
 
 
 def load_baseline(path: Path, source: str) -> dict[str, Any]:
@@ -37,17 +45,25 @@ def load_baseline(path: Path, source: str) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise pytest.UsageError(f"{source}: cannot read {path} ({exc.strerror or exc}); give the JSON report "
-                                "of an earlier run (--cudagraph-report=PATH)") from None
+        raise pytest.UsageError(
+            f"{source}: cannot read {path} ({exc.strerror or exc}); give the JSON report "
+            "of an earlier run (--cudagraph-report=PATH)"
+        ) from None
     except ValueError as exc:
-        raise pytest.UsageError(f"{source}: {path} is not JSON ({exc}); give the JSON report of an earlier run "
-                                "(--cudagraph-report=PATH)") from None
+        raise pytest.UsageError(
+            f"{source}: {path} is not JSON ({exc}); give the JSON report of an earlier run "
+            "(--cudagraph-report=PATH)"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("tests"), dict) or "version" not in data:
-        raise pytest.UsageError(f"{source}: {path} is not a pytest-cudagraph JSON report (no 'version' and "
-                                "'tests'); give the report of an earlier run (--cudagraph-report=PATH)")
+        raise pytest.UsageError(
+            f"{source}: {path} is not a pytest-cudagraph JSON report (no 'version' and "
+            "'tests'); give the report of an earlier run (--cudagraph-report=PATH)"
+        )
     if data.get("complete") is False:
-        raise pytest.UsageError(f"{source}: {path} is the report of a run that did not finish (\"complete\": "
-                                "false); compare with a finished run's")
+        raise pytest.UsageError(
+            f'{source}: {path} is the report of a run that did not finish ("complete": '
+            "false); compare with a finished run's"
+        )
     return data
 
 
@@ -62,12 +78,18 @@ class Comparison:
     missing: list[str] = field(default_factory=list)
 
     def lines(self, limit: int = 20) -> list[str]:
-        head = (f"cudagraph: compared with {self.baseline}: {len(self.new_failures)} new failure(s), "
-                f"{len(self.new_passes)} newly passing, {len(self.moved)} figure(s) moved by "
-                f"{MOVED:.0%} or more, {len(self.missing)} test(s) of the baseline not run")
+        head = (
+            f"cudagraph: compared with {self.baseline}: {len(self.new_failures)} new failure(s), "
+            f"{len(self.new_passes)} newly passing, {len(self.moved)} figure(s) moved by "
+            f"{MOVED:.0%} or more, {len(self.missing)} test(s) of the baseline not run"
+        )
         out = [head]
-        for title, items in (("new failure", self.new_failures), ("newly passing", self.new_passes),
-                             ("moved", self.moved), ("not run", self.missing)):
+        for title, items in (
+            ("new failure", self.new_failures),
+            ("newly passing", self.new_passes),
+            ("moved", self.moved),
+            ("not run", self.missing),
+        ):
             out += [f"  {title}: {item}" for item in items[:limit]]
             if len(items) > limit:
                 out.append(f"  {title}: ... and {len(items) - limit} more")
@@ -83,8 +105,9 @@ def _checks(test: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
             where = (outcome.get("descriptor") or {}).get("label") or "module"
             if outcome.get("rank") is not None:
                 where += f" rank {outcome['rank']}"
-            status = outcome.get("status") or ("skipped" if outcome.get("skipped") else
-                                               "passed" if outcome.get("passed") else "failed")
+            status = outcome.get("status") or (
+                "skipped" if outcome.get("skipped") else "passed" if outcome.get("passed") else "failed"
+            )
             yield f"verification {number + 1} ({report.get('module')}) {outcome.get('check')} {where}", status
 
 
@@ -104,7 +127,11 @@ def _figures(test: Mapping[str, Any]) -> Iterator[tuple[str, str, float]]:
                 yield label, name, float(value)
         graph = report.get("graph_memory_bytes")
         if isinstance(graph, dict) and graph:
-            yield label, "graph_memory_bytes", float(sum(v for v in graph.values() if isinstance(v, (int, float))))
+            yield (
+                label,
+                "graph_memory_bytes",
+                float(sum(v for v in graph.values() if isinstance(v, (int, float)))),
+            )
 
 
 def compare(baseline: Mapping[str, Any], current: Mapping[str, Any], name: str) -> Comparison:
@@ -133,8 +160,9 @@ def compare(baseline: Mapping[str, Any], current: Mapping[str, Any], name: str) 
                     continue
                 if prior > 0 and abs(value / prior - 1) >= MOVED:
                     show = _FORMAT[figure]
-                    result.moved.append(f"{nodeid}: {label} {figure}: {show(prior)} -> {show(value)} "
-                                        f"(x{value / prior:.2f})")
+                    result.moved.append(
+                        f"{nodeid}: {label} {figure}: {show(prior)} -> {show(value)} (x{value / prior:.2f})"
+                    )
     current_tests = current.get("tests") or {}
     result.missing = [n for n in before_tests if n not in current_tests]
     return result

@@ -30,14 +30,36 @@ from .settings import (
     verify_keywords,
 )
 
-__all__ = ["DistributedVerifier", "ManagerFactory", "RunnerVerifier", "Verifier", "default_device", "device_for_test", "follow_device", "inputs_on", "move_to"]
+__all__ = [
+    "DistributedVerifier",
+    "ManagerFactory",
+    "RunnerVerifier",
+    "Verifier",
+    "default_device",
+    "device_for_test",
+    "follow_device",
+    "inputs_on",
+    "move_to",
+]
 
 #: ``GraphManager``'s keywords besides the module, inputs and config.
-MANAGER_KEYWORDS: tuple[str, ...] = ("backend", "device", "pad_values", "output_views", "progress",
-                                     "eager_submodules", "batch_dims")
+MANAGER_KEYWORDS: tuple[str, ...] = (
+    "backend",
+    "device",
+    "pad_values",
+    "output_views",
+    "progress",
+    "eager_submodules",
+    "batch_dims",
+)
 
 #: ``verify_runner``'s keywords besides the runner, the module and make_inputs.
-RUNNER_KEYWORDS: tuple[str, ...] = ("capture_sizes", "max_num_reqs", "max_tokens", *VerifyOptions.runner_field_names())
+RUNNER_KEYWORDS: tuple[str, ...] = (
+    "capture_sizes",
+    "max_num_reqs",
+    "max_tokens",
+    *VerifyOptions.runner_field_names(),
+)
 
 _NO_SIZES = (
     "needs capture_sizes: pass capture_sizes=..., set @pytest.mark.cudagraph(capture_sizes=...), "
@@ -50,8 +72,10 @@ def device_for_test(backend: str) -> torch.device:
     try:
         return default_device(backend)
     except ValueError as exc:
-        pytest.fail(f"{exc}; a test that needs a GPU is marked @pytest.mark.cuda, which skips it where there is "
-                    "none", pytrace=False)
+        pytest.fail(
+            f"{exc}; a test that needs a GPU is marked @pytest.mark.cuda, which skips it where there is none",
+            pytrace=False,
+        )
 
 
 def _check_module(module: object, where: str) -> None:
@@ -67,8 +91,10 @@ def _backend_and_device(
     except ValueError as exc:  # backend='cuda' (marker or keyword) where there is no CUDA
         if "torch.cuda.is_available() is False" not in str(exc):
             raise
-        pytest.fail(f"{exc}; a test that needs a GPU is marked @pytest.mark.cuda, which skips it where there is "
-                    "none", pytrace=False)
+        pytest.fail(
+            f"{exc}; a test that needs a GPU is marked @pytest.mark.cuda, which skips it where there is none",
+            pytrace=False,
+        )
 
 
 def _resolve_backend_and_device(
@@ -91,8 +117,12 @@ def _resolve_backend_and_device(
     return backend, default_device(backend)
 
 
-def _recorded(reports: list[VerifyReport], sink: Callable[[dict[str, Any]], None], report: VerifyReport,
-              keywords: Mapping[str, Any]) -> VerifyReport:
+def _recorded(
+    reports: list[VerifyReport],
+    sink: Callable[[dict[str, Any]], None],
+    report: VerifyReport,
+    keywords: Mapping[str, Any],
+) -> VerifyReport:
     """What every verifying fixture does with its report: keep it, record it (with the keywords it
     was made with) for the JSON report, and fail the test with the readable report when a check failed."""
     reports.append(report)
@@ -204,15 +234,21 @@ class RunnerVerifier:
     recorded through ``sink`` as ``cudagraph_verify``'s are.
     """
 
-    def __init__(self, settings: Settings, marker: Mapping[str, Any],
-                 sink: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self, settings: Settings, marker: Mapping[str, Any], sink: Callable[[dict[str, Any]], None]
+    ) -> None:
         self.settings = settings
         self.marker = {k: v for k, v in marker.items() if k in RUNNER_KEYWORDS}
         self._sink = sink
         self.reports: list[VerifyReport] = []
 
-    def __call__(self, runner: Callable[..., Any], module: torch.nn.Module,
-                 make_inputs: Callable[[int, int], Mapping[str, Any]], **call: Any) -> VerifyReport:
+    def __call__(
+        self,
+        runner: Callable[..., Any],
+        module: torch.nn.Module,
+        make_inputs: Callable[[int, int], Mapping[str, Any]],
+        **call: Any,
+    ) -> VerifyReport:
         from ..runner import verify_runner
 
         _check_module(module, "cudagraph_verify_runner")
@@ -236,16 +272,26 @@ class DistributedVerifier:
     xdist worker. A failed report fails the test with ``report.format()``.
     """
 
-    def __init__(self, settings: Settings, marker: Mapping[str, Any], sink: Callable[[dict[str, Any]], None],
-                 *, worker: str | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        marker: Mapping[str, Any],
+        sink: Callable[[dict[str, Any]], None],
+        *,
+        worker: str | None = None,
+    ) -> None:
         self.settings = settings
         self.marker = dict(marker)
         self._sink = sink
         self.worker = worker
         self.reports: list[VerifyReport] = []
 
-    def __call__(self, build: Callable[[int, int], torch.nn.Module],
-                 make_inputs: Callable[[int, int], Mapping[str, Any]], **call: Any) -> VerifyReport:
+    def __call__(
+        self,
+        build: Callable[[int, int], torch.nn.Module],
+        make_inputs: Callable[[int, int], Mapping[str, Any]],
+        **call: Any,
+    ) -> VerifyReport:
         from ..distributed import verify_distributed
         from .settings import rank_devices
 
@@ -253,8 +299,11 @@ class DistributedVerifier:
         check_keywords(call, (*VERIFY_KEYWORDS, *extra), "cudagraph_verify_distributed")
         world_size = call.pop("world_size", None) or self.settings.world_size
         if world_size is None:
-            pytest.fail("cudagraph_verify_distributed needs world_size: pass world_size=..., or run with "
-                        "--cudagraph-world-size=2 (ini cudagraph_world_size)", pytrace=False)
+            pytest.fail(
+                "cudagraph_verify_distributed needs world_size: pass world_size=..., or run with "
+                "--cudagraph-world-size=2 (ini cudagraph_world_size)",
+                pytrace=False,
+            )
         own = {k: call.pop(k) for k in extra if k in call}
         keywords = verify_keywords(self.settings, self.marker, call)
         if "capture_sizes" not in keywords:
@@ -264,12 +313,24 @@ class DistributedVerifier:
             keywords.pop(name, None)
         devices = None
         if concrete_backend(backend) == "cuda":
-            devices = rank_devices(self.worker, self.settings.devices, torch.cuda.device_count(), int(world_size))
+            devices = rank_devices(
+                self.worker, self.settings.devices, torch.cuda.device_count(), int(world_size)
+            )
             if len(devices) < int(world_size):
-                pytest.fail(f"cudagraph_verify_distributed: world_size={world_size} needs {world_size} GPUs; "
-                            f"this worker has {devices}", pytrace=False)
-        report = verify_distributed(build, make_inputs, world_size=int(world_size), backend=backend,
-                                    devices=devices, **own, **keywords)
+                pytest.fail(
+                    f"cudagraph_verify_distributed: world_size={world_size} needs {world_size} GPUs; "
+                    f"this worker has {devices}",
+                    pytrace=False,
+                )
+        report = verify_distributed(
+            build,
+            make_inputs,
+            world_size=int(world_size),
+            backend=backend,
+            devices=devices,
+            **own,
+            **keywords,
+        )
         return _recorded(self.reports, self._sink, report, {**keywords, "world_size": world_size})
 
 
@@ -301,7 +362,9 @@ class ManagerFactory:
         check_keywords(keywords, CONFIG_KEYWORDS + MANAGER_KEYWORDS, "cudagraph_manager")
         config_given = [k for k in keywords if k in CONFIG_KEYWORDS]
         if config is not None and config_given:
-            raise TypeError(f"cudagraph_manager: pass config or its keywords ({', '.join(config_given)}), not both")
+            raise TypeError(
+                f"cudagraph_manager: pass config or its keywords ({', '.join(config_given)}), not both"
+            )
         marker = self.marker
         if config is not None:
             marker = {k: v for k, v in marker.items() if k not in CONFIG_KEYWORDS}
@@ -318,8 +381,9 @@ class ManagerFactory:
         extra = {k: v for k, v in chosen.items() if k in MANAGER_KEYWORDS and k not in ("backend", "device")}
         make_inputs = follow_device(module, make_inputs, device)
         # Checked capture, as verify() does: a test is where bugs are named.
-        manager = GraphManager(module, make_inputs, config, backend=backend, device=device,
-                               checked_capture=True, **extra)
+        manager = GraphManager(
+            module, make_inputs, config, backend=backend, device=device, checked_capture=True, **extra
+        )
         self.managers.append(manager)
         return manager
 

@@ -61,36 +61,118 @@ CHILD_ENV = "PYTEST_CUDAGRAPH_ISOLATED"
 #: Options that do not reach the child, with their values: pytest-xdist's, report writers
 #: (the parent writes the reports), the isolation itself, test selection from the cache,
 #: stopping early (the parent counts the failures), and what the parent sets itself.
-DROPPED_OPTIONS = frozenset({
-    # pytest-xdist
-    "-n", "--numprocesses", "--dist", "--maxprocesses", "--max-worker-restart", "--tx", "-d",
-    "--rsyncdir", "--rsyncignore", "--looponfail", "-f", "--px",
-    # report writers
-    "--cudagraph-report", "--cudagraph-bench-report", "--junitxml", "--junit-xml", "--junit-prefix",
-    "--resultlog", "--result-log", "--report-log", "--reportlog", "--json-report-file", "--html",
-    "--benchmark-json", "--benchmark-autosave", "--benchmark-save", "--benchmark-save-data",
-    "--cov", "--cov-report", "--cov-config", "--cov-append", "--cov-fail-under", "--cov-context",
-    # the isolation itself
-    "--cudagraph-isolate",
-    # cache / rerun selection, stopping early
-    "--lf", "--last-failed", "--ff", "--failed-first", "--nf", "--new-first", "--sw", "--stepwise",
-    "--sw-skip", "--stepwise-skip", "--sw-reset", "--stepwise-reset", "--lfnf",
-    "--last-failed-no-failures", "--cache-clear", "--cache-show", "-x", "--exitfirst", "--maxfail",
-    # set by the parent for the child
-    "--rootdir", "-c", "--config-file", "--inifile", "--basetemp",
-    # a debugger in a child whose stdin is closed quits at once
-    "--pdb", "--trace", "--pdbcls",
-})
+DROPPED_OPTIONS = frozenset(
+    {
+        # pytest-xdist
+        "-n",
+        "--numprocesses",
+        "--dist",
+        "--maxprocesses",
+        "--max-worker-restart",
+        "--tx",
+        "-d",
+        "--rsyncdir",
+        "--rsyncignore",
+        "--looponfail",
+        "-f",
+        "--px",
+        # report writers
+        "--cudagraph-report",
+        "--cudagraph-bench-report",
+        "--junitxml",
+        "--junit-xml",
+        "--junit-prefix",
+        "--resultlog",
+        "--result-log",
+        "--report-log",
+        "--reportlog",
+        "--json-report-file",
+        "--html",
+        "--benchmark-json",
+        "--benchmark-autosave",
+        "--benchmark-save",
+        "--benchmark-save-data",
+        "--cov",
+        "--cov-report",
+        "--cov-config",
+        "--cov-append",
+        "--cov-fail-under",
+        "--cov-context",
+        # the isolation itself
+        "--cudagraph-isolate",
+        # cache / rerun selection, stopping early
+        "--lf",
+        "--last-failed",
+        "--ff",
+        "--failed-first",
+        "--nf",
+        "--new-first",
+        "--sw",
+        "--stepwise",
+        "--sw-skip",
+        "--stepwise-skip",
+        "--sw-reset",
+        "--stepwise-reset",
+        "--lfnf",
+        "--last-failed-no-failures",
+        "--cache-clear",
+        "--cache-show",
+        "-x",
+        "--exitfirst",
+        "--maxfail",
+        # set by the parent for the child
+        "--rootdir",
+        "-c",
+        "--config-file",
+        "--inifile",
+        "--basetemp",
+        # a debugger in a child whose stdin is closed quits at once
+        "--pdb",
+        "--trace",
+        "--pdbcls",
+    }
+)
 #: Flags (no value) among the dropped options, for when the parser cannot say.
-DROPPED_FLAGS = frozenset({
-    "--cudagraph-isolate", "--lf", "--last-failed", "--ff", "--failed-first", "--nf", "--new-first",
-    "--sw", "--stepwise", "--sw-skip", "--stepwise-skip", "--sw-reset", "--stepwise-reset",
-    "--cache-clear", "-x", "--exitfirst", "-d", "--looponfail", "-f", "--benchmark-autosave",
-    "--cov-append", "--json-report", "--no-cov", "--pdb", "--trace",
-})
+DROPPED_FLAGS = frozenset(
+    {
+        "--cudagraph-isolate",
+        "--lf",
+        "--last-failed",
+        "--ff",
+        "--failed-first",
+        "--nf",
+        "--new-first",
+        "--sw",
+        "--stepwise",
+        "--sw-skip",
+        "--stepwise-skip",
+        "--sw-reset",
+        "--stepwise-reset",
+        "--cache-clear",
+        "-x",
+        "--exitfirst",
+        "-d",
+        "--looponfail",
+        "-f",
+        "--benchmark-autosave",
+        "--cov-append",
+        "--json-report",
+        "--no-cov",
+        "--pdb",
+        "--trace",
+    }
+)
 #: Options whose value is optional (argparse ``nargs="?"``), for when the parser cannot say.
-_OPTIONAL_VALUE = frozenset({"--cov", "--lfnf", "--last-failed-no-failures", "--cache-show",
-                             "--benchmark-save-data", "--benchmark-json"})
+_OPTIONAL_VALUE = frozenset(
+    {
+        "--cov",
+        "--lfnf",
+        "--last-failed-no-failures",
+        "--cache-show",
+        "--benchmark-save-data",
+        "--benchmark-json",
+    }
+)
 #: Plugins named by ``-p`` that do not reach the child (xdist would distribute the child's one test).
 _DROPPED_PLUGINS = frozenset({"xdist", "xdist.plugin", "xdist.looponfail"})
 #: Lines of the child's output quoted in the report of a child that ended without reporting.
@@ -176,10 +258,10 @@ def _units(args: Sequence[str], arities: Mapping[str, Any]) -> list[tuple[str | 
             tokens = [token]
             nargs = _takes(name, arities)
             if nargs is None:
-                tokens.extend(args[i:i + 1])
+                tokens.extend(args[i : i + 1])
                 i += len(tokens) - 1
             elif isinstance(nargs, int):
-                tokens.extend(args[i:i + nargs])
+                tokens.extend(args[i : i + nargs])
                 i += len(tokens) - 1
             elif nargs == "?":
                 if i < len(args) and not _is_option(args[i]):
@@ -210,7 +292,7 @@ def _units(args: Sequence[str], arities: Mapping[str, Any]) -> list[tuple[str | 
                 else:
                     units.append((name, [name]))
             else:
-                units.append((name, [name, *args[i:i + 1]]))
+                units.append((name, [name, *args[i : i + 1]]))
                 i += 1
             break
     return units
@@ -259,8 +341,16 @@ def child_args(item: pytest.Item, basetemp: str | os.PathLike[str] | None = None
     args += ["--rootdir", str(config.rootpath)]
     if config.inipath is not None:
         args += ["-c", str(config.inipath)]
-    args += ["-o", "addopts=", "-o", "cudagraph_report=", "-o", "cudagraph_bench_report=",
-             "-o", "cudagraph_isolate=false"]
+    args += [
+        "-o",
+        "addopts=",
+        "-o",
+        "cudagraph_report=",
+        "-o",
+        "cudagraph_bench_report=",
+        "-o",
+        "cudagraph_isolate=false",
+    ]
     if basetemp is not None:
         args += ["--basetemp", str(basetemp)]
     args += ["--", _target(item)]
@@ -296,9 +386,14 @@ def _failed_report(item: pytest.Item, when: str, message: str) -> pytest.TestRep
 
 
 def _passed_teardown(item: pytest.Item) -> pytest.TestReport:
-    report = pytest.TestReport(nodeid=item.nodeid, location=item.location,
-                               keywords=dict.fromkeys(item.keywords, 1), outcome="passed",
-                               longrepr=None, when="teardown")
+    report = pytest.TestReport(
+        nodeid=item.nodeid,
+        location=item.location,
+        keywords=dict.fromkeys(item.keywords, 1),
+        outcome="passed",
+        longrepr=None,
+        when="teardown",
+    )
     setattr(report, pytest_report.USED_ATTR, True)
     return report
 
@@ -377,12 +472,22 @@ def child_timeout(item: pytest.Item) -> float | None:
     return value + _TIMEOUT_GRACE_S if value > 0 else None
 
 
-def _run_child(command: list[str], cwd: Any, env: Mapping[str, str],
-               limit: float | None) -> tuple[int, str, str, bool]:
+def _run_child(
+    command: list[str], cwd: Any, env: Mapping[str, str], limit: float | None
+) -> tuple[int, str, str, bool]:
     """Run the child in a session of its own; past ``limit`` seconds kill its whole process group
     (a distributed test's ranks too). Returns the exit code, its output and whether it hung."""
-    with subprocess.Popen(command, cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True) as child:
+    with subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    ) as child:
         try:
             stdout, stderr = child.communicate(timeout=limit)
             return child.returncode, stdout, stderr, False
@@ -416,10 +521,16 @@ def run_in_child(item: pytest.Item) -> None:
         report.nodeid = item.nodeid  # the same test, whatever the child called it
         ihook.pytest_runtest_logreport(report=report)
     if missing is not None:
-        ended = (f"was still running after {limit:g} s (--cudagraph-isolate-timeout, or pytest-timeout's "
-                 f"timeout plus {_TIMEOUT_GRACE_S:g} s) and was killed, with its process group, hung in"
-                 if hung else f"{_exit_text(returncode)} without a report of")
-        lines = [f"the child process running the test {ended} its {missing} phase", f"command: {shlex.join(command)}"]
+        ended = (
+            f"was still running after {limit:g} s (--cudagraph-isolate-timeout, or pytest-timeout's "
+            f"timeout plus {_TIMEOUT_GRACE_S:g} s) and was killed, with its process group, hung in"
+            if hung
+            else f"{_exit_text(returncode)} without a report of"
+        )
+        lines = [
+            f"the child process running the test {ended} its {missing} phase",
+            f"command: {shlex.join(command)}",
+        ]
         for stream, text in (("stdout", stdout), ("stderr", stderr)):
             tail = _tail(text)
             if tail:

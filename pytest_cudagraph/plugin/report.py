@@ -186,9 +186,13 @@ def junit_properties(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, An
         value = report.get("peak_memory_bytes")
         if isinstance(value, int):
             peak = max(peak or 0, value)
-    return [("cudagraph_descriptors_verified", verified), ("cudagraph_checks_passed", passed),
-            ("cudagraph_checks_failed", failed), ("cudagraph_checks_skipped", skipped),
-            ("cudagraph_peak_memory_bytes", peak if peak is not None else "")]
+    return [
+        ("cudagraph_descriptors_verified", verified),
+        ("cudagraph_checks_passed", passed),
+        ("cudagraph_checks_failed", failed),
+        ("cudagraph_checks_skipped", skipped),
+        ("cudagraph_peak_memory_bytes", peak if peak is not None else ""),
+    ]
 
 
 def make_record(report_dict: Mapping[str, Any], keywords: Mapping[str, Any]) -> dict[str, Any]:
@@ -263,8 +267,9 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
                 failures.append(f"{outcome_dict.get('check')} ({where})")
     parts = [
         # Quick mode verifies two descriptors a mode by design: "2/3 captured" would read as a failure.
-        f"{captured} of {planned} descriptors verified (quick mode)" if quick and calls else
-        f"{captured}/{planned} descriptors captured",
+        f"{captured} of {planned} descriptors verified (quick mode)"
+        if quick and calls
+        else f"{captured}/{planned} descriptors captured",
         f"{passed} checks passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""),
         f"capture {format_seconds(seconds)}",
         f"graph memory {format_bytes(memory)}",
@@ -309,16 +314,19 @@ def skipped_lines(results: Mapping[str, Iterable[Mapping[str, Any]]]) -> list[st
 def _tests(state: RunState) -> dict[str, dict[str, Any]]:
     tests: dict[str, dict[str, Any]] = {}
     for nodeid in [*state.listed, *(n for n in state.results if n not in state.listed)]:
-        entry: dict[str, Any] = {"outcome": state.outcomes.get(nodeid),
-                                 "verifications": state.results.get(nodeid, [])}
+        entry: dict[str, Any] = {
+            "outcome": state.outcomes.get(nodeid),
+            "verifications": state.results.get(nodeid, []),
+        }
         if nodeid in state.crashes:
             entry["crash"] = state.crashes[nodeid]
         tests[nodeid] = entry
     return tests
 
 
-def report_document(state: RunState, exitstatus: int, *, complete: bool = True,
-                    root: Path | None = None) -> dict[str, Any]:
+def report_document(
+    state: RunState, exitstatus: int, *, complete: bool = True, root: Path | None = None
+) -> dict[str, Any]:
     """The JSON report at the end of the session.
 
     ``complete``: the session ran to its end (False when it was interrupted:
@@ -340,7 +348,8 @@ def report_document(state: RunState, exitstatus: int, *, complete: bool = True,
         "version": REPORT_VERSION,
         "complete": complete,
         "exitstatus": int(exitstatus),
-        "passed": complete and int(exitstatus) == 0
+        "passed": complete
+        and int(exitstatus) == 0
         and all(entry["outcome"] in ("passed", "skipped") for entry in tests.values()),
         "outcomes": counts,
         "started": state.started,
@@ -372,10 +381,18 @@ def write_incomplete_report(state: RunState, path: Path) -> Path:
     return atomic_write_text(path, json.dumps(incomplete_document(state), indent=2) + "\n")
 
 
-def write_report(state: RunState, path: Path, exitstatus: int = 0, *, complete: bool = True,
-                 root: Path | None = None, document: dict[str, Any] | None = None) -> Path:
-    document = document if document is not None else report_document(state, exitstatus, complete=complete,
-                                                                      root=root)
+def write_report(
+    state: RunState,
+    path: Path,
+    exitstatus: int = 0,
+    *,
+    complete: bool = True,
+    root: Path | None = None,
+    document: dict[str, Any] | None = None,
+) -> Path:
+    document = (
+        document if document is not None else report_document(state, exitstatus, complete=complete, root=root)
+    )
     atomic_write_text(path, json.dumps(document, indent=2) + "\n")
     state.written = path
     return path

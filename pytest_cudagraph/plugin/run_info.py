@@ -21,7 +21,15 @@ from typing import Any
 __all__ = ["commit_info", "machine_info", "now_utc"]
 
 #: Distributions whose versions the report records (None where not installed).
-_PACKAGES = ("pytest-cudagraph", "pytest", "torch", "transformers", "hypothesis", "pytest-xdist", "pytest-benchmark")
+_PACKAGES = (
+    "pytest-cudagraph",
+    "pytest",
+    "torch",
+    "transformers",
+    "hypothesis",
+    "pytest-xdist",
+    "pytest-benchmark",
+)
 
 
 def now_utc() -> str:
@@ -49,16 +57,25 @@ def _torch_info() -> dict[str, Any] | None:
     torch = sys.modules.get("torch")
     if torch is None:
         return None
-    info: dict[str, Any] = {"version": str(torch.__version__), "cuda": torch.version.cuda,
-                            "cudnn": None, "devices": []}
+    info: dict[str, Any] = {
+        "version": str(torch.__version__),
+        "cuda": torch.version.cuda,
+        "cudnn": None,
+        "devices": [],
+    }
     try:
         if torch.cuda.is_available():
             info["cudnn"] = torch.backends.cudnn.version()
             for index in range(torch.cuda.device_count()):
                 props = torch.cuda.get_device_properties(index)
-                info["devices"].append({"index": index, "name": props.name,
-                                        "capability": f"{props.major}.{props.minor}",
-                                        "memory_bytes": int(props.total_memory)})
+                info["devices"].append(
+                    {
+                        "index": index,
+                        "name": props.name,
+                        "capability": f"{props.major}.{props.minor}",
+                        "memory_bytes": int(props.total_memory),
+                    }
+                )
     except Exception as exc:  # a lost CUDA context: say so rather than lose the report
         info["error"] = f"{type(exc).__name__}: {exc}"
     return info
@@ -90,8 +107,13 @@ def commit_info(folder: Path) -> dict[str, Any]:
     (None values and ``error`` where the folder is not in a git repository or git is missing)."""
     top = _run(["git", "rev-parse", "--show-toplevel"], folder) if shutil.which("git") else None
     if top is None:
-        return {"id": None, "time": None, "branch": None, "dirty": None,
-                "error": f"{folder} is not in a git repository (or git is not installed)"}
+        return {
+            "id": None,
+            "time": None,
+            "branch": None,
+            "dirty": None,
+            "error": f"{folder} is not in a git repository (or git is not installed)",
+        }
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], folder)
     return {
         "id": _run(["git", "rev-parse", "HEAD"], folder),

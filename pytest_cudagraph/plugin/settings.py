@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 
-
 def _shown_default(value: object) -> str:
     """A config field's default as the marker's signature shows it: a required
     field as None (the plugin's options fill it), the mode by its name."""
@@ -63,7 +62,11 @@ CONFIG_KEYWORDS: tuple[str, ...] = CaptureConfig.field_names()
 #: means "from --cudagraph-sizes / ini cudagraph_sizes".
 _MARKER_DEFAULTS: tuple[tuple[str, str], ...] = (
     *((name, _shown_default(CaptureConfig.defaults().get(name, MISSING))) for name in CONFIG_KEYWORDS),
-    *((name, _shown_default(value)) for name, value in VerifyOptions.defaults().items() if name not in RUN_SETTINGS),
+    *(
+        (name, _shown_default(value))
+        for name, value in VerifyOptions.defaults().items()
+        if name not in RUN_SETTINGS
+    ),
 )
 MARKER_KEYWORDS: tuple[str, ...] = tuple(name for name, _ in _MARKER_DEFAULTS)
 #: Keywords the ``cudagraph_verify`` fixture takes: the marker's and the run's (``exhaustive``).
@@ -178,8 +181,10 @@ def parse_checks(value: object, source: str) -> tuple[str, ...]:
     """Check names from 'real_batches,-determinism' (commas and/or spaces); UsageError naming
     ``source`` otherwise. Whether each names a check is known once torch is loaded: ``verify``
     says so, with the list of checks."""
-    expected = ("expected check names separated by commas, a leading '-' to deselect one, such as "
-                "capture_safety,real_batches or -determinism")
+    expected = (
+        "expected check names separated by commas, a leading '-' to deselect one, such as "
+        "capture_safety,real_batches or -determinism"
+    )
     items = [p for p in re.split(r"[,\s]+", value.strip()) if p] if isinstance(value, str) else None
     if not items or not all(_CHECK_NAME.fullmatch(p) for p in items):
         raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
@@ -193,7 +198,9 @@ def parse_seconds(value: object, source: str) -> float:
     except ValueError:
         seconds = float("nan")
     if not seconds > 0 or seconds == float("inf"):
-        raise pytest.UsageError(f"{source}: expected a positive number of seconds, such as 600; got {value!r}")
+        raise pytest.UsageError(
+            f"{source}: expected a positive number of seconds, such as 600; got {value!r}"
+        )
     return seconds
 
 
@@ -217,7 +224,9 @@ def parse_world_size(value: object, source: str) -> int:
     return int(text)
 
 
-def rank_devices(worker: str | None, devices: tuple[int, ...] | None, count: int, world_size: int) -> list[int]:
+def rank_devices(
+    worker: str | None, devices: tuple[int, ...] | None, count: int, world_size: int
+) -> list[int]:
     """The CUDA devices of one distributed verification's ranks: ``world_size``
     consecutive devices of ``devices`` (every visible device by default), the
     block of xdist worker ``gw<N>`` being the N-th, round robin."""
@@ -225,7 +234,7 @@ def rank_devices(worker: str | None, devices: tuple[int, ...] | None, count: int
     blocks = max(1, len(pool) // world_size)
     match = re.fullmatch(r"gw(\d+)", worker or "")
     block = (int(match.group(1)) if match else 0) % blocks
-    return list(pool[block * world_size:(block + 1) * world_size])
+    return list(pool[block * world_size : (block + 1) * world_size])
 
 
 def parse_split(value: object, source: str) -> str:
@@ -290,18 +299,31 @@ def session_settings(config: pytest.Config) -> Settings:
     devices = _option_or_ini(config, "devices", parse_devices)
     split = _option_or_ini(config, "split", parse_split) or "test"
     strict_opt = config.getoption("cudagraph_nonfinite_padding", default=None)
-    nonfinite = bool(strict_opt) if strict_opt is not None else _ini_bool(config, "cudagraph_nonfinite_padding")
+    nonfinite = (
+        bool(strict_opt) if strict_opt is not None else _ini_bool(config, "cudagraph_nonfinite_padding")
+    )
     world_size = _option_or_ini(config, "world_size", parse_world_size)
     trace = _path(config, "cudagraph_trace")
     isolate_opt = config.getoption("cudagraph_isolate", default=None)
     isolate = bool(isolate_opt) if isolate_opt is not None else _ini_bool(config, "cudagraph_isolate")
-    return Settings(verify=verify, backend=backend, sizes=sizes, report=_path(config, "cudagraph_report"),
-                    bench_report=_path(config, "cudagraph_bench_report"), devices=devices, split=split,
-                    nonfinite_padding=nonfinite, world_size=world_size, trace=trace, isolate=isolate,
-                    isolate_timeout=_option_or_ini(config, "isolate_timeout", parse_seconds),
-                    checks=_option_or_ini(config, "checks", parse_checks), compare=_path(config, "cudagraph_compare"),
-                    compare_fail=_flag(config, "cudagraph_compare_fail"),
-                    trace_shapes=read_trace_shapes(trace, config) if trace is not None else None)
+    return Settings(
+        verify=verify,
+        backend=backend,
+        sizes=sizes,
+        report=_path(config, "cudagraph_report"),
+        bench_report=_path(config, "cudagraph_bench_report"),
+        devices=devices,
+        split=split,
+        nonfinite_padding=nonfinite,
+        world_size=world_size,
+        trace=trace,
+        isolate=isolate,
+        isolate_timeout=_option_or_ini(config, "isolate_timeout", parse_seconds),
+        checks=_option_or_ini(config, "checks", parse_checks),
+        compare=_path(config, "cudagraph_compare"),
+        compare_fail=_flag(config, "cudagraph_compare_fail"),
+        trace_shapes=read_trace_shapes(trace, config) if trace is not None else None,
+    )
 
 
 def _flag(config: pytest.Config, name: str) -> bool:
@@ -314,7 +336,11 @@ def read_trace_shapes(path: Path, config: pytest.Config) -> tuple[Batch, ...]:
     """The distinct batch shapes of the trace at ``path``; a trace that cannot be read is a UsageError."""
     from ..plan.trace import TraceError, read_trace
 
-    source = "--cudagraph-trace" if config.getoption("cudagraph_trace", default=None) else "ini option cudagraph_trace"
+    source = (
+        "--cudagraph-trace"
+        if config.getoption("cudagraph_trace", default=None)
+        else "ini option cudagraph_trace"
+    )
     try:
         return tuple(read_trace(path).shapes)
     except TraceError as exc:
@@ -345,7 +371,9 @@ def check_report_path(path: Path, source: str) -> None:
     import tempfile
 
     if path.is_dir():
-        raise pytest.UsageError(f"{source}: {path} is a directory; give a file path, such as {path / 'report.json'}")
+        raise pytest.UsageError(
+            f"{source}: {path} is a directory; give a file path, such as {path / 'report.json'}"
+        )
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -537,5 +565,7 @@ def split_labels(run: Settings, marker: Mapping[str, Any]) -> list[str] | None:
         wanted = {wanted} if isinstance(wanted, str) else set(wanted)
         labels = [d.label() for d in plan.capture_order if d.label() in wanted]
     else:
-        labels = [d.label() for d in select_descriptors(plan.capture_order, exhaustive=bool(keywords["exhaustive"]))]
+        labels = [
+            d.label() for d in select_descriptors(plan.capture_order, exhaustive=bool(keywords["exhaustive"]))
+        ]
     return labels or None

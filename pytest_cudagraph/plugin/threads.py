@@ -20,7 +20,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["THREADS_ENV", "USER_THREAD_ENVS", "apply_threads", "available_cores", "plan_threads", "worker_count"]
+__all__ = [
+    "THREADS_ENV",
+    "USER_THREAD_ENVS",
+    "apply_threads",
+    "available_cores",
+    "plan_threads",
+    "worker_count",
+]
 
 #: Environment variables that mean the user chose torch's thread count.
 USER_THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -42,8 +49,9 @@ def plan_threads(*, cores: int, workers: int, env: Mapping[str, str]) -> int | N
         except ValueError:
             count = -1
         if count < 0:
-            raise ValueError(f"{THREADS_ENV} must be a number of threads >= 1, or 0 to leave torch's alone; "
-                             f"got {own!r}")
+            raise ValueError(
+                f"{THREADS_ENV} must be a number of threads >= 1, or 0 to leave torch's alone; got {own!r}"
+            )
         return count or None
     if any(env.get(name, "").strip() for name in USER_THREAD_ENVS):
         return None
@@ -82,7 +90,10 @@ def thread_plan(config: Any = None) -> tuple[int | None, str | None]:
     threads = plan_threads(cores=cores, workers=workers, env=os.environ)
     if threads is None:
         return None, None
-    return threads, f"threads={threads} ({cores} core{'s' if cores != 1 else ''}, {workers} worker{'s' if workers != 1 else ''})"
+    return (
+        threads,
+        f"threads={threads} ({cores} core{'s' if cores != 1 else ''}, {workers} worker{'s' if workers != 1 else ''})",
+    )
 
 
 def apply_threads(config: Any = None) -> str | None:

@@ -41,6 +41,7 @@ def _buffers_copied_back(module: torch.nn.Module) -> Iterator[None]:
                 if name in snapshot:
                     t.copy_(snapshot[name])
 
+
 #: ``pad_values`` entry that repeats an input's last real row into its padded rows.
 EDGE = "edge"
 
@@ -52,7 +53,8 @@ def _require_cuda(what: str) -> None:
             f"{what} needs a CUDA device: CUDA graphs are recorded and replayed on a GPU, and torch sees none "
             f"here (torch {torch.__version__}, built with CUDA {torch.version.cuda}). Run on a machine with a "
             "GPU and a CUDA build of torch; on the CPU, verify the module with pytest_cudagraph.verify "
-            "(its emulated backend), or mark the test @pytest.mark.cuda so that it skips here.")
+            "(its emulated backend), or mark the test @pytest.mark.cuda so that it skips here."
+        )
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -223,11 +225,14 @@ class CompiledRunner:
             logged = [m for m in graphs.messages if m]
             self._record(logged)
             if bumped > len(logged):
-                self._record([
-                    f"torch.compile skipped CUDA graphs for {bumped - len(logged)} compiled graph(s) without a "
-                    "logged reason (counters['inductor']['cudagraph_skips'] rose by "
-                    f"{bumped}): a graph with no CUDA tensor, or torch's 'cudagraphs' log filtered out; run with "
-                    "TORCH_LOGS=cudagraphs to see torch's reason"])
+                self._record(
+                    [
+                        f"torch.compile skipped CUDA graphs for {bumped - len(logged)} compiled graph(s) without a "
+                        "logged reason (counters['inductor']['cudagraph_skips'] rose by "
+                        f"{bumped}): a graph with no CUDA tensor, or torch's 'cudagraphs' log filtered out; run with "
+                        "TORCH_LOGS=cudagraphs to see torch's reason"
+                    ]
+                )
             self._record(frames.messages)
 
     def _invoke(self, inputs: Mapping[str, Any]) -> Any:
@@ -306,11 +311,14 @@ def _optional_positive(name: str, value: Any) -> None:
 def _check_module_on_cuda(what: str, module: Any) -> None:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"{what}: module must be a torch.nn.Module; got {type(module).__name__}")
-    off = sorted({str(t.device) for t in (*module.parameters(), *module.buffers()) if t.device.type != "cuda"})
+    off = sorted(
+        {str(t.device) for t in (*module.parameters(), *module.buffers()) if t.device.type != "cuda"}
+    )
     if off:
         raise ValueError(
             f"{what}: the module has parameters or buffers on {', '.join(off)}; CUDA graphs replay CUDA work "
-            "only (torch.compile would silently skip them). Move the module first: module.cuda()")
+            "only (torch.compile would silently skip them). Move the module first: module.cuda()"
+        )
 
 
 def compiled(
@@ -374,23 +382,39 @@ def compiled(
     _require_cuda("compiled()")
     _check_module_on_cuda("compiled()", module)
     if (make_inputs is None) != (warmup_sizes is None):
-        raise ValueError("compiled(): give make_inputs and warmup_sizes together (capture() warms up each size "
-                         "on make_inputs(size, num_reqs)), or neither")
+        raise ValueError(
+            "compiled(): give make_inputs and warmup_sizes together (capture() warms up each size "
+            "on make_inputs(size, num_reqs)), or neither"
+        )
     if make_inputs is not None and not callable(make_inputs):
-        raise ValueError(f"compiled(): make_inputs must be a function (num_tokens, num_reqs) -> dict of inputs; "
-                         f"got {type(make_inputs).__name__}")
+        raise ValueError(
+            f"compiled(): make_inputs must be a function (num_tokens, num_reqs) -> dict of inputs; "
+            f"got {type(make_inputs).__name__}"
+        )
     sizes = _positive_sizes("compiled(): warmup_sizes", warmup_sizes) if warmup_sizes is not None else []
     _optional_positive("compiled(): max_num_reqs", max_num_reqs)
     _optional_positive("compiled(): recompile_limit", recompile_limit)
     if not isinstance(warmup_calls, int) or isinstance(warmup_calls, bool) or warmup_calls < 2:
-        raise ValueError(f"compiled(): warmup_calls must be an int >= 2 (a warm-up call, then the one that "
-                         f"records the graph); got {warmup_calls!r}")
+        raise ValueError(
+            f"compiled(): warmup_calls must be an int >= 2 (a warm-up call, then the one that "
+            f"records the graph); got {warmup_calls!r}"
+        )
     if "mode" in compile_kwargs:
-        raise ValueError("compiled(): mode is 'reduce-overhead' (CUDA graph trees); for another mode call "
-                         "torch.compile yourself and verify that callable")
-    return CompiledRunner(module, dynamic=dynamic, clone_outputs=clone_outputs, make_inputs=make_inputs,
-                          warmup_sizes=sizes, max_num_reqs=max_num_reqs, warmup_calls=warmup_calls,
-                          recompile_limit=recompile_limit, compile_kwargs=compile_kwargs)
+        raise ValueError(
+            "compiled(): mode is 'reduce-overhead' (CUDA graph trees); for another mode call "
+            "torch.compile yourself and verify that callable"
+        )
+    return CompiledRunner(
+        module,
+        dynamic=dynamic,
+        clone_outputs=clone_outputs,
+        make_inputs=make_inputs,
+        warmup_sizes=sizes,
+        max_num_reqs=max_num_reqs,
+        warmup_calls=warmup_calls,
+        recompile_limit=recompile_limit,
+        compile_kwargs=compile_kwargs,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -453,18 +477,23 @@ class GraphedRunner:
     def _sample(self, size: int) -> dict[str, torch.Tensor]:
         inputs = self.make_inputs(size, self.reqs(size))
         if not isinstance(inputs, Mapping):
-            raise ValueError(f"graphed_callables: make_inputs must return a dict of keyword inputs; got "
-                             f"{type(inputs).__name__}")
+            raise ValueError(
+                f"graphed_callables: make_inputs must return a dict of keyword inputs; got "
+                f"{type(inputs).__name__}"
+            )
         others = [k for k, v in inputs.items() if not isinstance(v, torch.Tensor)]
         if others:
             raise ValueError(
                 f"graphed_callables: make_inputs({size}, {self.reqs(size)}) gave inputs that are not tensors "
                 f"({', '.join(others)}); make_graphed_callables graphs tensor arguments only (a Python value "
-                "would be frozen into the graph). Pass them as tensors, or bind them into the module")
+                "would be frozen into the graph). Pass them as tensors, or bind them into the module"
+            )
         off = [k for k, v in inputs.items() if v.device.type != "cuda"]
         if off:
-            raise ValueError(f"graphed_callables: make_inputs({size}, {self.reqs(size)}) gave inputs off the GPU "
-                             f"({', '.join(off)}); build them on the module's CUDA device")
+            raise ValueError(
+                f"graphed_callables: make_inputs({size}, {self.reqs(size)}) gave inputs off the GPU "
+                f"({', '.join(off)}); build them on the module's CUDA device"
+            )
         # Detached: the sample tensors become the graph's static inputs, and
         # an input requiring grad would have make_graphed_callables build the
         # autograd graph an inference runner never uses.
@@ -501,8 +530,12 @@ class GraphedRunner:
             for size in sorted(self.capture_sizes, reverse=True):
                 static = samples[size]
                 fn = torch.cuda.make_graphed_callables(
-                    _positional(self.module, list(static)), tuple(static.values()),
-                    num_warmup_iters=self.num_warmup_iters, allow_unused_input=True, pool=pool)
+                    _positional(self.module, list(static)),
+                    tuple(static.values()),
+                    num_warmup_iters=self.num_warmup_iters,
+                    allow_unused_input=True,
+                    pool=pool,
+                )
                 self.graphs[size] = _SizeGraph(size, self.reqs(size), fn, static)
         torch.cuda.synchronize()
 
@@ -516,29 +549,38 @@ class GraphedRunner:
         raise ValueError(
             "graphed_callables: no input has num_tokens rows (dim 0) at every capture size, so the runner cannot "
             f"tell a batch's token count; make_inputs gave {shapes}. Per-token inputs must have the batch "
-            "along dim 0")
+            "along dim 0"
+        )
 
     def _load(self, graph: _SizeGraph, inputs: Mapping[str, Any]) -> None:
         """Copy the real batch into the graph's static inputs; rows past it get the pad value."""
         missing = sorted(set(graph.static) - set(inputs))
         extra = sorted(set(inputs) - set(graph.static))
         if missing or extra:
-            raise ValueError(f"graphed_callables: the batch's inputs differ from the captured ones (missing "
-                             f"{missing}, not captured {extra}); call the runner with make_inputs' keywords")
+            raise ValueError(
+                f"graphed_callables: the batch's inputs differ from the captured ones (missing "
+                f"{missing}, not captured {extra}); call the runner with make_inputs' keywords"
+            )
         for name, static in graph.static.items():
             real = inputs[name]
             if not isinstance(real, torch.Tensor):
-                raise ValueError(f"graphed_callables: input {name!r} is a {type(real).__name__}, captured as a "
-                                 "tensor")
+                raise ValueError(
+                    f"graphed_callables: input {name!r} is a {type(real).__name__}, captured as a tensor"
+                )
             if real.shape == static.shape:
                 static.copy_(real)
                 continue
             rows = real.shape[0] if real.dim() else -1
-            if real.dim() != static.dim() or real.shape[1:] != static.shape[1:] or not 0 <= rows <= static.shape[0]:
+            if (
+                real.dim() != static.dim()
+                or real.shape[1:] != static.shape[1:]
+                or not 0 <= rows <= static.shape[0]
+            ):
                 raise ValueError(
                     f"graphed_callables: input {name!r} of shape {tuple(real.shape)} does not fit the graph of "
                     f"{graph.size} tokens, captured with shape {tuple(static.shape)}: only dim 0 may be smaller "
-                    "(the rows the runner pads)")
+                    "(the rows the runner pads)"
+                )
             static[:rows].copy_(real)
             pad = self.pad_values.get(name, 0)
             if pad == EDGE and rows > 0:
@@ -548,12 +590,16 @@ class GraphedRunner:
 
     def __call__(self, **inputs: Any) -> Any:
         if not self.graphs or self.token_input is None:
-            raise RuntimeError("graphed_callables: call runner.capture() before the first batch (verify_runner "
-                               "does); it builds a graph for each capture size")
+            raise RuntimeError(
+                "graphed_callables: call runner.capture() before the first batch (verify_runner "
+                "does); it builds a graph for each capture size"
+            )
         token_input = inputs.get(self.token_input)
         if not isinstance(token_input, torch.Tensor) or token_input.dim() == 0:
-            raise ValueError(f"graphed_callables: the batch has no tensor {self.token_input!r} with its tokens "
-                             "along dim 0 (the input that gives a batch's token count)")
+            raise ValueError(
+                f"graphed_callables: the batch has no tensor {self.token_input!r} with its tokens "
+                "along dim 0 (the input that gives a batch's token count)"
+            )
         num_tokens = int(token_input.shape[0])
         size = next((s for s in sorted(self.graphs) if s >= num_tokens), None)
         if size is None:  # past the largest graph: the module, eagerly, on the real batch
@@ -618,12 +664,20 @@ def graphed_callables(
     _require_cuda("graphed_callables()")
     _check_module_on_cuda("graphed_callables()", module)
     if not callable(make_inputs):
-        raise ValueError(f"graphed_callables(): make_inputs must be a function (num_tokens, num_reqs) -> dict of "
-                         f"inputs; got {type(make_inputs).__name__}")
+        raise ValueError(
+            f"graphed_callables(): make_inputs must be a function (num_tokens, num_reqs) -> dict of "
+            f"inputs; got {type(make_inputs).__name__}"
+        )
     sizes = _positive_sizes("graphed_callables(): capture_sizes", capture_sizes)
     if not sizes:
         raise ValueError("graphed_callables(): capture_sizes is empty; give the token counts to graph")
     _optional_positive("graphed_callables(): max_num_reqs", max_num_reqs)
     _optional_positive("graphed_callables(): num_warmup_iters", num_warmup_iters)
-    return GraphedRunner(module, make_inputs, sizes, max_num_reqs=max_num_reqs, pad_values=pad_values or {},
-                         num_warmup_iters=num_warmup_iters)
+    return GraphedRunner(
+        module,
+        make_inputs,
+        sizes,
+        max_num_reqs=max_num_reqs,
+        pad_values=pad_values or {},
+        num_warmup_iters=num_warmup_iters,
+    )

@@ -75,7 +75,8 @@ class RunnerContext(ModuleState):
         self.batch_invariant = batch_invariant
         self.device = device
         self.descriptors: list[BatchDescriptor] = [
-            BatchDescriptor(mode=GraphMode.FULL, num_tokens=s) for s in self.capture_sizes]
+            BatchDescriptor(mode=GraphMode.FULL, num_tokens=s) for s in self.capture_sizes
+        ]
         if max_tokens > self.capture_sizes[-1]:
             self.descriptors.append(BatchDescriptor(mode=GraphMode.NONE, num_tokens=max_tokens))
         self.runner_calls = 0
@@ -163,8 +164,13 @@ class RunnerContext(ModuleState):
             self._layout_tried = True
             top = self.batch(self.capture_sizes[-1])
             try:
-                self._layout = infer_layout(self.make_inputs, max_tokens=top.num_tokens, max_reqs=top.num_reqs,
-                                            device=self.device, pad_values={})
+                self._layout = infer_layout(
+                    self.make_inputs,
+                    max_tokens=top.num_tokens,
+                    max_reqs=top.num_reqs,
+                    device=self.device,
+                    pad_values={},
+                )
             except (ValueError, TypeError):
                 self._layout = None
         return self._layout

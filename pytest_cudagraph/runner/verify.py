@@ -25,11 +25,15 @@ RUNNER_CAPTURE = "runner_capture"
 
 def _positive_sizes(capture_sizes: Any) -> list[int]:
     if isinstance(capture_sizes, (str, bytes)) or not isinstance(capture_sizes, Iterable):
-        raise ValueError(f"verify_runner: capture_sizes must be a list of positive ints (the token counts the "
-                         f"runner captured graphs for); got {capture_sizes!r}")
+        raise ValueError(
+            f"verify_runner: capture_sizes must be a list of positive ints (the token counts the "
+            f"runner captured graphs for); got {capture_sizes!r}"
+        )
     sizes = list(capture_sizes)
     if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
-        raise ValueError(f"verify_runner: capture_sizes must be a non-empty list of positive ints; got {sizes!r}")
+        raise ValueError(
+            f"verify_runner: capture_sizes must be a non-empty list of positive ints; got {sizes!r}"
+        )
     return sorted(set(sizes))
 
 
@@ -55,11 +59,18 @@ def _capture_state(ctx: RunnerContext, before: Mapping[str, torch.Tensor]) -> li
     diff = ctx.state_difference(ctx.snapshot(), before, use_scratch=True)
     if diff is None:
         return []
-    return [Outcome("state", None, False,
-                    f"runner.capture() changed module state '{diff.path}' outside scratch_state ({diff.reason}): "
-                    "its warm-up or capture batches wrote where real requests live (a padded token given a live "
-                    "slot, say). Send dummy and padded tokens to a scratch region and declare it with "
-                    "scratch_state", finding_of(diff))]
+    return [
+        Outcome(
+            "state",
+            None,
+            False,
+            f"runner.capture() changed module state '{diff.path}' outside scratch_state ({diff.reason}): "
+            "its warm-up or capture batches wrote where real requests live (a padded token given a live "
+            "slot, say). Send dummy and padded tokens to a scratch region and declare it with "
+            "scratch_state",
+            finding_of(diff),
+        )
+    ]
 
 
 def verify_runner(
@@ -98,12 +109,16 @@ def verify_runner(
     the same signatures (``run(ctx: RunnerContext, descriptor)``).
     """
     if not callable(runner):
-        raise TypeError(f"verify_runner: runner must be callable as runner(**inputs); got {type(runner).__name__}")
+        raise TypeError(
+            f"verify_runner: runner must be callable as runner(**inputs); got {type(runner).__name__}"
+        )
     if not isinstance(module, torch.nn.Module):
         raise TypeError(not_a_module(module, "verify_runner: module"))
     if not callable(make_inputs):
-        raise TypeError("verify_runner: make_inputs must be a function (num_tokens, num_reqs) -> dict of inputs; "
-                        f"got {type(make_inputs).__name__}")
+        raise TypeError(
+            "verify_runner: make_inputs must be a function (num_tokens, num_reqs) -> dict of inputs; "
+            f"got {type(make_inputs).__name__}"
+        )
     sizes = _positive_sizes(capture_sizes)
     _optional_positive("max_num_reqs", max_num_reqs)
     _optional_positive("max_tokens", max_tokens)
@@ -111,21 +126,41 @@ def verify_runner(
     registry = RUNNER_CHECKS.extended(check_list(extra_checks))
     selected = registry.select(checks)
     dev = _device_of(module, device)
-    ctx = RunnerContext(runner, module, make_inputs, capture_sizes=sizes, max_num_reqs=max_num_reqs,
-                        max_tokens=top, rtol=rtol, atol=atol, batch_invariant=batch_invariant, seed=seed,
-                        scratch_state=scratch_state or {}, device=dev)
+    ctx = RunnerContext(
+        runner,
+        module,
+        make_inputs,
+        capture_sizes=sizes,
+        max_num_reqs=max_num_reqs,
+        max_tokens=top,
+        rtol=rtol,
+        atol=atol,
+        batch_invariant=batch_invariant,
+        seed=seed,
+        scratch_state=scratch_state or {},
+        device=dev,
+    )
     report = VerifyReport(
-        module=f"{_name(runner)} for {type(module).__name__}", backend=dev.type, device=str(dev), mode="runner",
-        exhaustive=True, checks=selected, descriptors=tuple(ctx.descriptors), planned=len(ctx.descriptors),
-        config={"capture_sizes": sizes, "max_num_reqs": max_num_reqs, "max_tokens": top}, kind="runner",
+        module=f"{_name(runner)} for {type(module).__name__}",
+        backend=dev.type,
+        device=str(dev),
+        mode="runner",
+        exhaustive=True,
+        checks=selected,
+        descriptors=tuple(ctx.descriptors),
+        planned=len(ctx.descriptors),
+        config={"capture_sizes": sizes, "max_num_reqs": max_num_reqs, "max_tokens": top},
+        kind="runner",
         training="train" if module.training else "eval",
     )
     started = time.perf_counter()
     # What the module's forward writes (and nothing else) is copied, compared and restored.
     ctx.learn()
-    report.notes.extend(f"forward writes {name!r} where no op shows it to torch's dispatcher (a Triton kernel or "
-                        "an extension called directly); found by its fingerprint, it is compared from then on"
-                        for name in ctx.unseen)
+    report.notes.extend(
+        f"forward writes {name!r} where no op shows it to torch's dispatcher (a Triton kernel or "
+        "an extension called directly); found by its fingerprint, it is compared from then on"
+        for name in ctx.unseen
+    )
     capture = getattr(runner, "capture", None)
     if callable(capture):
         before = ctx.snapshot()
@@ -133,8 +168,9 @@ def verify_runner(
             capture()
         except Exception as exc:  # the runner's own capture failed: nothing after it can be trusted
             report.capture_seconds = time.perf_counter() - started
-            report.add([Outcome(RUNNER_CAPTURE, None, False,
-                                f"runner.capture() raised {type(exc).__name__}: {exc}")])
+            report.add(
+                [Outcome(RUNNER_CAPTURE, None, False, f"runner.capture() raised {type(exc).__name__}: {exc}")]
+            )
             return report
         ctx.synchronize()
         if "state" in selected:
@@ -151,15 +187,32 @@ def verify_runner(
             for desc in ctx.descriptors:
                 report.add([guarded(check, desc, functools.partial(check.run, ctx, desc))])
         else:
-            report.add([could_not_run(check, None, ValueError(
-                f"scope {check.scope!r} has no meaning for a runner (its capture is its own)"))])
+            report.add(
+                [
+                    could_not_run(
+                        check,
+                        None,
+                        ValueError(
+                            f"scope {check.scope!r} has no meaning for a runner (its capture is its own)"
+                        ),
+                    )
+                ]
+            )
     report.check_seconds = time.perf_counter() - started
     report.real_batches = ctx.runner_calls
     changed = ctx.unseen_writes()
     if changed and "state" in selected:
-        report.add([Outcome("state", None, False,
-                            f"module tensor(s) {', '.join(repr(n) for n in changed)} hold other values after the "
-                            "runner ran than before, though the module's eager forward never writes them: the "
-                            "runner (its capture or its replays) wrote where eager does not",
-                            Finding(output=changed[0]))])
+        report.add(
+            [
+                Outcome(
+                    "state",
+                    None,
+                    False,
+                    f"module tensor(s) {', '.join(repr(n) for n in changed)} hold other values after the "
+                    "runner ran than before, though the module's eager forward never writes them: the "
+                    "runner (its capture or its replays) wrote where eager does not",
+                    Finding(output=changed[0]),
+                )
+            ]
+        )
     return report

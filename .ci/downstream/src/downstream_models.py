@@ -29,6 +29,7 @@ class CountingMLP(TwoLayerMLP):
         return super().forward(x) * self.calls
 
 
-def make_inputs(num_tokens: int, num_reqs: int, *,
-                device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def make_inputs(
+    num_tokens: int, num_reqs: int, *, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(num_tokens, 16, device=device)}

@@ -27,8 +27,9 @@ def test_ini_capture_sizes(cudagraph_verify):
 
 
 def test_python_state_in_forward_fails_verification():
-    report = pytest_cudagraph.verify(CountingMLP(), make_inputs, capture_sizes=[1, 2, 4], max_num_reqs=2,
-                                     backend="emulate")
+    report = pytest_cudagraph.verify(
+        CountingMLP(), make_inputs, capture_sizes=[1, 2, 4], max_num_reqs=2, backend="emulate"
+    )
     assert not report.ok
     assert "replay_matches_eager" in {outcome.check for outcome in report.failures}
     assert "replay_matches_eager" in report.format()
