@@ -25,17 +25,12 @@ from typing import Any
 from hypothesis import strategies as st
 
 from .plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
+from .plan.validate import check_int
 
 __all__ = ["BATCH_KINDS", "batches", "capture_configs", "descriptors", "invalid_batches"]
 
 #: The kinds of real batch ``batches`` draws.
 BATCH_KINDS = ("uniform_decode", "varlen_decode", "mixed", "oversize")
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    return value
 
 
 def _check_bounds(low_name: str, low: int, high_name: str, high: int) -> None:
@@ -84,16 +79,16 @@ def capture_configs(
     draws whether to have them, True always has a case above 0, False never); varlen decode
     likewise by ``varlen``; microbatch twins drawn when ``ubatches``; several uniform decode query
     lengths (dynamic speculative decoding: ``decode_query_lens``) likewise by ``speculative``."""
-    _check_int("min_sizes", min_sizes, 1)
-    _check_int("max_sizes", max_sizes, 1)
+    check_int("min_sizes", min_sizes, 1)
+    check_int("max_sizes", max_sizes, 1)
     _check_bounds("min_sizes", min_sizes, "max_sizes", max_sizes)
-    _check_int("max_size", max_size, 1)
+    check_int("max_size", max_size, 1)
     _check_bounds("max_sizes", max_sizes, "max_size", max_size)
-    _check_int("min_num_reqs", min_num_reqs, 1)
-    _check_int("max_num_reqs", max_num_reqs, 1)
+    check_int("min_num_reqs", min_num_reqs, 1)
+    check_int("max_num_reqs", max_num_reqs, 1)
     _check_bounds("min_num_reqs", min_num_reqs, "max_num_reqs", max_num_reqs)
-    _check_int("max_decode_query_len", max_decode_query_len, 1)
-    _check_int("max_lora_case", max_lora_case, 1)
+    check_int("max_decode_query_len", max_decode_query_len, 1)
+    check_int("max_lora_case", max_lora_case, 1)
     if varlen is not None and not isinstance(varlen, bool):
         raise ValueError(f"varlen must be True, False or None (draw it); got {varlen!r}")
     if lora is not None and not isinstance(lora, bool):
@@ -148,8 +143,8 @@ def batches(
     unknown = [k for k in chosen if k not in BATCH_KINDS]
     if unknown or not chosen:
         raise ValueError(f"kinds must be a non-empty subset of {BATCH_KINDS}; got {chosen!r}")
-    _check_int("max_extra_tokens", max_extra_tokens, 1)
-    _check_int("max_extra_loras", max_extra_loras, 0)
+    check_int("max_extra_tokens", max_extra_tokens, 1)
+    check_int("max_extra_loras", max_extra_loras, 0)
     cfg = plan.config
     q = cfg.decode_query_len
     query_lens = cfg.query_lens
@@ -199,7 +194,7 @@ def batches(
 def invalid_batches(*, max_tokens: int = 64) -> st.SearchStrategy[Batch]:
     """Batches dispatch must reject with ``ValueError``: more requests than tokens,
     negative counts, requests without tokens, zero microbatches, non-integers."""
-    _check_int("max_tokens", max_tokens, 1)
+    check_int("max_tokens", max_tokens, 1)
 
     @st.composite
     def draw_invalid(draw: Any) -> Batch:
@@ -242,8 +237,8 @@ def descriptors(
         if not plan.descriptors:
             raise ValueError("the plan captures no descriptor (mode NONE?), so there is none to draw")
         return st.sampled_from(plan.descriptors)
-    _check_int("max_tokens", max_tokens, 1)
-    _check_int("max_loras", max_loras, 0)
+    check_int("max_tokens", max_tokens, 1)
+    check_int("max_loras", max_loras, 0)
 
     @st.composite
     def draw_desc(draw: Any) -> BatchDescriptor:

@@ -8,6 +8,7 @@ from itertools import islice
 from typing import Any
 
 from .modes import GraphMode
+from .validate import is_int
 
 __all__ = ["MAX_CAPTURE_TOKENS", "MAX_GRAPHS", "MAX_LORA_CASE", "CaptureConfig"]
 
@@ -26,12 +27,8 @@ MAX_LORA_CASE = 1 << 16
 MAX_GRAPHS = 1 << 14
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _int_tuple(name: str, values: Iterable[int] | int, *, minimum: int, maximum: int) -> tuple[int, ...]:
-    if _is_int(values):
+    if is_int(values):
         values = (values,)  # type: ignore[assignment]
     try:
         # At most MAX_GRAPHS + 1 items are read: range(2**40) is an error, not a wait.
@@ -43,7 +40,7 @@ def _int_tuple(name: str, values: Iterable[int] | int, *, minimum: int, maximum:
             f"{name} holds more than {MAX_GRAPHS} values: far more graphs than any engine "
             f"captures (vLLM: about 70 sizes); give fewer"
         )
-    bad = [v for v in items if not _is_int(v) or v < minimum]
+    bad = [v for v in items if not is_int(v) or v < minimum]
     if bad:
         raise ValueError(f"{name} must hold integers >= {minimum}; got {bad[0]!r} in {_short(items)}")
     huge = [v for v in items if v > maximum]
@@ -122,10 +119,10 @@ class CaptureConfig:
         sizes = _int_tuple("capture_sizes", capture_sizes, minimum=1, maximum=MAX_CAPTURE_TOKENS)
         if not sizes:
             raise ValueError("capture_sizes must name at least one token count, e.g. (1, 2, 4, 8)")
-        if not _is_int(max_num_reqs) or max_num_reqs < 1:
+        if not is_int(max_num_reqs) or max_num_reqs < 1:
             raise ValueError(f"max_num_reqs must be an integer >= 1; got {max_num_reqs!r}")
         _check_at_most("max_num_reqs", max_num_reqs, MAX_CAPTURE_TOKENS, "requests in one batch")
-        if not _is_int(decode_query_len) or decode_query_len < 1:
+        if not is_int(decode_query_len) or decode_query_len < 1:
             raise ValueError(
                 f"decode_query_len must be an integer >= 1 (1 + speculative tokens); got {decode_query_len!r}"
             )
@@ -143,18 +140,18 @@ class CaptureConfig:
         largest = max(sizes)
         if max_capture_size is None:
             max_capture_size = largest
-        elif not _is_int(max_capture_size) or max_capture_size < largest:
+        elif not is_int(max_capture_size) or max_capture_size < largest:
             raise ValueError(
                 f"max_capture_size must be an integer >= the largest capture size "
                 f"({largest}); got {max_capture_size!r}"
             )
         _check_at_most("max_capture_size", max_capture_size, MAX_CAPTURE_TOKENS, "tokens in one graph")
-        if not _is_int(num_ubatches) or num_ubatches < 1:
+        if not is_int(num_ubatches) or num_ubatches < 1:
             raise ValueError(
                 f"num_ubatches must be an integer >= 1 (1: no microbatching); got {num_ubatches!r}"
             )
         _check_at_most("num_ubatches", num_ubatches, MAX_CAPTURE_TOKENS, "microbatches of one batch")
-        if not _is_int(ubatch_min_tokens) or ubatch_min_tokens < 1:
+        if not is_int(ubatch_min_tokens) or ubatch_min_tokens < 1:
             raise ValueError(f"ubatch_min_tokens must be an integer >= 1; got {ubatch_min_tokens!r}")
         if decode_query_lens is None:
             lens: tuple[int, ...] = (decode_query_len,)

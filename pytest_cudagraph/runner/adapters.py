@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..plan.validate import int_list, optional_int
+
 __all__ = ["CompiledRunner", "GraphedRunner", "compiled", "graphed_callables"]
 
 
@@ -294,20 +296,6 @@ def _call_module(module: torch.nn.Module, inputs: dict[str, Any]) -> Any:
     return module(**inputs)
 
 
-def _positive_sizes(name: str, sizes: Any) -> list[int]:
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
-        raise ValueError(f"{name} must be a list of positive ints (token counts); got {sizes!r}")
-    out = list(sizes)
-    if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in out):
-        raise ValueError(f"{name} must be a list of positive ints (token counts); got {out!r}")
-    return sorted(set(out))
-
-
-def _optional_positive(name: str, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"{name} must be a positive int or None; got {value!r}")
-
-
 def _check_module_on_cuda(what: str, module: Any) -> None:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"{what}: module must be a torch.nn.Module; got {type(module).__name__}")
@@ -391,9 +379,13 @@ def compiled(
             f"compiled(): make_inputs must be a function (num_tokens, num_reqs) -> dict of inputs; "
             f"got {type(make_inputs).__name__}"
         )
-    sizes = _positive_sizes("compiled(): warmup_sizes", warmup_sizes) if warmup_sizes is not None else []
-    _optional_positive("compiled(): max_num_reqs", max_num_reqs)
-    _optional_positive("compiled(): recompile_limit", recompile_limit)
+    sizes = (
+        int_list("compiled(): warmup_sizes", warmup_sizes, what="token counts")
+        if warmup_sizes is not None
+        else []
+    )
+    optional_int("compiled(): max_num_reqs", max_num_reqs)
+    optional_int("compiled(): recompile_limit", recompile_limit)
     if not isinstance(warmup_calls, int) or isinstance(warmup_calls, bool) or warmup_calls < 2:
         raise ValueError(
             f"compiled(): warmup_calls must be an int >= 2 (a warm-up call, then the one that "
@@ -668,11 +660,11 @@ def graphed_callables(
             f"graphed_callables(): make_inputs must be a function (num_tokens, num_reqs) -> dict of "
             f"inputs; got {type(make_inputs).__name__}"
         )
-    sizes = _positive_sizes("graphed_callables(): capture_sizes", capture_sizes)
+    sizes = int_list("graphed_callables(): capture_sizes", capture_sizes, what="token counts")
     if not sizes:
         raise ValueError("graphed_callables(): capture_sizes is empty; give the token counts to graph")
-    _optional_positive("graphed_callables(): max_num_reqs", max_num_reqs)
-    _optional_positive("graphed_callables(): num_warmup_iters", num_warmup_iters)
+    optional_int("graphed_callables(): max_num_reqs", max_num_reqs)
+    optional_int("graphed_callables(): num_warmup_iters", num_warmup_iters)
     return GraphedRunner(
         module,
         make_inputs,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from ..checks.registry import Check, check_list
 from ..checks.report import Finding, Outcome, VerifyReport
 from ..checks.suite import finding_of
 from ..manager.layout import not_a_module
+from ..plan.validate import int_list, optional_int
 from .checks import RUNNER_CHECKS
 from .context import RunnerContext
 
@@ -21,25 +22,6 @@ __all__ = ["verify_runner"]
 
 #: The check under which a runner's failing ``capture()`` is reported.
 RUNNER_CAPTURE = "runner_capture"
-
-
-def _positive_sizes(capture_sizes: Any) -> list[int]:
-    if isinstance(capture_sizes, (str, bytes)) or not isinstance(capture_sizes, Iterable):
-        raise ValueError(
-            f"verify_runner: capture_sizes must be a list of positive ints (the token counts the "
-            f"runner captured graphs for); got {capture_sizes!r}"
-        )
-    sizes = list(capture_sizes)
-    if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
-        raise ValueError(
-            f"verify_runner: capture_sizes must be a non-empty list of positive ints; got {sizes!r}"
-        )
-    return sorted(set(sizes))
-
-
-def _optional_positive(name: str, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"verify_runner: {name} must be a positive int or None; got {value!r}")
 
 
 def _device_of(module: torch.nn.Module, device: torch.device | str | None) -> torch.device:
@@ -119,9 +101,11 @@ def verify_runner(
             "verify_runner: make_inputs must be a function (num_tokens, num_reqs) -> dict of inputs; "
             f"got {type(make_inputs).__name__}"
         )
-    sizes = _positive_sizes(capture_sizes)
-    _optional_positive("max_num_reqs", max_num_reqs)
-    _optional_positive("max_tokens", max_tokens)
+    sizes = int_list(
+        "verify_runner: capture_sizes", capture_sizes, what="the token counts the runner captured graphs for"
+    )
+    optional_int("verify_runner: max_num_reqs", max_num_reqs)
+    optional_int("verify_runner: max_tokens", max_tokens)
     top = max_tokens if max_tokens is not None else sizes[-1] + 1
     registry = RUNNER_CHECKS.extended(check_list(extra_checks))
     selected = registry.select(checks)
