@@ -110,7 +110,7 @@ class Mutant:
 
 C = "pytest_cudagraph/checks/compare.py"
 S = "pytest_cudagraph/checks/suite.py"
-X = "pytest_cudagraph/checks/context.py"
+X = "pytest_cudagraph/checks/verify_context.py"
 GM = "pytest_cudagraph/manager/runtime.py"
 L = "pytest_cudagraph/manager/layout.py"
 PP = "pytest_cudagraph/plan/properties.py"
@@ -119,7 +119,7 @@ E = "pytest_cudagraph/checks/engine.py"
 RG = "pytest_cudagraph/checks/registry.py"
 RP = "pytest_cudagraph/checks/report.py"
 RC = "pytest_cudagraph/runner/checks.py"
-RX = "pytest_cudagraph/runner/context.py"
+RX = "pytest_cudagraph/runner/runner_context.py"
 RV = "pytest_cudagraph/runner/verify.py"
 RUNNER_TESTS = ("tests/test_runner.py",)
 DV = "pytest_cudagraph/distributed/verify.py"
@@ -128,7 +128,7 @@ FA = "pytest_cudagraph/faults.py"
 PL = "pytest_cudagraph/plugin/__init__.py"
 FAULT_TESTS = ("tests/test_faults.py",)
 TR = "pytest_cudagraph/plan/trace.py"
-CX = "pytest_cudagraph/checks/context.py"
+CX = "pytest_cudagraph/checks/verify_context.py"
 TRACE_TESTS = ("tests/test_trace.py",)
 DIST_TESTS = ("tests/test_distributed.py",)
 REGISTRY = ("tests/test_registry.py",)
@@ -420,7 +420,7 @@ MUTANTS: list[Mutant] = [
         sensitivity("test_capture_safety_lists_every_op_at_every_descriptor_before_capture"),
         "ops a graph cannot hold never reported",
     ),
-    # -- checks/context.py: state put back between comparisons -----------------------------------------------
+    # -- checks/verify_context.py: state put back between comparisons -----------------------------------------------
     Mutant(
         "context-restore-noop",
         X,

@@ -13,7 +13,7 @@ from torch import nn
 
 from pytest_cudagraph import GraphManager
 from pytest_cudagraph.checks.compare import leaves
-from pytest_cudagraph.checks.context import clone_tree
+from pytest_cudagraph.checks.verify_context import clone_tree
 
 CONFIG = {"capture_sizes": [1, 2, 4, 8], "max_num_reqs": 4}
 VOCAB = 32

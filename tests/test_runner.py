@@ -401,3 +401,29 @@ def test_a_capture_that_writes_live_state_fails_state_and_the_checks_start_from_
         WarmsUpIntoScratch(module), module, make_inputs, capture_sizes=SIZES, scratch_state={"cache": 16}
     )
     assert report.ok, report.format()
+
+
+def test_a_config_gives_the_plan_as_verify_and_the_manager_take_it():
+    from pytest_cudagraph import CaptureConfig
+
+    torch.manual_seed(0)
+    module = Cached().eval()
+    by_sizes = _verify(Runner)
+    torch.manual_seed(0)
+    report = verify_runner(
+        Runner(module),
+        module,
+        make_inputs,
+        config=CaptureConfig(capture_sizes=SIZES, max_num_reqs=max(SIZES)),
+        scratch_state={"cache": 16},
+    )
+    assert report.ok and [d.label() for d in report.descriptors] == [d.label() for d in by_sizes.descriptors]
+    assert verify_runner(
+        Runner(module), module, make_inputs, config={"capture_sizes": SIZES}, scratch_state={"cache": 16}
+    ).ok
+    with pytest.raises(ValueError, match="pass config or capture_sizes/max_num_reqs, not both"):
+        verify_runner(
+            Runner(module), module, make_inputs, config={"capture_sizes": SIZES}, capture_sizes=SIZES
+        )
+    with pytest.raises(ValueError, match="needs capture_sizes"):
+        verify_runner(Runner(module), module, make_inputs)

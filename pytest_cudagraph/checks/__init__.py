@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from .builtin import BUILTIN, DISPATCH_CHECK
 from .compare import Difference, first_difference
-from .context import VerifyContext
 from .engine import CHECKS, select_descriptors, verify
 from .registry import Check, CheckRegistry, failed, passed, skipped
 from .report import Finding, Outcome, VerifyReport
+from .verify_context import VerifyContext
 
 __all__ = [
     "BUILTIN",

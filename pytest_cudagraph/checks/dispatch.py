@@ -12,8 +12,8 @@ from ..manager import GraphManager
 from ..plan import Batch, BatchDescriptor
 from ..plan.properties import DispatchPropertyError, check_dispatch, check_reachability
 from ..strategies import batches, invalid_batches
-from .context import VerifyContext
 from .report import Finding, Outcome
+from .verify_context import VerifyContext
 
 __all__ = ["dispatch_check", "dispatch_properties"]
 

@@ -22,11 +22,11 @@ from ..options import VerifyOptions
 from ..plan import BatchDescriptor, CaptureConfig
 from ..plan.selection import select_descriptors
 from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
-from .context import VerifyContext
 from .cost import Meter, peak_memory, start_peak
 from .registry import Check, CheckRegistry, check_list
 from .report import Finding, Outcome, VerifyReport
 from .suite import attributes_restored, capture_safety, tensor_attributes
+from .verify_context import VerifyContext
 
 # could_not_run and guarded are the seams runner/ runs its checks through: a check that raises
 # is a failure that says so, never a pass.
@@ -51,7 +51,9 @@ def registry_with(extra_checks: Iterable[Check] | Check | None) -> CheckRegistry
     return BUILTIN.extended(extra) if extra else BUILTIN
 
 
-def _config(config: CaptureConfig | Mapping[str, Any] | None, keywords: Mapping[str, Any]) -> CaptureConfig:
+def capture_config(
+    config: CaptureConfig | Mapping[str, Any] | None, keywords: Mapping[str, Any]
+) -> CaptureConfig:
     """The capture configuration: ``config``, or ``CaptureConfig``'s keywords given to ``verify``."""
     fields = CaptureConfig.field_names()
     unknown = sorted(set(keywords) - set(fields))
@@ -139,14 +141,14 @@ def verify(
         raise ValueError(str(exc)) from None
     registry = registry_with(opts.extra_checks)
     selected = [registry[n] for n in registry.select(opts.checks)]
-    capture_config = _config(config, {k: v for k, v in keywords.items() if k not in names})
+    plan_config = capture_config(config, {k: v for k, v in keywords.items() if k not in names})
     # Verification runs make_inputs and the module many times (probes,
     # warm-ups, captures, eager references): the random generators are put
     # back afterwards, and so are the module's buffers.
     rng_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     try:
         with _lost_context_told(), torch.random.fork_rng(devices=rng_devices):
-            return _verify(module, make_inputs, capture_config, selected, opts)
+            return _verify(module, make_inputs, plan_config, selected, opts)
     except faults.ContextLost as lost:
         # Told from here, without the frames of the harness it went through.
         raise faults.ContextLost(lost.code, lost.error, lost.where) from None

@@ -19,10 +19,10 @@ from ..guard import ModuleTracker, Violation, find_violations
 from ..manager.capture import MODULE_INTERNALS
 from ..plan import Batch, BatchDescriptor, GraphMode
 from .compare import Difference, first_difference, leaves
-from .context import Snapshot, VerifyContext, clone_tree, python_values
 from .divergence import locate_divergence
 from .floor import Verdict, across_shapes
 from .report import Finding, Outcome
+from .verify_context import Snapshot, VerifyContext, clone_tree, python_values
 
 __all__ = [
     "address_stability",

@@ -118,7 +118,7 @@ def _watch_collectives(where: _Where) -> None:
 
 def _record_batches(seen: list[Seen]) -> None:
     """Record every real batch the manager runs: its shape, the descriptor serving it, its outputs."""
-    from ..checks.context import clone_tree
+    from ..checks.verify_context import clone_tree
     from ..manager import GraphManager, tree
 
     original = GraphManager.run_batch

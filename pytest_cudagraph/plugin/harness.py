@@ -58,6 +58,7 @@ RUNNER_KEYWORDS: tuple[str, ...] = (
     "capture_sizes",
     "max_num_reqs",
     "max_tokens",
+    "config",
     *VerifyOptions.runner_field_names(),
 )
 
@@ -255,7 +256,10 @@ class RunnerVerifier:
         check_keywords(call, RUNNER_KEYWORDS, "cudagraph_verify_runner")
         chosen = verify_keywords(self.settings, self.marker, call)
         keywords = {k: v for k, v in chosen.items() if k in RUNNER_KEYWORDS}
-        if "capture_sizes" not in keywords:
+        if "config" in keywords:
+            keywords.pop("capture_sizes", None)  # the config holds its plan (the marker or options filled these in)
+            keywords.pop("max_num_reqs", None)
+        elif "capture_sizes" not in keywords:
             pytest.fail(f"cudagraph_verify_runner {_NO_SIZES}", pytrace=False)
         report = verify_runner(runner, module, make_inputs, **keywords)
         return _recorded(self.reports, self._sink, report, keywords)

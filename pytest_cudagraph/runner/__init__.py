@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .adapters import compiled, graphed_callables
 from .checks import RUNNER_CHECKS
-from .context import RunnerContext
+from .runner_context import RunnerContext
 from .verify import verify_runner
 
 __all__ = ["RUNNER_CHECKS", "RunnerContext", "compiled", "graphed_callables", "verify_runner"]

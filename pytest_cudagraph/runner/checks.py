@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from ..checks.compare import first_difference
-from ..checks.context import clone_tree
 from ..checks.floor import Verdict, across_shapes
 from ..checks.registry import Check, CheckRegistry, failed, passed, skipped
 from ..checks.report import Finding, Outcome
 from ..checks.suite import drawn_value, finding_of, where_of
+from ..checks.verify_context import clone_tree
 from ..plan import BatchDescriptor, GraphMode
-from .context import Call, RunnerContext
+from .runner_context import Call, RunnerContext
 
 __all__ = ["RUNNER_CHECKS"]
 

@@ -9,14 +9,15 @@ from typing import Any
 
 import torch
 
-from ..checks.engine import could_not_run, guarded
+from ..checks.engine import capture_config, could_not_run, guarded
 from ..checks.registry import Check, check_list
 from ..checks.report import Finding, Outcome, VerifyReport
 from ..checks.suite import finding_of
 from ..manager.layout import not_a_module
+from ..plan import CaptureConfig
 from ..plan.validate import int_list, optional_int
 from .checks import RUNNER_CHECKS
-from .context import RunnerContext
+from .runner_context import RunnerContext
 
 __all__ = ["verify_runner"]
 
@@ -60,9 +61,10 @@ def verify_runner(
     module: torch.nn.Module,
     make_inputs: Callable[[int, int], Mapping[str, Any]],
     *,
-    capture_sizes: Sequence[int],
+    capture_sizes: Sequence[int] | None = None,
     max_num_reqs: int | None = None,
     max_tokens: int | None = None,
+    config: CaptureConfig | Mapping[str, Any] | None = None,
     checks: Sequence[str] | str | None = None,
     extra_checks: Check | Sequence[Check] | None = None,
     scratch_state: Mapping[str, Any] | None = None,
@@ -100,6 +102,17 @@ def verify_runner(
         raise TypeError(
             "verify_runner: make_inputs must be a function (num_tokens, num_reqs) -> dict of inputs; "
             f"got {type(make_inputs).__name__}"
+        )
+    if config is not None:
+        # The plan the runner captured, as verify() and GraphManager take it: its sizes and
+        # request count (the runner's own modes are its business).
+        if capture_sizes is not None or max_num_reqs is not None:
+            raise ValueError("verify_runner: pass config or capture_sizes/max_num_reqs, not both")
+        plan = capture_config(config, {})
+        capture_sizes, max_num_reqs = plan.capture_sizes, plan.max_num_reqs
+    if capture_sizes is None:
+        raise ValueError(
+            "verify_runner: needs capture_sizes (the token counts the runner captured graphs for) or a config"
         )
     sizes = int_list(
         "verify_runner: capture_sizes", capture_sizes, what="the token counts the runner captured graphs for"
