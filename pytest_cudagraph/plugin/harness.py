@@ -257,7 +257,9 @@ class RunnerVerifier:
         chosen = verify_keywords(self.settings, self.marker, call)
         keywords = {k: v for k, v in chosen.items() if k in RUNNER_KEYWORDS}
         if "config" in keywords:
-            keywords.pop("capture_sizes", None)  # the config holds its plan (the marker or options filled these in)
+            keywords.pop(
+                "capture_sizes", None
+            )  # the config holds its plan (the marker or options filled these in)
             keywords.pop("max_num_reqs", None)
         elif "capture_sizes" not in keywords:
             pytest.fail(f"cudagraph_verify_runner {_NO_SIZES}", pytrace=False)
