@@ -32,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "MODULE_INTERNALS",
     "ForwardObserver",
     "buffers_restored",
     "draws_random",
@@ -507,6 +508,11 @@ def restoring(observer: ForwardObserver) -> Iterator[dict[str, torch.Tensor]]:
                 for name, saved in copies.items():
                     if name in live:
                         live[name].copy_(saved)
+
+
+#: nn.Module's own bookkeeping attributes: what is not the module's state (the manager's walk over
+#: tensors a module holds, and the side_outputs check, skip them).
+MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import torch
 from .. import faults
 from ..context import running
 from ..guard import ModuleTracker, Violation, find_violations
-from ..manager.capture import MODULE_INTERNALS
+from ..observe import MODULE_INTERNALS
 from ..plan import Batch, BatchDescriptor, GraphMode
 from .compare import Difference, first_difference, leaves
 from .divergence import locate_divergence

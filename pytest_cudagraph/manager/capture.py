@@ -33,18 +33,17 @@ from ..backends.base import CapturedGraph
 from ..context import running
 from ..errors import CaptureError
 from ..guard import CaptureGuard, ModuleTracker, Violation, find_violations, host_methods_watched
-from ..observe import ForwardObserver, restoring
+from ..observe import MODULE_INTERNALS, ForwardObserver, restoring
 from ..plan import BatchDescriptor, GraphMode
 from . import estimate, tree
 from .layout import CountKind, MakeInputsError, call_make_inputs, forward_probes
 from .pieces import EagerPieceError, EagerSpec, capture_in_pieces, piece_of, resolve_eager_submodules
 from .runtime import Entry, OutCut, RuntimePart
 
-__all__ = ["MODULE_INTERNALS", "CapturePart"]
+__all__ = ["CapturePart"]
 
 # What every nn.Module keeps in its __dict__ (hook tables, the parameter and
 # buffer dicts, ...): never user state, so never walked.
-MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)  # also the checks' (side_outputs)
 
 
 def _tensor_holders(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, list[str]]]:
