@@ -117,13 +117,6 @@ class VerifyOptions:
     def defaults(cls) -> dict[str, Any]:
         return {f.name: f.default for f in dataclasses.fields(cls)}
 
-    @classmethod
-    def split(cls, keywords: Mapping[str, Any]) -> tuple[VerifyOptions, dict[str, Any]]:
-        """The options among ``keywords`` (None counts as not given), and the rest."""
-        names = set(cls.field_names())
-        mine = {k: v for k, v in keywords.items() if k in names and v is not None}
-        return cls(**mine), {k: v for k, v in keywords.items() if k not in names}
-
 
 def _labels(descriptors: Iterable[str] | str | None) -> tuple[str, ...] | None:
     if descriptors is None:

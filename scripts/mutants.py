@@ -1285,7 +1285,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "suite-capture-path-unnamed",
         S,
-        "        cause = _capture_path(ctx, inputs, batch, state0, got, None if ctx.batch_invariant else padded, rows)",
+        "        cause = _capture_path(\n            ctx, inputs, batch, state0, got, expected, None if ctx.batch_invariant else padded, rows\n        )",
         '        cause = ""',
         (pair("PlannedPerRequestCount"),),
         "a module that computes something else under capture is blamed on the padded batch size",

@@ -302,9 +302,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("help", default=False):
         return  # --help works whatever the settings' values
     run = settings.session_settings(config)
+    state = config.stash[pytest_report.STATE_KEY] = pytest_report.RunState(run)
     if not hasattr(config, "workerinput"):  # checked once, before the run starts (and any worker)
         settings.check_session(run, config)  # report paths writable; --cudagraph-backend=cuda has CUDA
-    config.stash[pytest_report.STATE_KEY] = pytest_report.RunState(run)
+        state.baseline = settings.compare_baseline(run, config)
     config.pluginmanager.register(_Collector(config), "cudagraph-collector")
     config.pluginmanager.register(workers.LostContext(config), "cudagraph-lost-context")
     from . import isolate
@@ -313,12 +314,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(isolate.ChildReporter(config), "cudagraph-isolate-child")
 
 
-def _state(config: pytest.Config) -> pytest_report.RunState:
-    state = config.stash.get(pytest_report.STATE_KEY, None)
-    if state is None:  # e.g. a plugin manager that skipped our configure
-        state = pytest_report.RunState(settings.session_settings(config))
-        config.stash[pytest_report.STATE_KEY] = state
-    return state
+_state = pytest_report.run_state
 
 
 _THREADS_KEY = pytest.StashKey["str | None"]()
@@ -501,11 +497,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
             state, int(exitstatus), complete=complete, root=config.rootpath
         )
         if run.compare is not None:
-            from .compare_report import compare, load_baseline
+            from .compare_report import compare
 
-            state.comparison = compare(
-                load_baseline(run.compare, "--cudagraph-compare"), document, str(run.compare)
-            )
+            state.comparison = compare(state.baseline or {}, document, str(run.compare))
             if (
                 run.compare_fail
                 and state.comparison.new_failures

@@ -96,9 +96,10 @@ class Comparison:
         return out
 
 
-def _checks(test: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
-    """(key, status) of every check outcome of a test: key = verification, check, where (the module's
-    class is shown, not matched: a test may verify a renamed or another module)."""
+def _checks(test: Mapping[str, Any]) -> Iterator[tuple[tuple[int, str, str], str, str]]:
+    """(key, shown, status) of every check outcome of a test. The key is the verification's number,
+    the check and where it ran; ``shown`` names the module's class too, which is not matched (a test
+    may verify a renamed or another module)."""
     for number, record in enumerate(test.get("verifications") or []):
         report = record.get("report") or {}
         for outcome in report.get("outcomes") or []:
@@ -108,13 +109,9 @@ def _checks(test: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
             status = outcome.get("status") or (
                 "skipped" if outcome.get("skipped") else "passed" if outcome.get("passed") else "failed"
             )
-            yield f"verification {number + 1} ({report.get('module')}) {outcome.get('check')} {where}", status
-
-
-def _unnamed(key: str) -> str:
-    """A check's key without the module's class (``verification 1 (Tiny) state FULL-T2-R2``)."""
-    head, _, rest = key.partition(" (")
-    return f"{head} {rest.partition(') ')[2]}"
+            check = str(outcome.get("check"))
+            shown = f"verification {number + 1} ({report.get('module')}) {check} {where}"
+            yield (number, check, where), shown, status
 
 
 def _figures(test: Mapping[str, Any]) -> Iterator[tuple[str, str, float]]:
@@ -140,13 +137,13 @@ def compare(baseline: Mapping[str, Any], current: Mapping[str, Any], name: str) 
     before_tests: Mapping[str, Any] = baseline.get("tests") or {}
     for nodeid, test in (current.get("tests") or {}).items():
         old = before_tests.get(nodeid)
-        old_checks = {_unnamed(key): status for key, status in _checks(old)} if old else {}
-        for key, status in _checks(test):
-            was = old_checks.get(_unnamed(key))
+        old_checks = {key: status for key, _, status in _checks(old)} if old else {}
+        for key, shown, status in _checks(test):
+            was = old_checks.get(key)
             if status == "failed" and was != "failed":
-                result.new_failures.append(f"{nodeid}: {key} (was {was or 'not run'})")
+                result.new_failures.append(f"{nodeid}: {shown} (was {was or 'not run'})")
             elif was == "failed" and status == "passed":
-                result.new_passes.append(f"{nodeid}: {key}")
+                result.new_passes.append(f"{nodeid}: {shown}")
         outcome, was_outcome = test.get("outcome"), (old or {}).get("outcome")
         if outcome in ("failed", "error", "crashed") and was_outcome == "passed":
             result.new_failures.append(f"{nodeid}: the test {outcome} (was passed)")

@@ -451,7 +451,7 @@ def child_timeout(item: pytest.Item) -> float | None:
     """Seconds the child of ``item`` may run: ``--cudagraph-isolate-timeout`` (or its ini), else
     pytest-timeout's timeout for the test (its marker, ``--timeout``, ini ``timeout``) plus
     ``_TIMEOUT_GRACE_S``, else None (no limit)."""
-    own = item.config.stash[pytest_report.STATE_KEY].settings.isolate_timeout
+    own = pytest_report.run_state(item.config).settings.isolate_timeout
     if own is not None:
         return own
     seconds: Any = None

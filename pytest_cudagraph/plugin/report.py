@@ -34,7 +34,7 @@ import pytest
 from ..files import atomic_write_text
 from ..units import format_bytes, format_seconds
 from .run_info import commit_info, machine_info, now_utc
-from .settings import Settings
+from .settings import Settings, session_settings
 
 __all__ = [
     "BENCH_ATTR",
@@ -50,6 +50,7 @@ __all__ = [
     "junit_properties",
     "make_record",
     "report_document",
+    "run_state",
     "summary_line",
     "write_incomplete_report",
     "write_report",
@@ -103,7 +104,9 @@ class RunState:
     not_run: list[str] = field(default_factory=list)
     #: when the session started (UTC, ISO 8601)
     started: str = field(default_factory=now_utc)
-    #: what --cudagraph-compare found against its baseline (None: no comparison)
+    #: the report --cudagraph-compare names, read at the start (None: no comparison)
+    baseline: dict[str, Any] | None = None
+    #: what --cudagraph-compare found against it
     comparison: Any = None
 
     def add_pending(self, nodeid: str, record: dict[str, Any]) -> None:
@@ -147,6 +150,18 @@ class RunState:
 
 
 STATE_KEY = pytest.StashKey[RunState]()
+
+
+def run_state(config: pytest.Config) -> RunState:
+    """The run's state, made from the settings if configure has not made it (a plugin manager that
+    skipped the plugin's configure)."""
+    state = config.stash.get(STATE_KEY, None)
+    if state is None:
+        state = RunState(session_settings(config))
+        config.stash[STATE_KEY] = state
+    return state
+
+
 #: The user property a report carries when its test's process lost its CUDA context.
 LOST_PROPERTY = "cudagraph_context_lost"
 

@@ -291,21 +291,16 @@ def session_settings(config: pytest.Config) -> Settings:
     Relative report paths are taken from the invocation directory (option) or
     the ini file's directory (ini), as pytest does for its own paths.
     """
-    verify_opt = config.getoption("cudagraph_verify")
-    verify = bool(verify_opt) if verify_opt is not None else _ini_bool(config, "cudagraph_verify")
+    verify = _flag(config, "cudagraph_verify")
 
     backend = _option_or_ini(config, "backend", parse_backend) or "auto"
     sizes = _option_or_ini(config, "sizes", parse_sizes)
     devices = _option_or_ini(config, "devices", parse_devices)
     split = _option_or_ini(config, "split", parse_split) or "test"
-    strict_opt = config.getoption("cudagraph_nonfinite_padding", default=None)
-    nonfinite = (
-        bool(strict_opt) if strict_opt is not None else _ini_bool(config, "cudagraph_nonfinite_padding")
-    )
+    nonfinite = _flag(config, "cudagraph_nonfinite_padding")
     world_size = _option_or_ini(config, "world_size", parse_world_size)
     trace = _path(config, "cudagraph_trace")
-    isolate_opt = config.getoption("cudagraph_isolate", default=None)
-    isolate = bool(isolate_opt) if isolate_opt is not None else _ini_bool(config, "cudagraph_isolate")
+    isolate = _flag(config, "cudagraph_isolate")
     return Settings(
         verify=verify,
         backend=backend,
@@ -406,10 +401,6 @@ def check_session(run: Settings, config: pytest.Config) -> None:
         check_report_path(run.report, _source(config, "cudagraph_report"))
     if run.bench_report is not None:
         check_report_path(run.bench_report, _source(config, "cudagraph_bench_report"))
-    if run.compare is not None:
-        from .compare_report import load_baseline
-
-        load_baseline(run.compare, _source(config, "cudagraph_compare"))
     if run.backend == "cuda":
         import torch
 
@@ -419,6 +410,16 @@ def check_session(run: Settings, config: pytest.Config) -> None:
                 "torch.cuda.is_available() is False here (no GPU, or a CPU build of torch); use "
                 "--cudagraph-backend=auto (CUDA where available, the CPU emulator elsewhere) or emulate"
             )
+
+
+def compare_baseline(run: Settings, config: pytest.Config) -> dict[str, Any] | None:
+    """The report --cudagraph-compare (or its ini) names, read once when the session starts;
+    UsageError when it cannot be read as a finished run's report."""
+    if run.compare is None:
+        return None
+    from .compare_report import load_baseline
+
+    return load_baseline(run.compare, _source(config, "cudagraph_compare"))
 
 
 def _source(config: pytest.Config, name: str) -> str:

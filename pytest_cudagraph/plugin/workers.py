@@ -23,8 +23,7 @@ __all__ = ["LostContext", "is_torch_ready", "torch_ready"]
 _TORCH_READY_KEY = pytest.StashKey[bool]()
 
 
-def _state(config: pytest.Config) -> pytest_report.RunState:
-    return config.stash[pytest_report.STATE_KEY]
+_state = pytest_report.run_state
 
 
 def is_torch_ready(config: pytest.Config) -> bool:
