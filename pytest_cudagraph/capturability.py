@@ -33,7 +33,18 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["HELD", "REFUSED", "TABLE_PATH", "Table", "Verdict", "load_table", "pattern"]
+__all__ = [
+    "HELD",
+    "REFUSED",
+    "TABLE_PATH",
+    "VALUE_RULES",
+    "VALUE_RULES_SOURCE",
+    "Table",
+    "Verdict",
+    "load_table",
+    "pattern",
+    "value_rule",
+]
 
 TABLE_PATH = Path(__file__).parent / "data" / "capturability.json"
 
@@ -70,6 +81,8 @@ class Verdict:
     kind: str
     #: CUDA's error when refused; what the samples showed otherwise.
     reason: str
+    #: Given by a value rule (``VALUE_RULES``), not learned for a pattern.
+    by_rule: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,3 +179,117 @@ def load_table(path: Path | None = None) -> Table | None:
     if not target.exists():
         return None
     return Table.from_json(json.loads(target.read_text()))
+
+
+# -- value rules -------------------------------------------------------------------------
+# For a few ops CUDA decides by shapes or values what a pattern cannot tell: the branch its
+# kernel takes. Each rule says which branch a call takes, as PyTorch's CUDA code chooses it,
+# and whether that branch reads anything back to the host. They were held call for call to a
+# GPU (scripts/value_rules.py; the answers in docs/capturability_h200_value_rules.json, and
+# tests/test_capturability.py runs the same calls on the emulator).
+
+#: Where the value rules were held to a GPU, for messages (a test keeps it the probe's).
+VALUE_RULES_SOURCE = "NVIDIA H200, torch 2.11.0+cu130"
+
+ValueRule = Callable[[tuple[Any, ...], dict[str, Any]], "Verdict | None"]
+
+
+def _held(reason: str) -> Verdict:
+    return Verdict(HELD, reason, by_rule=True)
+
+
+def _refused_by_rule(reason: str) -> Verdict:
+    return Verdict(REFUSED, reason, by_rule=True)
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str) -> Any:
+    return args[position] if len(args) > position else kwargs.get(name)
+
+
+def _equal_rule(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Verdict | None:
+    a, b = _arg(args, kwargs, 0, "self"), _arg(args, kwargs, 1, "other")
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    if a.shape != b.shape:
+        return _held("torch.equal of two shapes answers False before it reads anything")
+    if a.numel() == 0:
+        return _held("torch.equal of empty tensors answers True before it reads anything")
+    if (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    ):
+        return _held("torch.equal of a tensor with itself answers True before it reads anything")
+    return _refused_by_rule(
+        "torch.equal of two tensors of one shape reads its answer back to the host (a host sync)"
+    )
+
+
+def _isin_rule(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Verdict | None:
+    elements, tests = _arg(args, kwargs, 0, "elements"), _arg(args, kwargs, 1, "test_elements")
+    if not isinstance(tests, torch.Tensor):
+        return _held("isin of one test value is an elementwise comparison")
+    n = elements.numel() if isinstance(elements, torch.Tensor) else 1
+    if n == 0:
+        return _held("isin of no elements writes nothing")
+    # NumPy's heuristic, which PyTorch's kernel keeps: few test values are compared pair by pair,
+    # many are sorted together with the elements, which syncs (torch.unique's output size; with
+    # assume_unique, a write of a host value into the sorted mask).
+    few = int(10.0 * n**0.145)
+    if tests.numel() < few:
+        return _held("isin compares each element with each of few test values")
+    return _refused_by_rule(
+        f"isin of {n} element(s) in {tests.numel()} test values sorts them together, which syncs "
+        f"with the host; it compares pair by pair (and a capture holds it) below {few} test values "
+        f"for {n} element(s)"
+    )
+
+
+def _lu_rule(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Verdict | None:
+    a = _arg(args, kwargs, 0, "A")
+    if not isinstance(a, torch.Tensor) or a.dim() < 2:
+        return None
+    if a.numel() == 0:
+        return _held("LU of an empty matrix returns before it factors anything")
+    m, n = a.shape[-2], a.shape[-1]
+    batch = a.numel() // (m * n)
+    # CUDA takes cuSOLVER (or cuBLAS's batched LU) for a square matrix alone, or a batch of small
+    # ones; MAGMA otherwise, whose LU copies its pivots and infos through the host.
+    if m == n and (batch == 1 or m <= 16 or (m <= 128 and batch <= 16)):
+        return _held("LU of these square matrices takes cuSOLVER or cuBLAS, which stay on the device")
+    shape = "a non-square matrix" if m != n else f"a batch of {batch} matrices of {m} x {n}"
+    return _refused_by_rule(
+        f"LU of {shape} takes MAGMA, which syncs with the host; cuSOLVER is taken for a square "
+        "matrix alone, or for a batch of matrices of at most 16 x 16 (at most 128 x 128 in batches "
+        "of 16 or fewer)"
+    )
+
+
+def _segment_reduce_rule(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Verdict | None:
+    lengths = _arg(args, kwargs, 2, "lengths")
+    if not isinstance(lengths, torch.Tensor):
+        return _held("segment_reduce by offsets does not check them on the host")
+    if _arg(args, kwargs, 6, "unsafe"):
+        return _held("segment_reduce(unsafe=True) does not check its lengths on the host")
+    return _refused_by_rule(
+        "segment_reduce by lengths checks them on the host (their minimum and sum read back); "
+        "pass offsets, or unsafe=True once the lengths are known to be right"
+    )
+
+
+#: Op packet -> the rule for its calls (None: the table's pattern decides).
+VALUE_RULES: dict[str, ValueRule] = {
+    "aten.equal": _equal_rule,
+    "aten.isin": _isin_rule,
+    "aten.linalg_lu_factor_ex": _lu_rule,
+    "aten.linalg_lu": _lu_rule,
+    "aten.segment_reduce": _segment_reduce_rule,
+}
+
+
+def value_rule(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Verdict | None:
+    """What the value rule of ``op`` (an overload name) says of this call; None where none
+    applies."""
+    rule = VALUE_RULES.get(op.rpartition(".")[0])
+    return None if rule is None else rule(args, kwargs)

@@ -33,7 +33,17 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .capturability import HELD, REFUSED, Table, Verdict, load_table, pattern
+from .capturability import (
+    HELD,
+    REFUSED,
+    VALUE_RULES,
+    VALUE_RULES_SOURCE,
+    Table,
+    Verdict,
+    load_table,
+    pattern,
+    value_rule,
+)
 from .observe import ForwardObserver
 
 __all__ = ["CaptureGuard", "GuardDispatchMode", "ModuleTracker", "Violation", "find_violations"]
@@ -81,6 +91,9 @@ _WRITE_REASON = (
     "host-to-device copy: a value made on the host (a Python number, or torch.tensor data) is written "
     "into a graph tensor, which a graph cannot record; write it with fill_/torch.where from a device "
     "tensor, or keep it in a registered buffer updated on the device"
+)
+_ONE_HOT_REASON = (
+    "host sync: without num_classes it reads the largest label back to size its output; pass num_classes"
 )
 _DATA_TO_DEVICE_REASON = (
     "host-to-device copy: Python data is copied into a new device tensor, which a graph cannot record; "
@@ -353,8 +366,11 @@ def _decisive(table: Table, func: Any) -> bool:
     found = table.memo.get(func)
     if found is None:
         entry = table.ops.get(str(func), {})
-        found = table.memo[func] = getattr(func, "overloadpacket", None) in _RULED or any(
-            v.kind != HELD or "h" in p or "b" in p for p, v in entry.items()
+        packet = getattr(func, "overloadpacket", None)
+        found = table.memo[func] = (
+            packet in _RULED
+            or str(packet) in VALUE_RULES
+            or any(v.kind != HELD or "h" in p or "b" in p for p, v in entry.items())
         )
     return bool(found)
 
@@ -364,6 +380,8 @@ def _on_cpu(t: torch.Tensor) -> bool:
 
 
 def _refused(table: Table, func: Any, verdict: Verdict) -> tuple[str, str]:
+    if verdict.by_rule:
+        return str(func), f"a CUDA graph capture refuses it: {verdict.reason} (held to {VALUE_RULES_SOURCE})"
     return (
         str(func),
         f"a CUDA graph capture refuses it: {verdict.reason.partition(': ')[2] or verdict.reason}, "
@@ -544,7 +562,14 @@ class CaptureGuard:
             is_host = (lambda t: _storage_key(t) in self.host_made) if self.host_made else None
         else:
             is_host = _on_cpu
-        return table.verdict(str(func), pattern(args, kwargs, is_host), exact=exact)
+        letters = pattern(args, kwargs, is_host)
+        if "h" not in letters:
+            # Where shapes or values decide (an isin's sizes, an LU's shape), the op's value rule
+            # outranks what the table learned for the pattern.
+            ruled = value_rule(str(func), args, kwargs)
+            if ruled is not None:
+                return ruled
+        return table.verdict(str(func), letters, exact=exact)
 
     # -- host-made values (the emulator) ------------------------------------
     def mark_host(self, t: Any) -> None:
@@ -1024,6 +1049,20 @@ def _list_index(index: Any) -> bool:
     return any(isinstance(part, list) and part and numbers(part) for part in parts)
 
 
+def _one_hot(guard: CaptureGuard, func: Any, args: Any, kwargs: Any) -> Any:
+    """``F.one_hot``: its CPU kernel checks the labels' range with ``.item()``, where CUDA's
+    leaves that to a device assert; CUDA reads a value back only to count the classes when
+    ``num_classes`` is not given. So what the ops beneath do on the CPU is not the event."""
+    labels = args[0] if args else kwargs.get("tensor")
+    num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    out = _call_quietly(guard, func, args, kwargs)
+    if isinstance(labels, torch.Tensor) and guard.is_host(labels):
+        _mark_all(guard, out)  # one_hot of host labels runs on the host
+    elif num_classes == -1 and isinstance(labels, torch.Tensor) and labels.numel() > 0:
+        guard.report("torch.nn.functional.one_hot(num_classes=-1)", _ONE_HOT_REASON)
+    return out
+
+
 def _indexed(guard: CaptureGuard, func: Any, args: Any, kwargs: Any) -> Any:
     """``t[[0, 2]]`` and ``t[[0, 2]] = v`` on a graph tensor: learned on the H200 from OpInfo's
     ``__getitem__`` samples, which CUDA refused while its dispatch mode saw no op at all."""
@@ -1068,6 +1107,7 @@ _HOST_VALUE_CALLS: dict[Any, Callable[[CaptureGuard, Any, Any, Any], Any]] = {
     torch.Tensor.new_tensor: _new_tensor,
     torch.Tensor.to: _to,
     torch.Tensor.cuda: _cuda,
+    torch.nn.functional.one_hot: _one_hot,
     torch.Tensor.__getitem__: _indexed,
     torch.Tensor.__setitem__: _indexed,
 }

@@ -566,13 +566,13 @@ def _emulated_case(fn: Any, sample: Any, variant: str, use_table: bool, host: An
     return case
 
 
-def agree(cases_path: Path, use_table: bool, show: int) -> None:
+def agree(cases_path: Path, use_table: bool, show: int, ops: frozenset[str] = frozenset()) -> None:
     truth, meta = _read(cases_path)
     _unseeded()
     by_key = {
         (c["op"], c["variant_test_name"], c["variant"], c.get("dtype", "float32"), c["sample"]): c
         for c in truth
-        if "captured" in c
+        if "captured" in c and (not ops or c["op"] in ops)
     }
     counts: Counter[str] = Counter()
     disagree: list[str] = []
@@ -674,13 +674,14 @@ def main() -> None:
     p.add_argument("cases", type=Path)
     p.add_argument("--before", action="store_true", help="the emulator without the table")
     p.add_argument("--show", type=int, default=40)
+    p.add_argument("--ops", default="", help="only these OpInfo names, comma-separated (equal,isin)")
     args = parser.parse_args()
     if args.command == "learn":
         learn(args.out, args.jobs, args.samples, args.limit_s)
     elif args.command == "table":
         table(args.cases, args.out)
     else:
-        agree(args.cases, not args.before, args.show)
+        agree(args.cases, not args.before, args.show, frozenset(filter(None, args.ops.split(","))))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from examples.buggy.batch_statistics import BatchStatistics, TokenStatistics
+from examples.buggy.class_count import CountsClasses, CountsClassesGiven
 from examples.buggy.common import D, token_inputs
 from examples.buggy.device_solver import InvertsInForward, InvertsWithoutCheck
 from examples.buggy.expert_load import HashRoutedLoad, MaskedHashRoutedLoad, id_inputs
@@ -77,6 +78,14 @@ PAIRS = [
         InvertsInForward,
         InvertsWithoutCheck,
         r"aten\._linalg_check_errors\.default \(a CUDA graph capture refuses it",
+    ),
+    # Shapes and values decide: one_hot reads its class count back only when none is given.
+    Pair(
+        "capture_safety",
+        CountsClasses,
+        CountsClassesGiven,
+        # The emulator names the call; on a GPU the guard stops the read-back beneath it.
+        r"(torch\.nn\.functional\.one_hot\(num_classes=-1\) \(host sync|aten\._local_scalar_dense\.default \()",
     ),
     # A Python list index: copied to the device below every dispatcher (learned on the H200).
     Pair(

@@ -7,15 +7,27 @@ with a finding instead of an internal error.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from examples.buggy.common import D, token_inputs
 from pytest_cudagraph import guard, verify
-from pytest_cudagraph.capturability import DEPENDS, HELD, REFUSED, Table, load_table, pattern
+from pytest_cudagraph.capturability import (
+    DEPENDS,
+    HELD,
+    REFUSED,
+    VALUE_RULES_SOURCE,
+    Table,
+    load_table,
+    pattern,
+)
 
 SIZES = (1, 2, 4)
 
@@ -282,3 +294,90 @@ def test_a_sparse_tensor_does_not_break_the_cuda_guard() -> None:
     assert not any(
         "Cannot access storage" in o.message or "could not run" in o.message for o in report.outcomes
     )
+
+
+# -- value rules: where shapes and values decide -------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = json.loads((ROOT / "docs" / "capturability_h200_value_rules.json").read_text())
+
+
+def _value_rules_script() -> Any:
+    spec = importlib.util.spec_from_file_location("value_rules", ROOT / "scripts" / "value_rules.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+VALUE_RULES_SCRIPT = _value_rules_script()
+
+
+def _emulated_capture(fn: Any, args: Any, kwargs: Any) -> tuple[bool, str]:
+    """One call captured by the emulator, its guard as shipped: (held, the finding)."""
+    from pytest_cudagraph.backends.emulate import EmulateBackend
+    from pytest_cudagraph.guard import CaptureGuard, ModuleTracker
+
+    tracker = ModuleTracker(nn.Module())
+    found: list[Any] = []
+    capture_guard = CaptureGuard(tracker, torch.device("cpu"), on_violation=found.append)
+    with torch.no_grad():
+        EmulateBackend(torch.device("cpu")).capture(lambda: fn(*args, **kwargs), capture_guard)
+    return not found, "; ".join(v.describe() for v in found)
+
+
+def test_the_value_rules_were_held_to_the_gpu_they_name() -> None:
+    assert f"{PROBE['device']}, torch {PROBE['torch']}" == VALUE_RULES_SOURCE
+    assert set(PROBE["calls"]) == set(VALUE_RULES_SCRIPT.CALLS), "re-run scripts/value_rules.py probe"
+    answers = {r["captured"] for r in PROBE["calls"].values()}
+    assert answers == {True, False}
+    # Every ruled op was asked both ways.
+    for op in ("equal", "isin", "linalg_lu_factor_ex", "linalg_lu", "one_hot", "segment_reduce"):
+        asked = {r["captured"] for label, r in PROBE["calls"].items() if label.split()[0] == op}
+        assert asked == {True, False}, op
+
+
+@pytest.mark.parametrize("label", sorted(PROBE["calls"]))
+def test_the_emulator_answers_each_value_rule_call_as_the_gpu_did(label: str) -> None:
+    """The calls the H200 answered (isin's sizes, LU's shapes and batches, equal's shapes, one_hot's
+    class count, segment_reduce's lengths): the emulator captures exactly those it captured."""
+    gpu = PROBE["calls"][label]
+    held, finding = _emulated_capture(*VALUE_RULES_SCRIPT.build(label, torch.device("cpu")))
+    assert held == gpu["captured"], (
+        f"{label}: the GPU {'held' if gpu['captured'] else 'refused'} it; {finding}"
+    )
+    if not held:
+        assert "(held to NVIDIA H200" in finding or "one_hot(num_classes=-1)" in finding, finding
+
+
+class _RuledOps(TorchDispatchMode):
+    """What the value rules say of each op a call dispatches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from pytest_cudagraph.capturability import value_rule
+
+        verdict = value_rule(str(func), args, kwargs or {})
+        if verdict is not None:
+            self.kinds.append(verdict.kind)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.cuda
+def test_the_value_rules_answer_as_this_gpu_does() -> None:
+    """On a GPU, whatever its torch: each call's raw capture against what the guard's rule says."""
+    stream = torch.cuda.Stream()
+    wrong = []
+    for label in VALUE_RULES_SCRIPT.CALLS:
+        if label.startswith("one_hot"):
+            continue  # a composite op: its rule lives in the emulator's function mode
+        fn, args, kwargs = VALUE_RULES_SCRIPT.build(label, torch.device("cuda"))
+        with _RuledOps() as ops:
+            fn(*args, **kwargs)
+        seen = ops.kinds
+        captured = VALUE_RULES_SCRIPT._captured_on_cuda(label, stream)["captured"]
+        if seen != [HELD if captured else REFUSED]:
+            wrong.append((label, seen, captured))
+    assert not wrong
