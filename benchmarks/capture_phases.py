@@ -195,11 +195,12 @@ def no_memory_check(manager: GraphManager) -> Iterator[None]:
 @contextmanager
 def no_output_probe(manager: GraphManager) -> Iterator[None]:
     """No output-row probe (its two eager forwards); the rows are settled across descriptors."""
-    manager._probe_output_rows = lambda: None  # type: ignore[method-assign]
+    part = manager._capture
+    part._probe_output_rows = lambda: None  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del manager._probe_output_rows
+        del part._probe_output_rows
 
 
 @contextmanager
@@ -230,9 +231,10 @@ def warm_all_first(restage: bool) -> Callable[[GraphManager], Any]:
 
     @contextmanager
     def variant(manager: GraphManager) -> Iterator[None]:
-        backend: Any = manager._backend
+        backend: Any = manager.state.backend
+        part = manager._capture
         staged: dict[BatchDescriptor, tuple[dict[str, Any], Any, dict[str, Any]]] = {}
-        original_progress = manager._progress
+        original_progress = part._progress
 
         def stage(desc: BatchDescriptor) -> tuple[dict[str, Any], dict[str, Any]]:
             if desc in staged:
@@ -260,12 +262,12 @@ def warm_all_first(restage: bool) -> Callable[[GraphManager], Any]:
             backend.warmup = lambda fn: None  # the captures' own warm-ups: done above
             return original_progress(order)
 
-        manager.stage_sample = stage  # type: ignore[method-assign]
-        manager._progress = progress  # type: ignore[method-assign]
+        part.stage_sample = stage  # type: ignore[method-assign]
+        part._progress = progress  # type: ignore[method-assign]
         try:
             yield
         finally:
-            del manager.stage_sample, manager._progress
+            del part.stage_sample, part._progress
             backend.__dict__.pop("warmup", None)
 
     return variant
@@ -301,14 +303,14 @@ def backend_from(module_name: str) -> Callable[[GraphManager], Any]:
 
     @contextmanager
     def variant(manager: GraphManager) -> Iterator[None]:
-        new: Any = manager._backend
+        new: Any = manager.state.backend
         old: Any = importlib.import_module(module_name).CudaBackend(new.device)
         old.checked, old.measure_device_memory = new.checked, new.measure_device_memory
-        manager._backend = old
+        manager.state.backend = old
         try:
             yield
         finally:
-            manager._backend = new
+            manager.state.backend = new
 
     return variant
 

@@ -19,6 +19,10 @@ GPU a CPU tensor, on the emulator one made on the host inside the forward). It
 is what tells ``masked_fill(mask, 0.5)`` from ``masked_fill(mask, tensor(0.5))``,
 a boolean-mask ``index_put`` from an integer-index one, and an empty matrix
 (for which CUDA's solvers return before they read anything back) from a full one.
+
+Where sizes or values decide (an ``isin``'s sizes, an LU's shape and batch, ``equal`` of one
+shape or two), a value rule (``VALUE_RULES``) says which branch CUDA's kernel takes, ahead of
+the pattern's verdict; each was held call for call to a GPU (``scripts/value_rules.py``).
 """
 
 from __future__ import annotations

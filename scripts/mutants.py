@@ -474,8 +474,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "manager-mask",
         GM,
-        "masks.append((self._is_padding[batch.num_tokens : tokens], True))",
-        "masks.append((self._is_padding[batch.num_tokens : tokens], False))",
+        "masks.append((self.state.is_padding[batch.num_tokens : tokens], True))",
+        "masks.append((self.state.is_padding[batch.num_tokens : tokens], False))",
         (*ROWS, twin("MaskBySelect0")),
         "padded rows not marked in is_padding",
     ),

@@ -262,3 +262,61 @@ def test_the_reader_sees_lazy_and_relative_imports() -> None:
         ["a", "b", "a"],
         ["a", "b", "c", "a"],
     ]
+
+
+# -- the manager: a face over parts that share one state -------------------------------------------
+def _state_owners() -> dict[str, str]:
+    """Each ManagerState field -> who writes it, read from state.py's section comments."""
+    owners: dict[str, str] = {}
+    section = ""
+    for line in (PACKAGE / "manager" / "state.py").read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("# -- "):
+            section = stripped
+        elif line.startswith("    ") and not line.startswith("     ") and ": " in stripped:
+            name = stripped.split(":")[0]
+            if name.isidentifier():
+                owners[name] = section
+    return owners
+
+
+def _state_writes(path: Path) -> set[str]:
+    """The ManagerState fields a module assigns (``self.state.x = ...``, ``+=``)."""
+    written = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
+        for target in targets:
+            if (
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Attribute)
+                and target.value.attr == "state"
+            ):
+                written.add(target.attr)
+    return written
+
+
+def test_the_manager_is_composed_not_inherited() -> None:
+    from pytest_cudagraph.manager.capture import Capture
+    from pytest_cudagraph.manager.graph_manager import GraphManager
+    from pytest_cudagraph.manager.runtime import Runtime
+
+    for cls in (GraphManager, Capture, Runtime):
+        assert cls.__bases__ == (object,), f"{cls.__name__} inherits {cls.__bases__}"
+
+
+def test_each_part_writes_only_the_state_it_owns() -> None:
+    owners = _state_owners()
+    assert {"entries", "hot", "replays", "module"} <= set(owners), owners
+    for part, section in (("capture.py", "capture part"), ("runtime.py", "runtime part")):
+        written = _state_writes(PACKAGE / "manager" / part)
+        foreign = {
+            name: owners.get(name, "not a field") for name in written if section not in owners.get(name, "")
+        }
+        assert not foreign, f"manager/{part} writes state another part owns: {foreign}"
+    assert _state_writes(PACKAGE / "manager" / "capture.py"), "the reader found no write at all"

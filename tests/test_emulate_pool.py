@@ -57,7 +57,7 @@ def rows_inputs(device: torch.device | str = CPU) -> Callable[[int, int], dict[s
 
 
 def pool_of(mgr: GraphManager) -> EmulateBackend:
-    backend = mgr._backend
+    backend = mgr.state.backend
     assert isinstance(backend, EmulateBackend)
     return backend
 
@@ -454,7 +454,7 @@ before = resident()
 mgr.capture()
 grown = resident() - before
 graphs = [mgr.graph(d) for d in mgr.captured_descriptors]
-print(json.dumps({{"rss_growth": grown, "pool": getattr(mgr._backend, "pool_bytes", None),
+print(json.dumps({{"rss_growth": grown, "pool": getattr(mgr.state.backend, "pool_bytes", None),
                    "created": sum(getattr(g, "created_bytes", 0) for g in graphs)}}))
 """
 

@@ -458,9 +458,9 @@ def test_without_probes_descriptors_settle_which_dims_follow(backend, device):
     module = PowersOfTwo().to(device).eval()
     mgr = GraphManager(module, ids_inputs(device), CONFIG, backend=backend, device=device)
     mgr.capture()
-    assert mgr._probed_rows is None  # the probe shapes (7, 11 tokens) cannot run
+    assert mgr.state.probed_rows is None  # the probe shapes (7, 11 tokens) cannot run
     # Dim 0 is 1 at every descriptor (whole); dim 2 is the vocabulary (whole); dim 1 follows tokens.
-    assert all(entry.out_dims == [((1, "tokens"),)] for entry in mgr._entries.values())
+    assert all(entry.out_dims == [((1, "tokens"),)] for entry in mgr.state.entries.values())
     x = torch.randint(0, VOCAB, (1, 4), device=device)
     torch.testing.assert_close(mgr.run(input_ids=x), no_grad_eager(module, input_ids=x))
     # A batch of 3 runs in the 4-token graph: padded to a power of two, cut back to 3.

@@ -288,15 +288,15 @@ def test_a_batch_shape_seen_before_is_still_validated_and_exact(backend, device)
     for seed in range(3):
         good = models.block_inputs(device=device, seed=seed)(5, 3)
         assert tree_equal(mgr.run(**good), mgr.run_batch(good))
-    assert len(mgr._hot) == 1
+    assert len(mgr.state.hot) == 1
     with pytest.raises(ValueError, match=r"input 'x' has dtype torch.float64"):
         mgr.run(**{**good, "x": good["x"].double()})
     with pytest.raises(ValueError, match="input 'positions' is on meta"):
         mgr.run(**{**good, "positions": good["positions"].to("meta")})
     mgr.release()
-    assert not mgr._hot
+    assert not mgr.state.hot
     assert torch.equal(mgr.run(**good), mgr.eager(**good))  # eager while released
-    assert not mgr._hot  # eager batches are not remembered
+    assert not mgr.state.hot  # eager batches are not remembered
     mgr.capture()
     x = good["x"].clone().requires_grad_(True)
     out = mgr.run(**{**good, "x": x})
@@ -514,7 +514,7 @@ def test_cuda_capture_empties_the_cache_once_a_sequence_and_still_measures_each_
     mgr.capture()
     assert len(mgr.captured_descriptors) == len(SIZES) > 2
     assert len(emptied) == 2
-    pool = tuple(mgr._backend._pool)
+    pool = tuple(mgr.state.backend._pool)
     segments = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool]
     assert segments, "the graphs' pool holds no segment"
     assert sum(mgr.graph_memory.values()) == sum(s["total_size"] for s in segments)
@@ -537,13 +537,13 @@ torch.cuda.synchronize(device)
 torch.cuda.empty_cache()
 allowed = torch.cuda.memory_reserved(device) + (800 << 20)
 torch.cuda.set_per_process_memory_fraction(allowed / torch.cuda.get_device_properties(device).total_memory, device)
-trim = mgr._backend.trim
-mgr._backend.trim = lambda: False
+trim = mgr.state.backend.trim
+mgr.state.backend.trim = lambda: False
 try:
     mgr.capture()
 except CaptureError as exc:
     print("without trim:", "OutOfMemoryError" in str(exc), mgr.captured)
-mgr._backend.trim = trim
+mgr.state.backend.trim = trim
 mgr.capture()
 print("with trim:", mgr.captured_descriptors == mgr.plan.capture_order)
 torch.cuda.set_per_process_memory_fraction(1.0, device)
@@ -746,7 +746,7 @@ def test_capture_mode_is_resolved_from_environment_then_argument_then_default(mo
     mgr = GraphManager(
         models.MLP(), models.mlp_inputs(), CaptureConfig(capture_sizes=[1], max_num_reqs=1), backend="emulate"
     )
-    assert mgr._backend.checked is False  # a plain manager captures fast
+    assert mgr.state.backend.checked is False  # a plain manager captures fast
     assert (
         GraphManager(
             models.MLP(),
@@ -754,7 +754,7 @@ def test_capture_mode_is_resolved_from_environment_then_argument_then_default(mo
             CaptureConfig(capture_sizes=[1], max_num_reqs=1),
             backend="emulate",
             checked_capture=True,
-        )._backend.checked
+        ).state.backend.checked
         is True
     )
 
@@ -806,3 +806,22 @@ def test_make_inputs_that_returns_another_token_count_is_named(backend, device):
         ValueError, match=r"make_inputs\(num_tokens=2, num_reqs=2\) returned a batch of 3 tokens"
     ):
         mgr.capture()
+
+
+# -- dispatch takes a Batch (or its fields) ----------------------------------------------------------
+def test_dispatch_takes_a_batch_or_its_fields_and_says_what_was_wrong():
+    from pytest_cudagraph import Batch
+
+    mgr = make(models.MLP(), models.mlp_inputs(), "emulate", torch.device("cpu"))
+    mgr.capture()
+    batch = Batch(num_tokens=3, num_reqs=3)
+    assert mgr.dispatch(batch) == mgr.dispatch(num_tokens=3, num_reqs=3) == mgr.dispatch_batch(batch)
+    assert mgr.dispatch(batch).mode is GraphMode.FULL
+    with pytest.raises(TypeError, match="not both"):
+        mgr.dispatch(batch, num_tokens=3)
+    with pytest.raises(
+        TypeError, match=r"dispatch takes a Batch or its fields \(num_tokens, .*unknown: tokens"
+    ):
+        mgr.dispatch(tokens=3, num_reqs=3)
+    with pytest.raises(TypeError, match="missing: num_reqs"):
+        mgr.dispatch(num_tokens=3)

@@ -11,7 +11,7 @@ from pytest_cudagraph import CaptureError, verify
 from pytest_cudagraph.checks import CHECKS
 from pytest_cudagraph.checks.registry import Check
 from pytest_cudagraph.checks.report import Outcome
-from pytest_cudagraph.manager import GraphManager
+from pytest_cudagraph.manager.capture import Capture
 from tests.bugs import D, IdentityMemo, NoMemo, token_inputs
 
 SIZES = (1, 2, 4, 8)
@@ -99,14 +99,14 @@ def test_a_descriptor_a_suites_before_capture_check_fails_is_not_captured(backen
 
 def test_a_failed_capture_is_that_descriptors_failure_and_replaces_its_pass(backend, device, monkeypatch):
     """capture_safety passed at every shape, then one capture failed: one outcome, FAIL, for that descriptor."""
-    honest = GraphManager._capture_one
+    honest = Capture._capture_one
 
     def fails_at_two(self, desc, *args):
         if desc.num_tokens == 2:
             raise CaptureError(f"capture of {desc} failed: injected", descriptor=desc, backend=self.backend)
         return honest(self, desc, *args)
 
-    monkeypatch.setattr(GraphManager, "_capture_one", fails_at_two)
+    monkeypatch.setattr(Capture, "_capture_one", fails_at_two)
     torch.manual_seed(0)
     report = verify(
         NoMemo().to(device), token_inputs(device), capture_sizes=SIZES, max_num_reqs=4, backend=backend

@@ -148,7 +148,7 @@ def estimate_pool_replica(
     if not full:
         return MemoryEstimate(0, (), 0, measured, "replica")
     probe = manager.sibling()
-    probe._backend.measure_device_memory = device_wide
+    probe.state.backend.measure_device_memory = device_wide
     try:
         probe.capture(full[:1])
         first = (probe.device_memory if device_wide else probe.graph_memory)[full[0]]

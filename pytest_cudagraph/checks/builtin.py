@@ -38,7 +38,8 @@ BUILTIN = CheckRegistry(
             "guard, which lists every such op with its submodule and its call site (`file:line in "
             "function`, the first frame outside torch and this plugin). The guard asks first the table of "
             "what a CUDA capture holds, op by op and by the kinds of its arguments, learned on a GPU from "
-            "PyTorch's OpInfo samples (`scripts/capturability.py`); on the emulator an op it does not cover "
+            "PyTorch's OpInfo samples (`scripts/capturability.py`), and for five ops where sizes or values "
+            "decide, a value rule held to the GPU (`scripts/value_rules.py`); on the emulator an op it does not cover "
             "is named in a NOTE as not known. On CUDA an op that fails the capture itself is named with "
             "CUDA's error. A descriptor whose capture fails fails here and the others are still captured "
             "and verified",
@@ -47,8 +48,8 @@ BUILTIN = CheckRegistry(
             "CUDA path; values made on the host inside `forward` and written into or moved to the graph's "
             "device (`t[0] = float(n)`, `torch.tensor(data, device=...)`, `torch.arange(n).to(x.device)`), "
             "which the emulator tells by where they were made; ops whose CUDA code syncs or copies from "
-            "pageable memory (`torch.linalg.inv`'s error check, `cholesky`, `isin`, `linspace` "
-            "with tensor ends, `masked_fill` with a 0-dim device value); sparse tensors on the emulator. "
+            "pageable memory (`torch.linalg.inv`'s error check, `cholesky`, `isin` of many test values, LU of a "
+            "non-square matrix, `one_hot` without `num_classes`, `linspace` with tensor ends, `masked_fill` with a 0-dim device value); sparse tensors on the emulator. "
             "Not flagged, because a real capture holds them: `t[mask] = 0.0` (a `masked_fill_`), indexing "
             "with a boolean mask made on the host, `torch.tensor([], device=...)` (a copy of nothing), a "
             "0-dim CPU tensor as an operand",

@@ -24,7 +24,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -32,15 +32,19 @@ from .. import faults
 from ..backends.base import CapturedGraph
 from ..context import running
 from ..errors import CaptureError
-from ..guard import CaptureGuard, ModuleTracker, Violation, find_violations, host_methods_watched
-from ..observe import MODULE_INTERNALS, ForwardObserver, restoring
+from ..guard import CaptureGuard, Violation, find_violations, host_methods_watched
+from ..observe import MODULE_INTERNALS, restoring
 from ..plan import BatchDescriptor, GraphMode
 from . import estimate, tree
 from .layout import CountKind, MakeInputsError, call_make_inputs, forward_probes
-from .pieces import EagerPieceError, EagerSpec, capture_in_pieces, piece_of, resolve_eager_submodules
-from .runtime import Entry, OutCut, RuntimePart
+from .pieces import EagerPieceError, capture_in_pieces, piece_of, resolve_eager_submodules
+from .runtime import Entry, OutCut, Runtime
 
-__all__ = ["CapturePart"]
+if TYPE_CHECKING:
+    from ..plan import CaptureConfig
+    from .state import ManagerState
+
+__all__ = ["Capture"]
 
 # What every nn.Module keeps in its __dict__ (hook tables, the parameter and
 # buffer dicts, ...): never user state, so never walked.
@@ -131,36 +135,45 @@ class _Staged:
     kwargs: dict[str, Any]
 
 
-class CapturePart(RuntimePart):
-    """The capture sequence, its diagnosis and output-row learning (see the module's docstring)."""
+class Capture:
+    """The capture sequence, its diagnosis and output-row learning (see the module's docstring).
 
-    # -- set by GraphManager.__init__ -------------------------------------
-    progress: bool | None
-    capture_seconds: float
-    eager_pieces: list[tuple[str, torch.nn.Module]]  # (dotted name, submodule) run eagerly in PIECEWISE
-    _eager_spec: EagerSpec
-    _make_inputs: Callable[[int, int], Mapping[str, Any]]
-    _tracker: ModuleTracker  # names the submodule running, for diagnosis
-    # The module tree and its attribute names, read at each capture().
-    _holders: list[tuple[torch.nn.Module, list[str]]]
-    # The tensors they held after the fast capture's warm-ups, walked once a
-    # sequence (see _capture_one); None until walked, and after a failure.
-    _walked: list[Any] | None
-    # Per output leaf, the dimensions the probes saw follow the batch; None
-    # until probed, or when the module cannot run at the probe shapes.
-    _probed_rows: list[OutCut] | None
-    #: Descriptors whose capture failed under ``capture(keep_going=True)``,
-    #: with why; reset by each capture().
-    capture_failures: dict[BatchDescriptor, CaptureError]
-    #: What forwards under the guard write in the module, and their precision (see ``observe``).
-    observer: ForwardObserver
+    It reads and writes the manager's state, and stages samples through the runtime's own
+    copy-in, so that a graph is captured on exactly the buffers it will replay from."""
+
+    def __init__(self, state: ManagerState, runtime: Runtime) -> None:
+        self.state = state
+        self.runtime = runtime
+
+    # -- what an estimate reads (estimate.Sizing) --------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.state.module
+
+    @property
+    def config(self) -> CaptureConfig:
+        return self.state.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def backend(self) -> str:
+        return self.state.backend.name
+
+    def capture_reqs(self, desc: BatchDescriptor) -> int:
+        return self.runtime.capture_reqs(desc)
+
+    def eager_kwargs(self, inputs: Mapping[str, Any], num_tokens: int) -> dict[str, Any]:
+        return self.runtime.eager_kwargs(inputs, num_tokens)
 
     # -- the sequence ---------------------------------------------------
     @property
     def not_known_ops(self) -> dict[str, str]:
         """Ops the emulator's guard met that the capturability table does not cover (op -> the
         submodule that ran it first): whether a CUDA capture holds them is not known."""
-        return dict(self._tracker.not_known)
+        return dict(self.state.tracker.not_known)
 
     def capture(
         self, descriptors: Iterable[BatchDescriptor] | None = None, *, keep_going: bool = False
@@ -183,33 +196,33 @@ class CapturePart(RuntimePart):
         estimate refusing the sequence, an interrupt) still releases every
         graph and raises.
         """
-        order = list(self.plan.capture_order if descriptors is None else descriptors)
-        known = set(self.plan.descriptors)
+        order = list(self.state.plan.capture_order if descriptors is None else descriptors)
+        known = set(self.state.plan.descriptors)
         unknown = [d for d in order if d not in known]
         if unknown:
             raise ValueError(f"descriptor {unknown[0]} is not in this manager's plan")
-        if self._entries:
+        if self.state.entries:
             self.release()
-        self._hot.clear()
-        self.capture_failures = {}
+        self.state.hot.clear()
+        self.state.capture_failures = {}
         # From here on run() may run eagerly (a failed or refused capture);
         # before any capture() it is a mistake (see run_batch).
-        self._capture_called = True
-        if self.backend == "cuda":
+        self.state.capture_called = True
+        if self.state.backend.name == "cuda":
             faults.watch_out_of_memory()  # an out-of-memory capture then says what it asked for
         # The fast CUDA capture measures the largest graph's footprint during
         # its own warm-up (see _warm_up) and refuses there, before any capture;
         # every other capture runs a forward of its own for the estimate first.
-        measured = self.backend == "cuda" and not self._backend.checked
+        measured = self.state.backend.name == "cuda" and not self.state.backend.checked
         if not measured:
             estimate.check_capture_memory(self, order)  # refuses what will not fit
         started = time.perf_counter()
-        self._tracker.refresh()
-        self.observer.refresh()  # parameters or buffers replaced since the last capture are found again
-        self._holders = _tensor_holders(list(self.module.modules()))
-        self._walked = None
+        self.state.tracker.refresh()
+        self.state.observer.refresh()  # parameters or buffers replaced since the last capture are found again
+        self.state.holders = _tensor_holders(list(self.state.module.modules()))
+        self.state.walked = None
         # Submodules replaced since the last capture are found again.
-        self.eager_pieces = resolve_eager_submodules(self.module, self._eager_spec)
+        self.state.eager_pieces = resolve_eager_submodules(self.state.module, self.state.eager_spec)
         # No cyclic garbage collection while the sequence runs: a collected
         # graph of another manager, captured on a stream PyTorch's stream pool
         # also handed to this one, would drop that stream's cuBLAS workspace
@@ -218,11 +231,11 @@ class CapturePart(RuntimePart):
         gc.disable()
         staged: dict[BatchDescriptor, _Staged | Exception] = {}
         try:
-            self._backend.begin()
-            if self._probed_rows is None:
+            self.state.backend.begin()
+            if self.state.probed_rows is None:
                 # On the warm-up stream, after begin(): the blocks its forwards
                 # free stay cached there for the warm-ups to reuse.
-                self._probed_rows = self._backend.warmup(self._probe_output_rows)
+                self.state.probed_rows = self.state.backend.warmup(self._probe_output_rows)
             with host_methods_watched():  # once for the sequence: see its docstring
                 # The fast capture warms every shape up first, then captures
                 # them all; the checked capture (verification) warms each up
@@ -231,7 +244,7 @@ class CapturePart(RuntimePart):
                 # would in such an engine (a tensor memoised by identity).
                 staged = (
                     {}
-                    if self._backend.checked
+                    if self.state.backend.checked
                     else self._warm_up(order, measure=measured and estimate.memory_check_enabled())
                 )
                 for desc in self._progress(order):
@@ -242,8 +255,8 @@ class CapturePart(RuntimePart):
                         # A lost CUDA context is no one descriptor's failure: nothing after it can run.
                         if not keep_going or faults.is_sticky(exc):
                             raise
-                        self.capture_failures[desc] = exc
-            self._backend.finish()
+                        self.state.capture_failures[desc] = exc
+            self.state.backend.finish()
         except BaseException as exc:
             # The warm-ups' failures and their frames hold device memory too.
             for kept in staged.values():
@@ -259,18 +272,18 @@ class CapturePart(RuntimePart):
         finally:
             if collecting:
                 gc.enable()
-        if self._probed_rows is None:
+        if self.state.probed_rows is None:
             self._settle_row_kinds()
-        self.capture_seconds = time.perf_counter() - started
+        self.state.capture_seconds = time.perf_counter() - started
 
     def release(self) -> None:
         """Drop every graph and the pool. Static buffers stay; capture() again works."""
-        self._entries.clear()
-        self._hot.clear()
-        self._backend.release()
+        self.state.entries.clear()
+        self.state.hot.clear()
+        self.state.backend.release()
 
     def _progress(self, order: list[BatchDescriptor]) -> Iterable[BatchDescriptor]:
-        show = self.progress
+        show = self.state.progress
         if show is None:
             show = len(order) >= 16 and sys.stderr.isatty()
         if not show:
@@ -279,7 +292,9 @@ class CapturePart(RuntimePart):
             from tqdm import tqdm
         except ImportError:  # tqdm is a dependency, but progress is optional
             return order
-        bar: Iterable[BatchDescriptor] = tqdm(order, desc=f"Capturing graphs ({self.backend})", unit="graph")
+        bar: Iterable[BatchDescriptor] = tqdm(
+            order, desc=f"Capturing graphs ({self.state.backend.name})", unit="graph"
+        )
         return bar
 
     # -- staging --------------------------------------------------------
@@ -289,13 +304,13 @@ class CapturePart(RuntimePart):
         return self._checked_make_inputs
 
     def _checked_make_inputs(self, num_tokens: int, num_reqs: int) -> dict[str, Any]:
-        inputs = call_make_inputs(self._make_inputs, num_tokens, num_reqs)
-        if inputs.keys() != self._inputs.keys():
-            missing = sorted(n for n in self._inputs if n not in inputs)
-            extra = sorted(n for n in inputs if n not in self._inputs)
+        inputs = call_make_inputs(self.state.user_make_inputs, num_tokens, num_reqs)
+        if inputs.keys() != self.state.inputs.keys():
+            missing = sorted(n for n in self.state.inputs if n not in inputs)
+            extra = sorted(n for n in inputs if n not in self.state.inputs)
             raise MakeInputsError(
                 f"make_inputs(num_tokens={num_tokens}, num_reqs={num_reqs}) returned inputs {sorted(inputs)}, "
-                f"but at the probe and largest shapes it returned {sorted(self._inputs)} "
+                f"but at the probe and largest shapes it returned {sorted(self.state.inputs)} "
                 f"(missing {missing}, new {extra}); make_inputs must return the same keys at every shape"
             )
         return inputs
@@ -307,9 +322,9 @@ class CapturePart(RuntimePart):
         Captures run on valid data of their very shape (indices in range, say):
         a prefix of the largest shape's inputs need not be valid.
         """
-        reqs = self.capture_reqs(desc)
+        reqs = self.runtime.capture_reqs(desc)
         sample = self._checked_make_inputs(desc.num_tokens, reqs)
-        kwargs = self.forward_inputs(desc.num_tokens, reqs)
+        kwargs = self.runtime.forward_inputs(desc.num_tokens, reqs)
         self._load_sample(desc, reqs, sample, kwargs)
         return sample, kwargs
 
@@ -325,10 +340,10 @@ class CapturePart(RuntimePart):
         layout) goes through ``batch_of`` and ``load_inputs``, which say what
         is wrong or pad what is short.
         """
-        if sample.keys() == self._tensor_names:
-            index = self._device_index
+        if sample.keys() == self.state.tensor_names:
+            index = self.state.device_index
             exact = True
-            for name, spec in self._tensor_specs:
+            for name, spec in self.state.tensor_specs:
                 value = sample[name]
                 if not (
                     isinstance(value, torch.Tensor)
@@ -340,19 +355,19 @@ class CapturePart(RuntimePart):
                     break
             if exact:
                 with torch.no_grad():
-                    for name, _ in self._tensor_specs:
+                    for name, _ in self.state.tensor_specs:
                         kwargs[name].copy_(sample[name])
-                    if self._is_padding is not None:
+                    if self.state.is_padding is not None:
                         kwargs["is_padding"].fill_(False)
                 return
-        batch = self.batch_of(sample, num_reqs=reqs)
+        batch = self.runtime.batch_of(sample, num_reqs=reqs)
         if batch.num_tokens != desc.num_tokens:
             raise MakeInputsError(
                 f"make_inputs(num_tokens={desc.num_tokens}, num_reqs={reqs}) returned a batch of "
                 f"{batch.num_tokens} tokens; make_inputs must return exactly num_tokens tokens (a rank or a "
                 "call that adds its own makes another batch than its peers')"
             )
-        self.load_inputs(desc, sample, batch)
+        self.runtime.load_inputs(desc, sample, batch)
 
     # -- warm-up ----------------------------------------------------------
     def _warm_up(
@@ -377,7 +392,7 @@ class CapturePart(RuntimePart):
         """
         staged: dict[BatchDescriptor, _Staged | Exception] = {}
         largest = max(order, key=lambda d: d.num_tokens) if measure and order else None
-        meter = estimate.WarmupMeter(self.device) if largest is not None else None
+        meter = estimate.WarmupMeter(self.state.device) if largest is not None else None
 
         def warm() -> None:
             for desc in order:
@@ -385,9 +400,9 @@ class CapturePart(RuntimePart):
                 try:
                     with self._phase("warm-up", desc), running(desc):
                         if desc is largest and meter is not None:
-                            meter.run(self.module, kwargs)
+                            meter.run(self.state.module, kwargs)
                         else:
-                            self.module(**kwargs)
+                            self.state.module(**kwargs)
                 except Exception as exc:
                     staged[desc] = exc
                 else:
@@ -397,15 +412,15 @@ class CapturePart(RuntimePart):
                     # does not), except where the capture must load it again.
                     staged[desc] = _Staged(sample if self._reloads(desc) else None, kwargs)
 
-        self._backend.warmup(warm)
+        self.state.backend.warmup(warm)
         if largest is not None and meter is not None and isinstance(staged.get(largest), _Staged):
 
             def remeasure() -> Any:
                 # Only when the allocator's reading would refuse: the largest
                 # warm-up again, under the storage counter, on its own sample.
-                return self._backend.warmup(
+                return self.state.backend.warmup(
                     lambda: estimate.measure_forward(
-                        self.module, self.stage_sample(largest)[1], marker=largest
+                        self.state.module, self.stage_sample(largest)[1], marker=largest
                     )
                 )
 
@@ -417,13 +432,15 @@ class CapturePart(RuntimePart):
         buffers (the emulator; eager pieces between PIECEWISE segments), so that its
         sample must be loaded again after later samples' staging overwrote it. A
         CUDA capture records addresses, not values."""
-        return self._backend.capture_executes or bool(self.eager_pieces and desc.mode is GraphMode.PIECEWISE)
+        return self.state.backend.capture_executes or bool(
+            self.state.eager_pieces and desc.mode is GraphMode.PIECEWISE
+        )
 
     # -- one descriptor -------------------------------------------------
     def _capture_one(self, desc: BatchDescriptor, staged: _Staged | Exception | None) -> None:
         """Capture ``desc``: warmed up here (``staged`` None), or by ``_warm_up`` (its
         sample and inputs, or the exception its warm-up raised, told as a failed capture)."""
-        reqs = self.capture_reqs(desc)
+        reqs = self.runtime.capture_reqs(desc)
         sample: dict[str, Any] | None
         if isinstance(staged, _Staged):
             sample, kwargs = staged.sample, staged.kwargs
@@ -432,12 +449,12 @@ class CapturePart(RuntimePart):
 
         def forward() -> Any:
             with running(desc):
-                return self.module(**kwargs)
+                return self.state.module(**kwargs)
 
-        self._tracker.failed_path = ""
-        holders = self._holders
+        self.state.tracker.failed_path = ""
+        holders = self.state.holders
         guard = CaptureGuard(
-            self._tracker, self.device, on_violation=_raise_violation, observer=self.observer
+            self.state.tracker, self.state.device, on_violation=_raise_violation, observer=self.state.observer
         )
         try:
             try:
@@ -446,11 +463,11 @@ class CapturePart(RuntimePart):
                 # from, by an eager rerun under the tracker.
                 if staged is None:
                     with self._phase("warm-up", desc):
-                        self._backend.warmup(forward)
+                        self.state.backend.warmup(forward)
                 elif isinstance(staged, Exception):
                     raise staged
                 elif sample is not None and self._reloads(desc):
-                    self.load_inputs(desc, sample, self.batch_of(sample, num_reqs=reqs))
+                    self.runtime.load_inputs(desc, sample, self.runtime.batch_of(sample, num_reqs=reqs))
                 if staged is None or self._reloads(desc):
                     held = _tensors_of(holders)
                 else:
@@ -460,15 +477,15 @@ class CapturePart(RuntimePart):
                     # tensor bound before any of them. (A capture that rebinds
                     # module state binds pool memory, which replay never
                     # rebinds: the state frozen at capture that the checks name.)
-                    if self._walked is None:
-                        self._walked = _tensors_of(holders)
-                    held = self._walked
+                    if self.state.walked is None:
+                        self.state.walked = _tensors_of(holders)
+                    held = self.state.walked
                 with self._phase("capture", desc):
                     graph = self._record(desc, forward, guard)
             except Exception as exc:
                 if faults.is_sticky(exc):
                     raise  # the context is gone: no diagnosis can run, and none is needed
-                self._walked = None  # the diagnosis below runs the module eagerly
+                self.state.walked = None  # the diagnosis below runs the module eagerly
                 found = self._diagnose(desc, forward)
                 if found is not None:
                     raise _Uncapturable(found) from None
@@ -479,7 +496,7 @@ class CapturePart(RuntimePart):
                         Violation(
                             exc.violation.op,
                             exc.violation.reason,
-                            self._tracker.failed_path,
+                            self.state.tracker.failed_path,
                             exc.violation.location,
                         )
                     ) from None
@@ -490,38 +507,38 @@ class CapturePart(RuntimePart):
         except _Uncapturable as exc:
             v = exc.violation
             raise CaptureError(
-                f"cannot capture {v.describe()} while capturing {desc} on the {self.backend} "
+                f"cannot capture {v.describe()} while capturing {desc} on the {self.state.backend.name} "
                 f"backend. A graph cannot read device values on the host or size outputs "
                 f"from data: keep shapes static and values on the device{self._piece_hint(desc, v.module_path)}",
                 op=v.op,
                 reason=v.reason,
                 module_path=v.module_path,
                 descriptor=desc,
-                backend=self.backend,
+                backend=self.state.backend.name,
             ) from None
         except CaptureError:
             raise
         except Exception as exc:
-            where = self._tracker.failed_path or (exc.path if isinstance(exc, EagerPieceError) else "")
+            where = self.state.tracker.failed_path or (exc.path if isinstance(exc, EagerPieceError) else "")
             raise CaptureError(
-                f"capture of {desc} failed on the {self.backend} backend"
-                f"{f' in submodule {where!r}' if where else ''}: {faults.described(exc, self.device)}"
+                f"capture of {desc} failed on the {self.state.backend.name} backend"
+                f"{f' in submodule {where!r}' if where else ''}: {faults.described(exc, self.state.device)}"
                 f"{self._piece_hint(desc, where)}",
                 module_path=where,
                 descriptor=desc,
-                backend=self.backend,
+                backend=self.state.backend.name,
             ) from exc
         # Only the checked capture keeps the sample (capture_sample, which the
         # checks replay on); the fast capture drops it (see _warm_up).
-        self._entries[desc] = Entry(
+        self.state.entries[desc] = Entry(
             graph,
             reqs,
             self._out_dims(graph.output, desc.num_tokens, reqs),
-            sample if self._backend.checked else None,
+            sample if self.state.backend.checked else None,
         )
 
     def _phase(self, name: str, desc: BatchDescriptor) -> Any:
-        return faults.phase(name, type(self.module).__name__, desc, self.device)
+        return faults.phase(name, type(self.state.module).__name__, desc, self.state.device)
 
     def _diagnose(self, desc: BatchDescriptor, forward: Callable[[], Any]) -> Violation | None:
         """After a failed capture, run the forward eagerly under the full guard:
@@ -529,9 +546,13 @@ class CapturePart(RuntimePart):
         None. When the forward fails eagerly too, the tracker's ``failed_path``
         names the submodule that was running."""
         try:
-            found: list[Violation] = self._backend.warmup(
+            found: list[Violation] = self.state.backend.warmup(
                 lambda: find_violations(
-                    forward, self._tracker, self.device, exempt=self.eager_modules(desc), first_only=True
+                    forward,
+                    self.state.tracker,
+                    self.state.device,
+                    exempt=self.eager_modules(desc),
+                    first_only=True,
                 )
             )
         except Exception:
@@ -551,27 +572,29 @@ class CapturePart(RuntimePart):
         """
         for last in (False, True):
             try:
-                if self.eager_pieces and desc.mode is GraphMode.PIECEWISE:
-                    return capture_in_pieces(self._backend, forward, guard, self.eager_pieces, desc)
-                return self._backend.capture(forward, guard)
+                if self.state.eager_pieces and desc.mode is GraphMode.PIECEWISE:
+                    return capture_in_pieces(
+                        self.state.backend, forward, guard, self.state.eager_pieces, desc
+                    )
+                return self.state.backend.capture(forward, guard)
             except torch.OutOfMemoryError:
                 # Retried outside this handler, once the traceback (and the
                 # graph memory its frames hold) is gone.
-                if last or not self._backend.trim():
+                if last or not self.state.backend.trim():
                     raise
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def eager_modules(self, desc: BatchDescriptor) -> list[torch.nn.Module]:
         """The submodules ``desc``'s graph runs eagerly: the eager pieces in a
         PIECEWISE graph, none in a FULL one. Their ops are not the graph's."""
-        return [m for _, m in self.eager_pieces] if desc.mode is GraphMode.PIECEWISE else []
+        return [m for _, m in self.state.eager_pieces] if desc.mode is GraphMode.PIECEWISE else []
 
     def _piece_hint(self, desc: BatchDescriptor, path: str) -> str:
         # An eager piece runs eagerly only in PIECEWISE graphs; a FULL graph
         # holds the whole forward, pieces included.
         if desc.mode is GraphMode.PIECEWISE:
             return ""
-        piece = piece_of(path, [p for p, _ in self.eager_pieces])
+        piece = piece_of(path, [p for p, _ in self.state.eager_pieces])
         if piece is not None:
             return (
                 f". '{piece}' is an eager piece, but only PIECEWISE graphs run it eagerly: a FULL "
@@ -586,7 +609,7 @@ class CapturePart(RuntimePart):
         where the leaf has those dimensions, else what this descriptor alone shows."""
         leaves = tree.leaves(output)
         own = self._row_kinds(leaves, num_tokens, num_reqs)
-        probed = self._probed_rows
+        probed = self.state.probed_rows
         if probed is None or len(probed) != len(own):
             return own
         return [
@@ -626,17 +649,22 @@ class CapturePart(RuntimePart):
         (a flattened ``2 * T``) cannot be cut to the real batch: ValueError.
         """
         outputs = []
-        probes = forward_probes(self.plan.config.largest_capture_size, self.plan.config.max_num_reqs)
+        probes = forward_probes(
+            self.state.plan.config.largest_capture_size, self.state.plan.config.max_num_reqs
+        )
         if probes is None:
             return None
         try:
             # make_inputs outside the observed forwards: what it draws is not the module's randomness.
-            made = [self.eager_kwargs(call_make_inputs(self._make_inputs, t, r), t) for t, r in probes]
-            with restoring(self.observer):
+            made = [
+                self.runtime.eager_kwargs(call_make_inputs(self.state.user_make_inputs, t, r), t)
+                for t, r in probes
+            ]
+            with restoring(self.state.observer):
                 for (num_tokens, num_reqs), kwargs in zip(probes, made, strict=True):
                     marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
                     with torch.no_grad(), running(marker):
-                        outputs.append(tree.flatten_with_paths(self.module(**kwargs)))
+                        outputs.append(tree.flatten_with_paths(self.state.module(**kwargs)))
         except Exception:
             return None
         first, second = outputs
@@ -682,7 +710,7 @@ class CapturePart(RuntimePart):
         # later dimension is cut only when its size changes across
         # descriptors, each time as the token (or request) count.
         shapes: dict[int, list[tuple[tuple[int, ...], int, int]]] = {}
-        for desc, entry in self._entries.items():
+        for desc, entry in self.state.entries.items():
             for i, leaf in enumerate(entry.leaves):
                 if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
                     shapes.setdefault(i, []).append((tuple(leaf.shape), desc.num_tokens, entry.num_reqs))
@@ -704,7 +732,7 @@ class CapturePart(RuntimePart):
                         lead = "reqs"
                 elif not constant and (follows_tokens or follows_reqs):
                     later.append((d, "tokens" if follows_tokens else "reqs"))
-            for entry in self._entries.values():
+            for entry in self.state.entries.values():
                 if (
                     i >= len(entry.leaves)
                     or not isinstance(entry.leaves[i], torch.Tensor)

@@ -37,7 +37,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,7 +50,25 @@ from ..units import format_bytes
 from .inputs import call_make_inputs
 
 if TYPE_CHECKING:
-    from .capture import CapturePart
+    from ..plan import CaptureConfig
+
+
+class Sizing(Protocol):
+    """What an estimate reads of a manager: ``GraphManager``, or its capture part mid-sequence."""
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+    @property
+    def config(self) -> CaptureConfig: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def make_inputs(self) -> Callable[[int, int], Mapping[str, Any]]: ...
+    def capture_reqs(self, desc: BatchDescriptor) -> int: ...
+    def eager_kwargs(self, inputs: Mapping[str, Any], num_tokens: int) -> dict[str, Any]: ...
+
 
 __all__ = [
     "DIRECT_TOKENS",
@@ -247,14 +265,14 @@ def available_memory(device: torch.device) -> int | None:
 _AVAILABLE_MEMORY = available_memory
 
 
-def _footprint_at(manager: CapturePart, num_tokens: int, num_reqs: int) -> Footprint:
+def _footprint_at(manager: Sizing, num_tokens: int, num_reqs: int) -> Footprint:
     sample = call_make_inputs(manager.make_inputs, num_tokens, num_reqs)
     kwargs = manager.eager_kwargs(sample, num_tokens)
     marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
     return measure_forward(manager.module, kwargs, marker=marker)
 
 
-def estimate_capture(manager: CapturePart, descriptors: Iterable[BatchDescriptor]) -> CaptureEstimate | None:
+def estimate_capture(manager: Sizing, descriptors: Iterable[BatchDescriptor]) -> CaptureEstimate | None:
     """The memory capturing ``descriptors`` will take; None when there is
     nothing to capture or the module cannot run eagerly at the shapes
     measured (the capture then reports what is wrong)."""
@@ -272,9 +290,7 @@ def estimate_capture(manager: CapturePart, descriptors: Iterable[BatchDescriptor
         return None
 
 
-def _estimate(
-    manager: CapturePart, order: list[BatchDescriptor], largest: BatchDescriptor
-) -> CaptureEstimate:
+def _estimate(manager: Sizing, order: list[BatchDescriptor], largest: BatchDescriptor) -> CaptureEstimate:
     top = largest.num_tokens
     if top <= DIRECT_TOKENS:
         foot = _footprint_at(manager, top, manager.capture_reqs(largest))
@@ -303,7 +319,7 @@ def _estimate(
 
 
 def _capture_estimate(
-    manager: CapturePart,
+    manager: Sizing,
     order: Sequence[BatchDescriptor],
     largest: BatchDescriptor,
     *,
@@ -334,9 +350,7 @@ def memory_check_enabled() -> bool:
     return os.environ.get(CHECK_ENV, "").strip() != "0"
 
 
-def check_capture_memory(
-    manager: CapturePart, descriptors: Iterable[BatchDescriptor]
-) -> CaptureEstimate | None:
+def check_capture_memory(manager: Sizing, descriptors: Iterable[BatchDescriptor]) -> CaptureEstimate | None:
     """Refuse, with a ``CaptureError`` that gives the estimate, a capture that
     will not fit; else return the estimate (None when none could be made).
 
@@ -448,7 +462,7 @@ def _cuda_room(device: torch.device, need: int) -> int | None:
 
 
 def check_measured_memory(
-    manager: CapturePart,
+    manager: Sizing,
     order: Sequence[BatchDescriptor],
     largest: BatchDescriptor,
     meter: WarmupMeter,
@@ -472,7 +486,7 @@ def check_measured_memory(
 
 
 def _measured_estimate(
-    manager: CapturePart, order: Sequence[BatchDescriptor], largest: BatchDescriptor, foot: Footprint
+    manager: Sizing, order: Sequence[BatchDescriptor], largest: BatchDescriptor, foot: Footprint
 ) -> CaptureEstimate:
     return _capture_estimate(
         manager,

@@ -1,38 +1,45 @@
 """The graph manager's one face: wrap a module, capture every descriptor, run real batches.
 
-``GraphManager`` sets up what its two parts read (the module, the plan, the
-static buffers, the backend), checks the module and config it is given, and
-answers questions about the graphs; ``manager/capture.py`` makes and drops
-the graphs and ``manager/runtime.py`` serves real batches with them.
+``GraphManager`` checks the module and config it is given, builds the state
+its parts share (``manager/state.py``: the module, the plan, the static
+buffers, the backend, the graphs) and the parts themselves, and answers
+questions about the graphs. ``Capture`` (``manager/capture.py``) makes and
+drops the graphs; ``Runtime`` (``manager/runtime.py``) serves real batches
+with them. Every public method is one of the face's or one line handing the
+call to the part that owns it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from ..backends.base import CapturedGraph, resolve_checked
 from ..backends.factory import make_backend
+from ..errors import CaptureError
 from ..guard import ModuleTracker
 from ..observe import ForwardObserver
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan
-from .capture import CapturePart
+from .capture import Capture
 from .layout import InputSpec, PadValue, infer_layout, not_a_module
 from .pieces import EagerSpec, resolve_eager_submodules
+from .runtime import OutCut, Runtime
+from .state import ManagerState
 
 __all__ = ["Batch", "GraphManager"]
 
 
-class GraphManager(CapturePart):
+class GraphManager:
     """Captures a module as one graph per descriptor and replays real batches.
 
-    One face over two parts: ``CapturePart`` (manager/capture.py) makes and
-    drops the graphs, ``RuntimePart`` (manager/runtime.py) serves real batches
-    with them; this class sets up what both read (the module, the plan, the
-    static buffers, the backend) and answers questions about the graphs.
+    One face over two parts that share one state (``state``, a
+    ``ManagerState``): ``Capture`` (manager/capture.py) makes and drops the
+    graphs, ``Runtime`` (manager/runtime.py) serves real batches with them;
+    this class builds the three and answers questions about the graphs.
 
     ``make_inputs(num_tokens, num_reqs) -> dict`` builds keyword inputs for
     ``module.forward`` at any shape; the manager learns which inputs follow
@@ -111,154 +118,171 @@ class GraphManager(CapturePart):
             raise ValueError(
                 f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}"
             )
-        self.module = module
-        self.observer = ForwardObserver(module)
-        self.replays = 0
-        self.config = config
-        self.plan = CapturePlan(config)
-        self.output_views = bool(output_views)
-        self.progress = progress
-        self._pad_values = dict(pad_values or {})
         if batch_dims is not None and not isinstance(batch_dims, Mapping):
             raise ValueError(
                 f"batch_dims must map input names to the one dimension that follows the batch, "
                 f"e.g. {{'input_ids': 1}}; got {type(batch_dims).__name__}"
             )
-        self._batch_dims = dict(batch_dims or {})
-        self._check_not_meta()
-        self._backend = make_backend(backend, device if device is not None else self._module_device())
-        self._backend.measure_device_memory = bool(measure_device_memory)
-        self._backend.checked = resolve_checked(checked_capture, default=False)
-        self.device = self._backend.device
-        self._check_module_device()
-
-        self._make_inputs = make_inputs
-        #: Set by the first capture(): run() before any capture is a mistake, told.
-        self._capture_called = False
-        self.max_tokens = config.largest_capture_size
-        self.max_reqs = min(self.max_tokens, config.max_num_reqs)
-        self._inputs = infer_layout(
+        plan = CapturePlan(config)
+        _check_not_meta(module)
+        chosen = make_backend(backend, device if device is not None else _module_device(module))
+        chosen.measure_device_memory = bool(measure_device_memory)
+        chosen.checked = resolve_checked(checked_capture, default=False)
+        _check_module_device(module, chosen.name, chosen.device)
+        largest = config.largest_capture_size
+        inputs = infer_layout(
             make_inputs,
-            max_tokens=self.max_tokens,
-            max_reqs=self.max_reqs,
-            device=self.device,
+            max_tokens=largest,
+            max_reqs=min(largest, config.max_num_reqs),
+            device=chosen.device,
             pad_values=pad_values or {},
-            batch_dims=self._batch_dims,
+            batch_dims=dict(batch_dims or {}),
         )
-        self._tensor_specs = [(n, spec) for n, spec in self._inputs.items() if spec.kind != "const"]
-        self._tensor_names = {n for n, _ in self._tensor_specs}
-        self._plans = {}
-        self._hot = {}
-        self._probed_rows = None
-        self._device_index = self.device.index if self.device.type == "cuda" else -1
-        self._is_padding = None
-        if "is_padding" not in self._inputs and self._forward_takes("is_padding"):
-            self._is_padding = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.device)
-        self._entries = {}
-        self.capture_failures = {}
-        self._tracker = ModuleTracker(module)
-        self._eager_spec = eager_submodules
-        self.eager_pieces = resolve_eager_submodules(module, eager_submodules)
-        # The module tree and its attribute names, read at each capture().
-        self._holders: list[tuple[torch.nn.Module, list[str]]] = []
-        self._walked: list[Any] | None = None
-        self.capture_seconds = 0.0
+        is_padding = None
+        if "is_padding" not in inputs and _forward_takes(module, "is_padding"):
+            is_padding = torch.zeros(largest, dtype=torch.bool, device=chosen.device)
+        #: What the parts share (see manager/state.py).
+        self.state = ManagerState(
+            module=module,
+            config=config,
+            plan=plan,
+            backend=chosen,
+            user_make_inputs=make_inputs,
+            inputs=inputs,
+            is_padding=is_padding,
+            output_views=bool(output_views),
+            progress=progress,
+            pad_values=dict(pad_values or {}),
+            batch_dims=dict(batch_dims or {}),
+            eager_spec=eager_submodules,
+            tracker=ModuleTracker(module),
+            observer=ForwardObserver(module),
+            eager_pieces=resolve_eager_submodules(module, eager_submodules),
+        )
+        self._runtime = Runtime(self.state)
+        self._capture = Capture(self.state, self._runtime)
+        # run() is the call a serving loop makes: the runtime's own method, bound here, so that
+        # the face adds no call to it (the method below documents it and serves the class).
+        self.run = self._runtime.run  # type: ignore[method-assign]
+
+    # -- what the manager is over ---------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.state.module
+
+    @property
+    def config(self) -> CaptureConfig:
+        return self.state.config
+
+    @property
+    def plan(self) -> CapturePlan:
+        return self.state.plan
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def backend(self) -> str:
+        """The backend's name: 'cuda' or 'emulate'."""
+        return self.state.backend.name
+
+    @property
+    def output_views(self) -> bool:
+        return self.state.output_views
+
+    @property
+    def max_tokens(self) -> int:
+        """The largest graph's token count: the static buffers' token rows."""
+        return self.state.max_tokens
+
+    @property
+    def max_reqs(self) -> int:
+        """The static buffers' request rows."""
+        return self.state.max_reqs
+
+    @property
+    def observer(self) -> ForwardObserver:
+        """What forwards under the guard write in the module, and their precision (see ``observe``)."""
+        return self.state.observer
 
     @property
     def declared_pads(self) -> dict[str, PadValue]:
         """The pad values the caller declared (``pad_values``): a padded entry's meaning, which checks keep."""
-        return dict(self._pad_values)
+        return dict(self.state.pad_values)
 
     def sibling(self) -> GraphManager:
         """A new, uncaptured manager over the same module, inputs and settings."""
+        state = self.state
         sibling = GraphManager(
-            self.module,
-            self._make_inputs,
-            self.config,
+            state.module,
+            state.user_make_inputs,
+            state.config,
             backend=self.backend,
             device=self.device,
-            pad_values=self._pad_values,
-            output_views=self.output_views,
+            pad_values=state.pad_values,
+            output_views=state.output_views,
             progress=False,
-            measure_device_memory=self._backend.measure_device_memory,
-            checked_capture=self._backend.checked,
-            eager_submodules=self._eager_spec,
-            batch_dims=self._batch_dims,
+            measure_device_memory=state.backend.measure_device_memory,
+            checked_capture=state.backend.checked,
+            eager_submodules=state.eager_spec,
+            batch_dims=state.batch_dims,
         )
-        sibling.observer = self.observer  # what its captures see written is the module's, as here
+        sibling.state.observer = state.observer  # what its captures see written is the module's, as here
         return sibling
-
-    # -- set-up helpers -------------------------------------------------
-    def _module_device(self) -> torch.device | None:
-        for param in self.module.parameters():
-            return param.device
-        for buffer in self.module.buffers():
-            return buffer.device
-        return None
-
-    def _check_not_meta(self) -> None:
-        tensors: list[tuple[str, torch.Tensor]] = [
-            *self.module.named_parameters(),
-            *self.module.named_buffers(),
-        ]
-        for name, tensor in tensors:
-            if tensor.device.type == "meta":
-                raise ValueError(
-                    f"module tensor '{name}' is on meta, the device that holds no data, so nothing can be "
-                    "run or compared; materialise the module first (module.to_empty(device=...) and load "
-                    "its weights, or build it on a real device)"
-                )
-
-    def _check_module_device(self) -> None:
-        tensors: list[tuple[str, torch.Tensor]] = [
-            *self.module.named_parameters(),
-            *self.module.named_buffers(),
-        ]
-        for name, tensor in tensors:
-            if tensor.device != self.device and not (tensor.device.type == self.device.type == "cpu"):
-                raise ValueError(
-                    f"module tensor '{name}' is on {tensor.device}, but the {self.backend} "
-                    f"backend runs on {self.device}; move the module with module.to('{self.device}')"
-                )
-
-    def _forward_takes(self, name: str) -> bool:
-        try:
-            params = inspect.signature(self.module.forward).parameters
-        except (TypeError, ValueError):
-            return False
-        return name in params
 
     # -- inspection -----------------------------------------------------
     @property
     def input_specs(self) -> Mapping[str, InputSpec]:
         """Each input's layout and static buffer."""
-        return dict(self._inputs)
+        return dict(self.state.inputs)
 
     @property
     def static_inputs(self) -> dict[str, torch.Tensor]:
         """The static input buffers, by name (their addresses never change)."""
-        buffers = {n: s.buffer for n, s in self._inputs.items() if s.buffer is not None}
-        if self._is_padding is not None:
-            buffers["is_padding"] = self._is_padding
+        buffers = {n: s.buffer for n, s in self.state.inputs.items() if s.buffer is not None}
+        if self.state.is_padding is not None:
+            buffers["is_padding"] = self.state.is_padding
         return buffers
 
     @property
     def uses_padding_mask(self) -> bool:
         """Whether the manager passes an ``is_padding`` mask to ``forward``."""
-        return self._is_padding is not None
+        return self.state.is_padding is not None
 
     @property
     def captured(self) -> bool:
-        return bool(self._entries)
+        return bool(self.state.entries)
 
     @property
     def captured_descriptors(self) -> tuple[BatchDescriptor, ...]:
         """Descriptors with a live graph, in capture order."""
-        return tuple(self._entries)
+        return tuple(self.state.entries)
+
+    @property
+    def capture_failures(self) -> dict[BatchDescriptor, CaptureError]:
+        """Descriptors whose capture failed under ``capture(keep_going=True)``, with why; reset by each
+        capture()."""
+        return self.state.capture_failures
+
+    @property
+    def capture_seconds(self) -> float:
+        """How long the last capture() took."""
+        return self.state.capture_seconds
+
+    @property
+    def replays(self) -> int:
+        """Graph replays so far (what a verification's cost report counts)."""
+        return self.state.replays
+
+    @property
+    def eager_pieces(self) -> list[tuple[str, torch.nn.Module]]:
+        """(dotted name, submodule) run eagerly between the segments of PIECEWISE graphs."""
+        return self.state.eager_pieces
 
     def graph(self, desc: BatchDescriptor) -> CapturedGraph:
         """The captured graph of ``desc`` (KeyError if it has none)."""
-        return self._entries[desc].graph
+        return self.state.entries[desc].graph
 
     def capture_sample(self, desc: BatchDescriptor) -> dict[str, Any]:
         """The inputs ``desc`` was captured on (``make_inputs`` at its own shape).
@@ -267,7 +291,7 @@ class GraphManager(CapturePart):
         uses) only: the fast capture keeps no samples, which would hold device
         memory for every size until ``release()``. KeyError if ``desc`` has
         no graph; LookupError if its capture kept no sample."""
-        entry = self._entries[desc]
+        entry = self.state.entries[desc]
         if entry.sample is None:
             why = (
                 "its sample was dropped (drop_sample: verification drops each once its checks are done)"
@@ -284,7 +308,7 @@ class GraphManager(CapturePart):
     def drop_sample(self, desc: BatchDescriptor) -> None:
         """Let go of ``desc``'s capture sample (verification, once the descriptor's checks are done):
         a checked capture keeps one per graph, memory of each graph's input size."""
-        entry = self._entries.get(desc)
+        entry = self.state.entries.get(desc)
         if entry is not None and entry.sample is not None:
             entry.sample = None
             entry.dropped = True
@@ -292,12 +316,140 @@ class GraphManager(CapturePart):
     @property
     def graph_memory(self) -> dict[BatchDescriptor, int]:
         """Bytes of graph memory (pool growth) each capture added."""
-        return {d: e.graph.nbytes for d, e in self._entries.items()}
+        return {d: e.graph.nbytes for d, e in self.state.entries.items()}
 
     @property
     def device_memory(self) -> dict[BatchDescriptor, int]:
         """Device memory each capture took, the driver's share for the graph included."""
-        return {d: e.graph.device_bytes for d, e in self._entries.items()}
+        return {d: e.graph.device_bytes for d, e in self.state.entries.items()}
+
+    # -- the capture part's jobs ------------------------------------------------
+    def capture(
+        self, descriptors: Iterable[BatchDescriptor] | None = None, *, keep_going: bool = False
+    ) -> None:
+        """Capture every descriptor of the plan (or those given), largest first; a failed capture
+        raises ``CaptureError`` and leaves the manager usable. ``Capture.capture`` says how, and
+        what ``keep_going=True`` changes."""
+        self._capture.capture(descriptors, keep_going=keep_going)
+
+    def release(self) -> None:
+        """Drop every graph and the pool. Static buffers stay; capture() again works."""
+        self._capture.release()
+
+    @property
+    def make_inputs(self) -> Callable[[int, int], Mapping[str, Any]]:
+        """``make_inputs``, checked: a call whose keys differ from the layout's raises ``ValueError``."""
+        return self._capture.make_inputs
+
+    def stage_sample(self, desc: BatchDescriptor) -> tuple[dict[str, Any], dict[str, Any]]:
+        """See ``Capture.stage_sample``."""
+        return self._capture.stage_sample(desc)
+
+    def eager_modules(self, desc: BatchDescriptor) -> list[torch.nn.Module]:
+        """See ``Capture.eager_modules``."""
+        return self._capture.eager_modules(desc)
+
+    @property
+    def not_known_ops(self) -> dict[str, str]:
+        """Ops the emulator's guard met that the capturability table does not cover (op -> the
+        submodule that ran it first): whether a CUDA capture holds them is not known."""
+        return self._capture.not_known_ops
+
+    # -- the runtime part's jobs -------------------------------------------------
+    def run(self, **inputs: Any) -> Any:
+        """Run one real batch given as keyword inputs; see ``run_batch``."""
+        return self._runtime.run(**inputs)
+
+    def run_batch(
+        self,
+        inputs: Mapping[str, Any],
+        batch: Batch | None = None,
+        *,
+        num_reqs: int | None = None,
+        uniform_token_count: int | None = None,
+        num_active_loras: int = 0,
+        max_query_len: int | None = None,
+        num_ubatches: int = 1,
+    ) -> Any:
+        """See ``Runtime.run_batch``."""
+        return self._runtime.run_batch(
+            inputs,
+            batch,
+            num_reqs=num_reqs,
+            uniform_token_count=uniform_token_count,
+            num_active_loras=num_active_loras,
+            max_query_len=max_query_len,
+            num_ubatches=num_ubatches,
+        )
+
+    def dispatch(self, batch: Batch | None = None, /, **fields: Any) -> BatchDescriptor:
+        """The descriptor whose live graph serves a batch, given as a ``Batch`` or as its fields
+        (``dispatch(num_tokens=8, num_reqs=4)``), or a ``NONE`` one (the plan has none, or its
+        capture failed or was released)."""
+        if batch is None:
+            batch = _batch_of_fields(fields)
+        elif fields:
+            raise TypeError("dispatch takes a Batch or its fields as keywords, not both")
+        return self._runtime.dispatch_batch(batch)
+
+    def dispatch_batch(self, batch: Batch) -> BatchDescriptor:
+        """``dispatch(batch)``."""
+        return self._runtime.dispatch_batch(batch)
+
+    def batch_of(self, inputs: Mapping[str, Any], **fields: Any) -> Batch:
+        """Validate ``inputs`` against the static buffers and read the batch shape; ``fields`` are
+        the ``Batch`` fields the inputs do not say (``num_reqs``, ``uniform_token_count``, ...)."""
+        return self._runtime.batch_of(inputs, **fields)
+
+    def capture_reqs(self, desc: BatchDescriptor) -> int:
+        """Request rows a descriptor is captured with (PIECEWISE: as many as fit)."""
+        return self._runtime.capture_reqs(desc)
+
+    def forward_inputs(self, num_tokens: int, num_reqs: int) -> dict[str, Any]:
+        """The keyword inputs a graph of that shape reads: views of the static buffers."""
+        return self._runtime.forward_inputs(num_tokens, num_reqs)
+
+    def eager_kwargs(self, inputs: Mapping[str, Any], num_tokens: int) -> dict[str, Any]:
+        """See ``Runtime.eager_kwargs``."""
+        return self._runtime.eager_kwargs(inputs, num_tokens)
+
+    def eager(self, **inputs: Any) -> Any:
+        """Run the module eagerly on a real batch, as ``run`` would without graphs."""
+        return self._runtime.eager(**inputs)
+
+    def load_inputs(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> None:
+        """Copy a real batch into the static buffers and pad the rest of ``desc``'s rows."""
+        self._runtime.load_inputs(desc, inputs, batch)
+
+    def padding_views(self, desc: BatchDescriptor, batch: Batch) -> list[tuple[str, torch.Tensor]]:
+        """See ``Runtime.padding_views``."""
+        return self._runtime.padding_views(desc, batch)
+
+    def replay(self, desc: BatchDescriptor) -> Any:
+        """Replay ``desc``'s graph on whatever the static buffers hold; return its full output
+        (graph memory: the next replay overwrites it)."""
+        return self._runtime.replay(desc)
+
+    def real_rows(self, desc: BatchDescriptor, batch: Batch) -> Any:
+        """The last replay's outputs of ``desc``, cut to the batch's real rows."""
+        return self._runtime.real_rows(desc, batch)
+
+    def output_dims(self, desc: BatchDescriptor) -> list[OutCut]:
+        """How each leaf of ``desc``'s output is cut to a batch's real rows."""
+        return self._runtime.output_dims(desc)
+
+    def cut_output(self, desc: BatchDescriptor, output: Any, batch: Batch) -> Any:
+        """An output of ``desc``'s shape cut to ``batch``'s real rows exactly as the graph's is."""
+        return self._runtime.cut_output(desc, output, batch)
+
+    def synchronize(self) -> None:
+        """Wait for the device work queued so far (a no-op on the emulator)."""
+        self._runtime.synchronize()
+
+    def poison_free(self, which: int) -> bool:
+        """Fill the graphs' free pool memory with poison ``which`` (0 or 1); False where the
+        backend cannot."""
+        return self._runtime.poison_free(which)
 
     def __enter__(self) -> GraphManager:
         return self
@@ -309,5 +461,56 @@ class GraphManager(CapturePart):
         return (
             f"GraphManager({type(self.module).__name__}, backend={self.backend!r}, "
             f"device={str(self.device)!r}, {len(self.plan.descriptors)} descriptors, "
-            f"{len(self._entries)} captured)"
+            f"{len(self.state.entries)} captured)"
         )
+
+
+def _batch_of_fields(fields: dict[str, Any]) -> Batch:
+    try:
+        return Batch(**fields)
+    except TypeError:
+        known = ", ".join(f.name for f in dataclasses.fields(Batch))
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(Batch)})
+        missing = [n for n in ("num_tokens", "num_reqs") if n not in fields]
+        raise TypeError(
+            f"dispatch takes a Batch or its fields ({known}); "
+            + (f"unknown: {', '.join(unknown)}" if unknown else f"missing: {', '.join(missing)}")
+        ) from None
+
+
+# -- set-up checks ---------------------------------------------------------------
+def _module_device(module: torch.nn.Module) -> torch.device | None:
+    for param in module.parameters():
+        return param.device
+    for buffer in module.buffers():
+        return buffer.device
+    return None
+
+
+def _check_not_meta(module: torch.nn.Module) -> None:
+    tensors: list[tuple[str, torch.Tensor]] = [*module.named_parameters(), *module.named_buffers()]
+    for name, tensor in tensors:
+        if tensor.device.type == "meta":
+            raise ValueError(
+                f"module tensor '{name}' is on meta, the device that holds no data, so nothing can be "
+                "run or compared; materialise the module first (module.to_empty(device=...) and load "
+                "its weights, or build it on a real device)"
+            )
+
+
+def _check_module_device(module: torch.nn.Module, backend: str, device: torch.device) -> None:
+    tensors: list[tuple[str, torch.Tensor]] = [*module.named_parameters(), *module.named_buffers()]
+    for name, tensor in tensors:
+        if tensor.device != device and not (tensor.device.type == device.type == "cpu"):
+            raise ValueError(
+                f"module tensor '{name}' is on {tensor.device}, but the {backend} "
+                f"backend runs on {device}; move the module with module.to('{device}')"
+            )
+
+
+def _forward_takes(module: torch.nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..backends.base import Backend, CapturedGraph
+from ..backends.base import CapturedGraph
 from ..context import running
-from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan, GraphMode
+from ..plan import Batch, BatchDescriptor, GraphMode
 from . import tree
-from .layout import CountKind, InputSpec, PadValue
+from .layout import CountKind, PadValue
 
-__all__ = ["Entry", "OutCut", "RuntimePart"]
+if TYPE_CHECKING:
+    from .state import ManagerState
+
+__all__ = ["Entry", "OutCut", "Runtime"]
 
 # How one output leaf is cut to a real batch: each dimension that follows a
 # count, cut to the batch's real count; () returns the leaf whole.
@@ -128,55 +131,37 @@ class _Hot:
     cut: list[Any]
 
 
-class RuntimePart:
+class Runtime:
     """Validation, dispatch, copy-in, replay and cut of real batches (see the module's docstring)."""
 
-    # -- set by GraphManager.__init__ -------------------------------------
-    module: torch.nn.Module
-    config: CaptureConfig
-    plan: CapturePlan
-    device: torch.device
-    output_views: bool
-    _backend: Backend
-    _inputs: dict[str, InputSpec]  # every input's layout, const ones included
-    _tensor_specs: list[tuple[str, InputSpec]]  # the tensor inputs, in input order
-    _tensor_names: set[str]
-    _is_padding: torch.Tensor | None  # the mask the manager passes, if forward takes one
-    _device_index: int  # -1 on the CPU: compared on the replay path instead of devices
-    # (descriptor tokens, its request rows, real tokens, real requests) -> views to load
-    _plans: dict[tuple[int, int, int, int], _LoadPlan]
-    # run()'s hot path: the input shapes of a batch seen before -> what
-    # dispatch, validation and padding decided for it (see run_batch).
-    _hot: dict[tuple[Any, ...], _Hot]
-    # -- filled by the capture part -----------------------------------------
-    _entries: dict[BatchDescriptor, Entry]
-    #: Set by the first capture(): run() before any capture is a mistake, told.
-    _capture_called: bool
-    #: Graph replays so far (what a verification's cost report counts).
-    replays: int
-
-    @property
-    def backend(self) -> str:
-        """The backend's name: 'cuda' or 'emulate'."""
-        return self._backend.name
+    def __init__(self, state: ManagerState) -> None:
+        self.state = state
+        # What the hot path reads on every run(), bound once (an attribute hop through the state
+        # costs a few percent of a small batch's host time): none of these is rebound after the
+        # manager is built; the hot-path cache is cleared in place.
+        self._hot = state.hot
+        self._specs = state.tensor_specs
+        self._names = state.tensor_names
+        self._index = state.device_index
+        self._views = state.output_views
 
     # -- shapes ---------------------------------------------------------
     def capture_reqs(self, desc: BatchDescriptor) -> int:
         """Request rows a descriptor is captured with (PIECEWISE: as many as fit)."""
         if desc.num_reqs is not None:
             return desc.num_reqs
-        return min(desc.num_tokens, self.config.max_num_reqs)
+        return min(desc.num_tokens, self.state.config.max_num_reqs)
 
     def forward_inputs(self, num_tokens: int, num_reqs: int) -> dict[str, Any]:
         """The keyword inputs a graph of that shape reads: views of the static buffers."""
         kwargs: dict[str, Any] = {}
-        for name, spec in self._inputs.items():
+        for name, spec in self.state.inputs.items():
             if spec.kind == "const":
                 kwargs[name] = spec.value
             else:  # the whole buffer when fixed, else its window for this shape
                 kwargs[name] = spec.window(num_tokens, num_reqs)
-        if self._is_padding is not None:
-            kwargs["is_padding"] = self._is_padding[:num_tokens]
+        if self.state.is_padding is not None:
+            kwargs["is_padding"] = self.state.is_padding[:num_tokens]
         return kwargs
 
     # -- dispatch -------------------------------------------------------
@@ -206,14 +191,14 @@ class RuntimePart:
     def dispatch_batch(self, batch: Batch) -> BatchDescriptor:
         """The descriptor whose live graph serves ``batch``, or a ``NONE`` one
         (the plan has none, or its capture failed or was released)."""
-        desc = self.plan.dispatch_batch(batch)
-        if desc.mode is GraphMode.NONE or desc in self._entries:
+        desc = self.state.plan.dispatch_batch(batch)
+        if desc.mode is GraphMode.NONE or desc in self.state.entries:
             return desc
         return BatchDescriptor(
             mode=GraphMode.NONE,
             num_tokens=batch.num_tokens,
             num_reqs=batch.num_reqs,
-            num_active_loras=self.plan.effective_loras(batch.num_active_loras),
+            num_active_loras=self.state.plan.effective_loras(batch.num_active_loras),
             num_ubatches=batch.num_ubatches,
         )
 
@@ -222,12 +207,12 @@ class RuntimePart:
         """Run one real batch given as keyword inputs; see ``run_batch``."""
         # run_batch's hot path, inlined: this is the call a serving loop makes.
         try:
-            hot = self._hot.get(tuple([inputs[name].shape for name, _ in self._tensor_specs]))
+            hot = self._hot.get(tuple([inputs[name].shape for name, _ in self._specs]))
         except (KeyError, AttributeError):
             hot = None
-        if hot is not None and inputs.keys() == self._tensor_names and self._same_kind(inputs):
+        if hot is not None and inputs.keys() == self._names and self._same_kind(inputs):
             return self._replay_hot(hot, inputs)
-        if not self._capture_called:
+        if not self.state.capture_called:
             raise self._not_captured("run()")
         return self.run_batch(inputs)
 
@@ -252,7 +237,7 @@ class RuntimePart:
         batch; ``eager()`` runs eagerly on purpose); after a failed or
         released capture, batches run eagerly until the next capture.
         """
-        if not self._capture_called:
+        if not self.state.capture_called:
             raise self._not_captured("run_batch()")
         args = (num_reqs, uniform_token_count, num_active_loras, max_query_len, num_ubatches)
         tokens: int | None = None
@@ -268,13 +253,13 @@ class RuntimePart:
             )
             tokens = batch.num_tokens
         key: tuple[Any, ...] | None = None
-        if inputs.keys() == self._tensor_names:
+        if inputs.keys() == self._names:
             # The hot path: a batch of input shapes and arguments seen before
             # replays what validation and dispatch decided then. Shapes are the
             # key; dtype and device, which a copy into the static buffers would
             # silently convert, are checked on every call.
             try:
-                key = tuple([inputs[name].shape for name, _ in self._tensor_specs])
+                key = tuple([inputs[name].shape for name, _ in self._specs])
                 if tokens is not None:
                     key = (args, tokens, key)  # the Batch's token count is checked once, below
                 elif args != _DEFAULT_BATCH_ARGS:
@@ -312,8 +297,8 @@ class RuntimePart:
     def _same_kind(self, inputs: Mapping[str, Any]) -> bool:
         # What the shape key leaves out and a copy into the static buffers
         # would silently convert: dtype and device. Checked on every call.
-        index = self._device_index
-        for name, spec in self._tensor_specs:
+        index = self._index
+        for name, spec in self._specs:
             value = inputs[name]
             if value.dtype != spec.dtype:
                 return False
@@ -322,7 +307,7 @@ class RuntimePart:
         return True
 
     def _make_hot(self, desc: BatchDescriptor, batch: Batch) -> _Hot:
-        entry = self._entries[desc]
+        entry = self.state.entries[desc]
         return _Hot(entry, self._load_plan(desc, batch), self._cut_views(entry, batch))
 
     def _replay_hot(self, hot: _Hot, inputs: Mapping[str, Any]) -> Any:
@@ -336,7 +321,7 @@ class RuntimePart:
                 return self._replay_hot(hot, inputs)
         hot.load.apply(inputs)
         hot.entry.graph.replay()
-        self.replays += 1
+        self.state.replays += 1
         return self._owned(hot.entry, hot.cut)
 
     # -- validation -----------------------------------------------------
@@ -351,24 +336,24 @@ class RuntimePart:
         num_ubatches: int = 1,
     ) -> Batch:
         """Validate ``inputs`` against the static buffers and read the batch shape."""
-        if inputs.keys() != self._tensor_names:  # fast path: exactly the tensor inputs
+        if inputs.keys() != self._names:  # fast path: exactly the tensor inputs
             self._check_names(inputs)
         num_tokens = -1
         token_input = ""
         from_inputs: int | None = None
         reqs_input = ""
-        for name, spec in self._tensor_specs:
+        for name, spec in self._specs:
             value = inputs[name]
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"input '{name}' must be {spec.expected()}; got {type(value).__name__}")
             if value.dtype != spec.dtype:
                 raise ValueError(f"input '{name}' has dtype {value.dtype}; expected {spec.expected()}")
             # Cheaper than comparing torch.device objects, on the replay path.
-            on_device = value.is_cpu if self._device_index < 0 else value.get_device() == self._device_index
+            on_device = value.is_cpu if self._index < 0 else value.get_device() == self._index
             if not on_device:
                 raise ValueError(
-                    f"input '{name}' is on {value.device}; the graphs read it from {self.device}: "
-                    f"move it with .to('{self.device}')"
+                    f"input '{name}' is on {value.device}; the graphs read it from {self.state.device}: "
+                    f"move it with .to('{self.state.device}')"
                 )
             shape = value.shape
             assert spec.buffer is not None  # every tensor input has its buffer
@@ -407,12 +392,12 @@ class RuntimePart:
                 raise ValueError(f"num_reqs={num_reqs} but request-shaped inputs hold {from_inputs} rows")
             num_reqs = from_inputs
         elif num_reqs is None:
-            num_reqs = min(num_tokens, self.config.max_num_reqs)
+            num_reqs = min(num_tokens, self.state.config.max_num_reqs)
         if num_tokens < 1:
             raise ValueError(f"the batch has {num_tokens} tokens; a batch needs at least one")
-        if num_reqs > self.config.max_num_reqs:
+        if num_reqs > self.state.config.max_num_reqs:
             raise ValueError(
-                f"the batch has {num_reqs} requests, above max_num_reqs={self.config.max_num_reqs}"
+                f"the batch has {num_reqs} requests, above max_num_reqs={self.state.config.max_num_reqs}"
             )
         batch = Batch(
             num_tokens=num_tokens,
@@ -422,22 +407,24 @@ class RuntimePart:
             max_query_len=max_query_len,
             num_ubatches=num_ubatches,
         )
-        self.plan.dispatch_batch(batch)  # validates the counts (num_reqs <= num_tokens, non-negative, ...)
+        self.state.plan.dispatch_batch(
+            batch
+        )  # validates the counts (num_reqs <= num_tokens, non-negative, ...)
         return batch
 
     def _check_names(self, inputs: Mapping[str, Any]) -> None:
         """Every tensor input given, nothing unknown, and Python values as captured."""
-        missing = [n for n, _ in self._tensor_specs if n not in inputs]
-        unknown = [n for n in inputs if n not in self._inputs]
+        missing = [n for n, _ in self._specs if n not in inputs]
+        unknown = [n for n in inputs if n not in self.state.inputs]
         if missing or unknown:
             parts = []
             if missing:
                 parts.append(f"missing input(s) {missing}")
             if unknown:
                 parts.append(f"unknown input(s) {unknown}")
-            raise ValueError(f"{' and '.join(parts)}; the module's inputs are {list(self._inputs)}")
+            raise ValueError(f"{' and '.join(parts)}; the module's inputs are {list(self.state.inputs)}")
         for name, value in inputs.items():
-            spec = self._inputs[name]
+            spec = self.state.inputs[name]
             if spec.kind == "const" and value is not spec.value and value != spec.value:
                 raise ValueError(
                     f"input '{name}' is {value!r}, but the graphs froze it at {spec.value!r} "
@@ -450,17 +437,17 @@ class RuntimePart:
         inputs, the Python values frozen into the graphs, and an all-False
         ``is_padding`` mask when the manager passes one."""
         kwargs = dict(inputs)
-        for name, spec in self._inputs.items():
+        for name, spec in self.state.inputs.items():
             if spec.kind == "const" and name not in kwargs:
                 kwargs[name] = spec.value
-        if self._is_padding is not None:
-            kwargs["is_padding"] = torch.zeros(num_tokens, dtype=torch.bool, device=self.device)
+        if self.state.is_padding is not None:
+            kwargs["is_padding"] = torch.zeros(num_tokens, dtype=torch.bool, device=self.state.device)
         return kwargs
 
     def _run_eager(self, inputs: Mapping[str, Any], batch: Batch, desc: BatchDescriptor) -> Any:
         kwargs = self.eager_kwargs(inputs, batch.num_tokens)
         with torch.no_grad(), running(desc):
-            return self.module(**kwargs)
+            return self.state.module(**kwargs)
 
     def eager(self, **inputs: Any) -> Any:
         """Run the module eagerly on a real batch, as ``run`` would without graphs."""
@@ -470,28 +457,28 @@ class RuntimePart:
 
     def synchronize(self) -> None:
         """Wait for the device work queued so far (a no-op on the emulator)."""
-        self._backend.synchronize()
+        self.state.backend.synchronize()
 
     def poison_free(self, which: int) -> bool:
         """Fill the graphs' free pool memory (their intermediates between replays) with poison
         ``which`` (0 or 1); False where the backend cannot."""
-        return self._backend.poison_free(which)
+        return self.state.backend.poison_free(which)
 
     # -- copy-in --------------------------------------------------------
     def load_inputs(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> None:
         """Copy a real batch into the static buffers and pad the rest of ``desc``'s rows."""
-        missing = [n for n, _ in self._tensor_specs if n not in inputs]
+        missing = [n for n, _ in self._specs if n not in inputs]
         if missing:
-            raise ValueError(f"missing input(s) {missing}; the module's inputs are {list(self._inputs)}")
+            raise ValueError(f"missing input(s) {missing}; the module's inputs are {list(self.state.inputs)}")
         with torch.no_grad():
             self._load_plan(desc, batch).apply(inputs)
 
     def _load_plan(self, desc: BatchDescriptor, batch: Batch) -> _LoadPlan:
         reqs = self.capture_reqs(desc)
         key = (desc.num_tokens, reqs, batch.num_tokens, batch.num_reqs)
-        plan = self._plans.get(key)
+        plan = self.state.plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._new_load_plan(desc.num_tokens, reqs, batch)
+            plan = self.state.plans[key] = self._new_load_plan(desc.num_tokens, reqs, batch)
         return plan
 
     def _new_load_plan(self, tokens: int, reqs: int, batch: Batch) -> _LoadPlan:
@@ -499,7 +486,7 @@ class RuntimePart:
         loads: list[tuple[str, torch.Tensor, torch.Tensor | None, PadValue]] = []
         blocks: list[tuple[str, torch.Tensor, torch.Tensor | None, int | float | bool]] = []
         edges: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
-        for name, spec in self._tensor_specs:
+        for name, spec in self._specs:
             buf = spec.buffer
             assert buf is not None
             if spec.kind == "fixed":
@@ -526,10 +513,10 @@ class RuntimePart:
             else:
                 loads.append((name, head, tail, spec.pad))
         masks: list[tuple[torch.Tensor, bool]] = []
-        if self._is_padding is not None:
-            masks.append((self._is_padding[: batch.num_tokens], False))
+        if self.state.is_padding is not None:
+            masks.append((self.state.is_padding[: batch.num_tokens], False))
             if tokens > batch.num_tokens:
-                masks.append((self._is_padding[batch.num_tokens : tokens], True))
+                masks.append((self.state.is_padding[batch.num_tokens : tokens], True))
         return _BlockLoadPlan(loads, masks, blocks, edges) if blocks or edges else _LoadPlan(loads, masks)
 
     def padding_views(self, desc: BatchDescriptor, batch: Batch) -> list[tuple[str, torch.Tensor]]:
@@ -546,7 +533,7 @@ class RuntimePart:
         """
         reqs = self.capture_reqs(desc)
         views: list[tuple[str, torch.Tensor]] = []
-        for name, spec in self._tensor_specs:
+        for name, spec in self._specs:
             if spec.kind not in ("tokens", "reqs"):
                 continue
             real = spec.rows(batch.num_tokens, batch.num_reqs)
@@ -561,25 +548,25 @@ class RuntimePart:
 
         The output tensors are graph memory: the next replay overwrites them.
         """
-        graph = self._entries[desc].graph
+        graph = self.state.entries[desc].graph
         graph.replay()
-        self.replays += 1
+        self.state.replays += 1
         return graph.output
 
     def real_rows(self, desc: BatchDescriptor, batch: Batch) -> Any:
         """The last replay's outputs of ``desc``, cut to the batch's real rows."""
         with torch.no_grad():
-            entry = self._entries[desc]
+            entry = self.state.entries[desc]
             return self._owned(entry, self._cut_views(entry, batch))
 
     def output_dims(self, desc: BatchDescriptor) -> list[OutCut]:
         """How each leaf of ``desc``'s output is cut to a batch's real rows."""
-        return list(self._entries[desc].out_dims)
+        return list(self.state.entries[desc].out_dims)
 
     def cut_output(self, desc: BatchDescriptor, output: Any, batch: Batch) -> Any:
         """An output of ``desc``'s shape (an eager run of its program, say) cut to ``batch``'s
         real rows exactly as the graph's output is."""
-        entry = self._entries[desc]
+        entry = self.state.entries[desc]
         leaves, structure = tree.flatten(output)
         cut = [
             _cut_leaf(leaf, dims, batch) if isinstance(leaf, torch.Tensor) else leaf
@@ -602,7 +589,7 @@ class RuntimePart:
 
     def _owned(self, entry: Entry, cut: list[Any]) -> Any:
         """The cut outputs in the forward's structure: copies the caller owns, or views with output_views."""
-        if not self.output_views:
+        if not self._views:
             cut = [t.clone() if isinstance(t, torch.Tensor) else t for t in cut]
         if entry.single:
             return cut[0]
