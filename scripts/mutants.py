@@ -18,7 +18,7 @@ mutant that breaks the import proves nothing about the tests). A snippet that
 is not found exactly once is a **stale** mutant, an error: the code moved or
 changed and the mutant must be rewritten. A snippet not found in the file
 named is looked for in every file of the package, so mutants of code that is
-moved between files (``manager/*``, ``checks/suite.py``, ``checks/engine.py``:
+moved between files (``manager/*``, ``checks/functions.py``, ``checks/engine.py``:
 marked ``*`` in the table) follow it.
 
 Before the mutants, the unmutated copy must import and pass every selected
@@ -61,7 +61,7 @@ PACKAGE = "pytest_cudagraph"
 # checks): a mutant's snippet there is looked for in the whole package (the table marks it).
 MOVING = (
     "pytest_cudagraph/manager/",
-    "pytest_cudagraph/checks/suite.py",
+    "pytest_cudagraph/checks/functions.py",
     "pytest_cudagraph/checks/engine.py",
 )
 PYTEST = ("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE")
@@ -109,7 +109,7 @@ class Mutant:
 
 
 C = "pytest_cudagraph/checks/compare.py"
-S = "pytest_cudagraph/checks/suite.py"
+S = "pytest_cudagraph/checks/functions.py"
 X = "pytest_cudagraph/checks/verify_context.py"
 GM = "pytest_cudagraph/manager/runtime.py"
 L = "pytest_cudagraph/manager/layout.py"
@@ -293,7 +293,7 @@ MUTANTS: list[Mutant] = [
         COMPARE_TESTS,
         "the smallest ULP difference reported",
     ),
-    # -- checks/suite.py: the checks ----------------------------------------------------------------------
+    # -- checks/functions.py: the checks ----------------------------------------------------------------------
     Mutant(
         "suite-replay-compare",
         S,
@@ -1581,7 +1581,7 @@ def summary(results: Sequence[Result]) -> str:
         text += "\nsurvived: " + ", ".join(survivors)
     return (
         text
-        + "\n(* = snippet looked for in the whole package if it moved: manager/*, checks/suite.py, checks/engine.py)"
+        + "\n(* = snippet looked for in the whole package if it moved: manager/*, checks/functions.py, checks/engine.py)"
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import suite
+from . import functions
 from .registry import Check, CheckRegistry
 
 __all__ = ["BUILTIN", "CAPTURE_CHECK", "DISPATCH_CHECK"]
@@ -31,7 +31,7 @@ BUILTIN = CheckRegistry(
     [
         Check(
             CAPTURE_CHECK,
-            suite.capture_safety,
+            functions.capture_safety,
             scope="before_capture",
             compares="every op of each descriptor's capture goes through a guard that stops at the first op a graph "
             "cannot hold, before the device runs it; a descriptor it stops is then run eagerly under the "
@@ -57,7 +57,7 @@ BUILTIN = CheckRegistry(
         ),
         Check(
             "replay_matches_eager",
-            suite.replay_matches_eager,
+            functions.replay_matches_eager,
             compares="on the very inputs a graph was captured with, replay equals eager bit for bit (NaN equals NaN, "
             "-0.0 differs from 0.0; shape, dtype and strides too)",
             catches="Python state changed by every forward (named: `inner.calls: 3 -> 4`), nondeterministic eager "
@@ -66,7 +66,7 @@ BUILTIN = CheckRegistry(
         ),
         Check(
             "fresh_inputs",
-            suite.fresh_inputs,
+            functions.fresh_inputs,
             compares="after capture, new inputs give replay equal to eager. Where `make_inputs` returns the same "
             "values on every call (`torch.ones`, `arange`), the harness makes its own: fresh floating "
             "values in the observed range, or integer rows permuted (then drawn) within it",
@@ -77,7 +77,7 @@ BUILTIN = CheckRegistry(
         ),
         Check(
             "real_batches",
-            suite.real_batches,
+            functions.real_batches,
             compares="the smallest and the largest real batch a descriptor serves (every batch of a trace with "
             "`--cudagraph-trace`) return real rows equal to eager on the *unpadded* batch within the dtype's "
             "tolerance; where they are not, held to the measured floor: eager at the graph's padded shape "
@@ -95,7 +95,7 @@ BUILTIN = CheckRegistry(
         ),
         Check(
             "padding_isolation",
-            suite.padding_isolation,
+            functions.padding_isolation,
             compares="real-row outputs and module state are identical whether padded rows of floating inputs hold "
             "zeros, random values or large finite values, as padded rows of an engine do (stale rows, "
             "hidden states of pad tokens); with `nonfinite_padding=True` (marker keyword, "
@@ -112,7 +112,7 @@ BUILTIN = CheckRegistry(
         ),
         Check(
             "state",
-            suite.state,
+            functions.state,
             compares="what forwards write (module buffers, parameters written in place), and inputs that eager "
             "mutates in place, end in the same state after `run()` as after eager at the captured shape (what "
             "forwards write is snapshot and restored around each comparison, so a graph-safe counter buffer "
@@ -125,7 +125,7 @@ BUILTIN = CheckRegistry(
         ),
         Check(
             "side_outputs",
-            suite.side_outputs,
+            functions.side_outputs,
             compares="a tensor that `forward` stores on a plain attribute on every call (`self.hidden = h`) holds "
             "after `run()` what eager leaves there, with the attributes as capture left them",
             catches="side outputs kept on the module (hidden states for a drafter): after replay the attribute is "
@@ -135,7 +135,7 @@ BUILTIN = CheckRegistry(
         ),
         Check(
             "determinism",
-            suite.determinism,
+            functions.determinism,
             compares="two replays of the same inputs, from the same state and seed, are bit-identical; and no "
             "forward reads memory nobody wrote: an op seen reading what `torch.empty` (or kin) handed back "
             "before anything wrote it, confirmed by two eager runs with that memory poisoned two ways, is "
@@ -149,7 +149,7 @@ BUILTIN = CheckRegistry(
         ),
         Check(
             "rng",
-            suite.rng,
+            functions.rng,
             compares="with a seeded generator, replay draws equal eager draws, and successive replays draw fresh "
             "values; a module is random when its forwards use a generator (seen op by op), never because "
             "two runs differ (Python state, put back between runs, and unwritten memory do that)",
@@ -158,7 +158,7 @@ BUILTIN = CheckRegistry(
         ),
         Check(
             "output_lifetime",
-            suite.output_lifetime,
+            functions.output_lifetime,
             scope="module",
             compares="outputs returned by `run()` keep their values after a later run, on the graph path and on the "
             "eager path (a batch larger than every graph)",
@@ -167,9 +167,9 @@ BUILTIN = CheckRegistry(
         ),
         Check(
             "address_stability",
-            suite.address_stability,
+            functions.address_stability,
             scope="module",
-            prepare=suite.record_addresses,
+            prepare=functions.record_addresses,
             compares="static buffers and every module parameter and buffer keep their addresses (and stay the same "
             "tensor objects) through capture, replays and eager runs",
             catches="buffers rebound in `forward` (`self.x = self.x * a + b`): graphs keep reading the old memory",

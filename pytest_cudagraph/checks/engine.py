@@ -23,9 +23,9 @@ from ..plan import BatchDescriptor, CaptureConfig
 from ..plan.selection import select_descriptors
 from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
 from .cost import Meter, peak_memory, start_peak
+from .functions import attributes_restored, capture_safety, tensor_attributes
 from .registry import Check, CheckRegistry, check_list
 from .report import Finding, Outcome, VerifyReport
-from .suite import attributes_restored, capture_safety, tensor_attributes
 from .verify_context import VerifyContext
 
 # could_not_run and guarded are the seams runner/ runs its checks through: a check that raises

@@ -18,9 +18,9 @@ import torch
 
 from ..checks.compare import first_difference
 from ..checks.floor import Verdict, across_shapes
+from ..checks.functions import drawn_value, finding_of, where_of
 from ..checks.registry import Check, CheckRegistry, failed, passed, skipped
 from ..checks.report import Finding, Outcome
-from ..checks.suite import drawn_value, finding_of, where_of
 from ..checks.verify_context import clone_tree
 from ..plan import BatchDescriptor, GraphMode
 from .runner_context import Call, RunnerContext

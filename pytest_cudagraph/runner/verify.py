@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from ..checks.engine import capture_config, could_not_run, guarded
+from ..checks.functions import finding_of
 from ..checks.registry import Check, check_list
 from ..checks.report import Finding, Outcome, VerifyReport
-from ..checks.suite import finding_of
 from ..manager.layout import not_a_module
 from ..plan import CaptureConfig
 from ..plan.validate import int_list, optional_int

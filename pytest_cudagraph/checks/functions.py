@@ -1,4 +1,5 @@
-"""The checks. Each takes the context and a descriptor and returns an ``Outcome``.
+"""The built-in checks' code (``builtin.py`` registers each with its description). Each takes the
+context and a descriptor and returns an ``Outcome``.
 
 Every check restores the module's state when it is done, so the checks do
 not disturb one another and a graph-safe counter buffer passes.
