@@ -20,10 +20,12 @@ if TYPE_CHECKING:
     from .distributed import verify_distributed
     from .manager import GraphManager
     from .runner import RUNNER_CHECKS, verify_runner
+    from .training import TRAINING_CHECKS, verify_training
 
 __all__ = [
     "CHECKS",
     "RUNNER_CHECKS",
+    "TRAINING_CHECKS",
     "Batch",
     "BatchDescriptor",
     "CaptureConfig",
@@ -38,6 +40,7 @@ __all__ = [
     "verify",
     "verify_distributed",
     "verify_runner",
+    "verify_training",
 ]
 
 __version__ = "0.1.0"
@@ -52,6 +55,8 @@ _LAZY = {
     "verify_runner": ("pytest_cudagraph.runner", "verify_runner"),
     "verify_distributed": ("pytest_cudagraph.distributed", "verify_distributed"),
     "RUNNER_CHECKS": ("pytest_cudagraph.runner", "RUNNER_CHECKS"),
+    "verify_training": ("pytest_cudagraph.training", "verify_training"),
+    "TRAINING_CHECKS": ("pytest_cudagraph.training", "TRAINING_CHECKS"),
 }
 
 

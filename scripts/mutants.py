@@ -144,6 +144,8 @@ PR = "pytest_cudagraph/plugin/report.py"
 GD = "pytest_cudagraph/guard.py"
 CB = "pytest_cudagraph/capturability.py"
 CAPTURABILITY = ("tests/test_capturability.py",)
+TRN = "pytest_cudagraph/training/verify.py"
+TRAINING_TESTS = ("tests/test_training.py", "examples/training/test_training_gallery.py")
 
 EXACT = "return ((g == e) & _same_sign(g, e)) | both_nan"
 
@@ -1219,6 +1221,47 @@ MUTANTS: list[Mutant] = [
         "",
         (*CAPTURABILITY, twin("CountsClassesGiven")),
         "one_hot with num_classes is refused for the CPU's own range check, which CUDA does not run",
+    ),
+    # -- issue #31: training graphs ---------------------------------------------------------------
+    Mutant(
+        "training-capturable-unread",
+        TRN,
+        "    if any(flag is False for flag in held):",
+        "    if False:",
+        TRAINING_TESTS,
+        "an optimizer with its step count on the host passes",
+    ),
+    Mutant(
+        "training-replay-unheld",
+        TRN,
+        "        diff = _difference(got[k], want)\n        if diff is not None:",
+        "        diff = _difference(got[k], want)\n        if False:",
+        TRAINING_TESTS,
+        "replays that train differently from eager pass",
+    ),
+    Mutant(
+        "training-grads-unread",
+        TRN,
+        '            out[f"grad of {name}"] = p.grad',
+        "            pass",
+        TRAINING_TESTS,
+        "a gradient that differs passes where the loss agrees",
+    ),
+    Mutant(
+        "training-padding-unfilled",
+        TRN,
+        "    for fill in (None, 1e4):",
+        "    for fill in (None, None):",
+        TRAINING_TESTS,
+        "padded rows that reach the loss or a BatchNorm's statistics pass",
+    ),
+    Mutant(
+        "training-start-unrestored",
+        TRN,
+        "    graphed.restore(start)  # the emulator's capture ran the step; CUDA's did not",
+        "    pass",
+        TRAINING_TESTS,
+        "the emulator's capture, which ran the step, leaves the replays a step ahead of eager",
     ),
     Mutant(
         "compare-new-failure-missed",

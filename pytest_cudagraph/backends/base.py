@@ -92,6 +92,9 @@ class Backend(ABC):
     #: The capture run itself computes (the emulator runs the ops it records);
     #: on CUDA nothing runs until a replay.
     capture_executes: bool = False
+    #: Autograd on during warm-up and capture: a training step captures its backward (forward
+    #: graphs, the default, capture with autograd off).
+    grad_enabled: bool = False
 
     def begin(self) -> None:  # noqa: B027 - optional hook
         """Called once before a sequence of captures."""

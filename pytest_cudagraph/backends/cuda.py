@@ -140,7 +140,7 @@ class _CudaCapture(OpenCapture):
             torch._C._cuda_synchronize()
             self.free_before = torch.cuda.mem_get_info(index)[0] if backend.measure_device_memory else 0
             self.graph = torch.cuda.CUDAGraph()
-            _enter(self.outer, _GradOff())
+            _enter(self.outer, _GradOff(backend.grad_enabled))
             _enter(self.outer, _OnStream(backend._streams()[1], index))
             self.graph.capture_begin(pool=backend._pool)
         except BaseException:
@@ -251,16 +251,18 @@ def _give_back_pool(index: int, pool: Any) -> None:
 
 
 class _GradOff:
-    """``torch.no_grad()`` without its object's set-up (it runs twice a graph)."""
+    """``torch.no_grad()`` without its object's set-up (it runs twice a graph); ``enabled``: autograd
+    on instead (a training step's capture)."""
 
-    __slots__ = ("previous",)
+    __slots__ = ("enabled", "previous")
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = False) -> None:
         self.previous = True
+        self.enabled = enabled
 
     def __enter__(self) -> None:
         self.previous = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        torch._C._set_grad_enabled(self.enabled)
 
     def __exit__(self, *exc: object) -> None:
         torch._C._set_grad_enabled(self.previous)
@@ -395,7 +397,7 @@ class CudaBackend(Backend):
             to_side.record(caller)
             to_side.wait(stream)
             try:
-                with torch.no_grad(), _OnStream(stream, index):
+                with torch.set_grad_enabled(self.grad_enabled), _OnStream(stream, index):
                     return fn()
             finally:
                 # Also after a failure: the caller's later work (the next

@@ -544,7 +544,7 @@ class EmulatedGraph(CapturedGraph):
 
 
 class _EmulatedCapture(OpenCapture):
-    def __init__(self, pool: _Pool | None, guard: CaptureGuard) -> None:
+    def __init__(self, pool: _Pool | None, guard: CaptureGuard, *, grad_enabled: bool = False) -> None:
         # The first op under a dispatch mode imports torch._dynamo, whose
         # import calls torch.fx.wrap, which keeps its own frame in a local: a
         # cycle that holds every frame below it, the forward's among them.
@@ -557,7 +557,9 @@ class _EmulatedCapture(OpenCapture):
         self.recorder: _Recorder | None = _Recorder(guard)
         self.stack = contextlib.ExitStack()
         try:
-            self.stack.enter_context(torch.no_grad())
+            # Autograd off, as a forward's capture runs; on for a training step, whose backward's
+            # ops are recorded like any other (the replay runs them as plain ops).
+            self.stack.enter_context(torch.set_grad_enabled(grad_enabled))
             self.stack.enter_context(guard.function_mode())
             self.stack.enter_context(self.recorder)
         except BaseException:
@@ -663,13 +665,13 @@ class EmulateBackend(Backend):
         return self._pool.nbytes if self._pool is not None else 0
 
     def warmup(self, fn: Callable[[], Any]) -> Any:
-        with torch.no_grad():
+        with torch.set_grad_enabled(self.grad_enabled):
             return fn()
 
     def open_capture(self, guard: CaptureGuard) -> OpenCapture:
         if self._pool is None and _USE_COUNT is not None:
             self._pool = _Pool()
-        return _EmulatedCapture(self._pool, guard)
+        return _EmulatedCapture(self._pool, guard, grad_enabled=self.grad_enabled)
 
     def poison_free(self, which: int) -> bool:
         # The free blocks of every segment: what a graph's intermediates occupy between replays

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..bench.fixture import BenchmarkRunner
     from ..plan.batch import Batch
     from ..plan.properties import DispatchProperties
-    from .harness import DistributedVerifier, ManagerFactory, RunnerVerifier, Verifier
+    from .harness import DistributedVerifier, ManagerFactory, RunnerVerifier, TrainingVerifier, Verifier
 
 _CUDA_MARKER = "cuda: the test needs a CUDA device; it is skipped cleanly where none is available"
 _CUDAGRAPH_MARKER = (
@@ -628,6 +628,22 @@ def cudagraph_verify_runner(request: pytest.FixtureRequest) -> RunnerVerifier:
     state = _state(request.config)
     record = functools.partial(state.add_pending, request.node.nodeid)
     return RunnerVerifier(state.settings, settings.marker_keywords(request.node), record)
+
+
+@pytest.fixture
+def cudagraph_verify_training(request: pytest.FixtureRequest) -> TrainingVerifier:
+    """``cudagraph_verify_training(module, make_inputs, loss_fn, **keywords) -> VerifyReport``.
+
+    Runs ``pytest_cudagraph.verify_training``: a training step (forward, backward, the optimizer's
+    step) captured per capture size and held to eager step by step, with keywords from the call,
+    then the ``cudagraph`` marker, then the settings; fails the test with the readable report when
+    a check fails.
+    """
+    from .harness import TrainingVerifier
+
+    state = _state(request.config)
+    record = functools.partial(state.add_pending, request.node.nodeid)
+    return TrainingVerifier(state.settings, settings.marker_keywords(request.node), record)
 
 
 @pytest.fixture

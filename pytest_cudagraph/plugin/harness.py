@@ -5,6 +5,7 @@ This module imports torch; the plugin imports it inside fixtures only.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -264,6 +265,56 @@ class RunnerVerifier:
         elif "capture_sizes" not in keywords:
             pytest.fail(f"cudagraph_verify_runner {_NO_SIZES}", pytrace=False)
         report = verify_runner(runner, module, make_inputs, **keywords)
+        return _recorded(self.reports, self._sink, report, keywords)
+
+
+def _training_keywords() -> tuple[str, ...]:
+    """``verify_training``'s keyword-only arguments: the one source of the fixture's keywords."""
+    from ..training import verify_training
+
+    return tuple(
+        name
+        for name, p in inspect.signature(verify_training).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    )
+
+
+class TrainingVerifier:
+    """``cudagraph_verify_training(module, make_inputs, loss_fn, **keywords)``: ``verify_training``
+    with the test's settings.
+
+    Keywords not given come from the marker (those ``verify_training`` takes), then the settings
+    (capture sizes, backend and device). On the cuda backend a CPU module is moved to the test's
+    device and ``make_inputs``' tensors follow it, as with ``cudagraph_verify``. A failed report
+    fails the test with ``report.format()``; every report is recorded.
+    """
+
+    def __init__(
+        self, settings: Settings, marker: Mapping[str, Any], sink: Callable[[dict[str, Any]], None]
+    ) -> None:
+        self.settings = settings
+        self.allowed = _training_keywords()
+        self.marker = {k: v for k, v in marker.items() if k in self.allowed}
+        self._sink = sink
+        self.reports: list[VerifyReport] = []
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        make_inputs: Callable[[int, int], Mapping[str, Any]],
+        loss_fn: Callable[..., Any],
+        **call: Any,
+    ) -> VerifyReport:
+        from ..training import verify_training
+
+        _check_module(module, "cudagraph_verify_training")
+        check_keywords(call, self.allowed, "cudagraph_verify_training")
+        chosen = verify_keywords(self.settings, self.marker, call)
+        backend, device = _backend_and_device(resolve(self.settings, self.marker, call), chosen, module)
+        keywords = {k: v for k, v in chosen.items() if k in self.allowed}
+        keywords["backend"], keywords["device"] = backend, device
+        make_inputs = follow_device(module, make_inputs, device)
+        report = verify_training(module, make_inputs, loss_fn, **keywords)
         return _recorded(self.reports, self._sink, report, keywords)
 
 

@@ -1,0 +1,554 @@
+"""``verify_training``: a training step captured as one graph and held to eager, step by step.
+
+For each capture size the step (zero the gradients in place, forward, the loss, backward, and the
+optimizer's step when there is an optimizer) is warmed up and captured on one copy of the module,
+while another copy trains eagerly from the same start. Then ``steps`` replays on fresh inputs are
+held to as many eager steps: the loss, every gradient, every parameter and buffer, and the
+optimizer's state, bit for bit (the same program at the same shape). A second pass holds the
+padded rows to nothing: one replayed step with the padded rows of the floating inputs at zero
+and one with them at other values must leave the same loss, gradients, parameters and state.
+
+The caller's module is never trained: both copies are deep copies of it.
+
+Random ops draw the same numbers in the graph and in eager from one seed: the graph's replays run
+first from the seed, then the eager steps from it again, as the ``rng`` check of ``verify`` does.
+On the emulator the CPU stands in for the GPU, so an optimizer built with ``capturable=True`` runs
+torch's capturable code path there (torch allows it on accelerators only; the check is lifted for
+the verification alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import inspect
+import pkgutil
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..backends.base import Backend
+from ..backends.factory import make_backend
+from ..checks.compare import first_difference
+from ..checks.report import Finding, Outcome, VerifyReport
+from ..errors import EagerFailure
+from ..guard import CaptureGuard, ModuleTracker, Violation
+from ..manager.layout import infer_layout, padded_inputs
+from ..observe import MODULE_INTERNALS
+from ..plan import BatchDescriptor, GraphMode
+
+__all__ = ["TRAINING_CHECKS", "verify_training"]
+
+#: The checks of a training verification, in the order they run.
+TRAINING_CHECKS = (
+    "optimizer_capturable",
+    "training_capture",
+    "training_replay_matches_eager",
+    "training_padding",
+)
+
+LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class _Options:
+    steps: int
+    capture_sizes: tuple[int, ...]
+    max_num_reqs: int
+    warmup_steps: int
+    seed: int
+
+
+def _options(steps: Any, capture_sizes: Any, max_num_reqs: Any, warmup_steps: Any, seed: Any) -> _Options:
+    """Every keyword checked in one place, with what was expected."""
+
+    def positive(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int; got {value!r}")
+        return value
+
+    sizes = tuple(capture_sizes) if isinstance(capture_sizes, (list, tuple)) else None
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"capture_sizes must be a non-empty list of positive ints; got {capture_sizes!r}")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an int of at least 0; got {warmup_steps!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int; got {seed!r}")
+    top = max(sizes)
+    reqs = top if max_num_reqs is None else positive("max_num_reqs", max_num_reqs)
+    return _Options(
+        positive("steps", steps), tuple(sorted(set(sizes), reverse=True)), reqs, warmup_steps, seed
+    )
+
+
+# -- a copy of the module that trains -----------------------------------------------------------
+@dataclass
+class _Replica:
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+
+    def params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def state(self) -> dict[str, Any]:
+        """Every tensor a step changes, by a name that says what it is."""
+        out: dict[str, Any] = {}
+        for name, p in self.params():
+            out[name] = p.detach()
+            out[f"grad of {name}"] = p.grad
+        for name, b in self.module.named_buffers():
+            out[f"buffer {name}"] = b
+        if self.optimizer is not None:
+            names = {id(param): n for n, param in self.module.named_parameters()}
+            for owner, slots in self.optimizer.state.items():
+                for key, value in slots.items():
+                    out[f"optimizer state {key!r} of {names.get(id(owner), '?')}"] = value
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.copy(v)
+            for k, v in self.state().items()
+        }
+
+    def restore(self, saved: Mapping[str, Any]) -> None:
+        """Put a snapshot back into the very tensors it came from: a graph keeps their addresses."""
+        with torch.no_grad():
+            for key, value in self.state().items():
+                old = saved.get(key)
+                if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor):
+                    value.copy_(old)
+
+
+def _taken(module: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The inputs ``forward`` takes: the rest (a per-token loss weight, labels) are the loss's."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return dict(inputs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(inputs)
+    return {k: v for k, v in inputs.items() if k in params}
+
+
+def _step(replica: _Replica, loss_fn: LossFn, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """One training step. Gradients are zeroed in place, never set to None: a graph writes them
+    where it captured them."""
+    if replica.optimizer is not None:
+        replica.optimizer.zero_grad(set_to_none=False)
+    else:
+        for _, p in replica.params():
+            if p.grad is not None:
+                p.grad.zero_()
+    loss = loss_fn(replica.module(**_taken(replica.module, inputs)), inputs)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(
+            f"loss_fn must return the scalar loss as a 0-dim tensor; got {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+        )
+    loss.backward()  # type: ignore[no-untyped-call]
+    if replica.optimizer is not None:
+        replica.optimizer.step()
+    return loss.detach()
+
+
+@contextlib.contextmanager
+def _capturable_on_cpu(backend: Backend) -> Iterator[None]:
+    """On the emulator, torch's capturable optimizer path is let run on the CPU, which stands in
+    for the GPU there (torch checks the device against a list of accelerators)."""
+    if backend.name != "emulate":
+        yield
+        return
+    patched: list[tuple[Any, Callable[..., list[str]]]] = []
+    for info in pkgutil.iter_modules(torch.optim.__path__):
+        try:
+            module = importlib.import_module(f"torch.optim.{info.name}")
+        except Exception:
+            continue
+        original = getattr(module, "_get_capturable_supported_devices", None)
+        if callable(original):
+
+            def with_cpu(*args: Any, _original: Any = original, **kwargs: Any) -> list[str]:
+                return [*_original(*args, **kwargs), "cpu"]
+
+            patched.append((module, original))
+            module._get_capturable_supported_devices = with_cpu  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module._get_capturable_supported_devices = original  # type: ignore[attr-defined]
+
+
+def _fail(check: str, desc: BatchDescriptor | None, message: str, finding: Finding | None = None) -> Outcome:
+    return Outcome(check, desc, passed=False, message=message, finding=finding)
+
+
+def _skip(check: str, desc: BatchDescriptor | None, message: str) -> Outcome:
+    return Outcome(check, desc, passed=True, message=message, skipped=True)
+
+
+def _optimizer_capturable(replica: _Replica) -> Outcome:
+    check = "optimizer_capturable"
+    opt = replica.optimizer
+    if opt is None:
+        return _skip(
+            check, None, "no optimizer: forward and backward are captured, as make_graphed_callables does"
+        )
+    held = [g.get("capturable") for g in opt.param_groups]
+    if any(flag is False for flag in held):
+        return _fail(
+            check,
+            None,
+            f"{type(opt).__name__} keeps its step count on the host (capturable=False): a captured step reads "
+            "it once, so every replay applies the first step's bias correction and learning-rate schedule "
+            "(CUDA refuses the capture); build it with capturable=True",
+        )
+    return Outcome(check, None, passed=True)
+
+
+def _difference(got: Mapping[str, Any], expected: Mapping[str, Any]) -> tuple[str, Finding] | None:
+    keys = [k for k in expected if k in got]
+    missing = sorted(set(expected) ^ set(got))
+    if missing:
+        return f"the graph's step leaves {missing[0]!r} where eager's does not (or the reverse)", Finding(
+            output=missing[0]
+        )
+    diff = first_difference({k: got[k] for k in keys}, {k: expected[k] for k in keys})
+    if diff is None:
+        return None
+    where = diff.path.strip("[]'") if diff.path else ""
+    return f"{where}: {diff.reason}", Finding(
+        output=where, index=diff.index, got=diff.got, expected=diff.expected, max_abs=diff.max_abs
+    )
+
+
+def verify_training(
+    module: torch.nn.Module,
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    loss_fn: LossFn,
+    *,
+    optimizer: OptimizerFactory | None = None,
+    steps: int = 3,
+    capture_sizes: Sequence[int] = (1, 2, 4, 8),
+    max_num_reqs: int | None = None,
+    warmup_steps: int = 1,
+    pad_values: Mapping[str, Any] | None = None,
+    backend: str = "auto",
+    device: torch.device | str | None = None,
+    seed: int = 0,
+) -> VerifyReport:
+    """Capture a training step per capture size and hold its replays to eager (see the module's
+    docstring). ``loss_fn(output, inputs)`` returns the scalar loss (``inputs`` is the padded dict:
+    a per-token weight input whose padded rows are 0 masks them out); ``optimizer`` builds a
+    ``torch.optim.Optimizer`` from the parameters (None: forward and backward only). ``pad_values``
+    maps inputs to the value their padded rows hold by meaning (as ``verify``'s): those, and inputs
+    only the loss reads, keep it in the padding check."""
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"module must be a torch.nn.Module; got {type(module).__name__}")
+    if not callable(make_inputs) or not callable(loss_fn):
+        raise ValueError(
+            "make_inputs and loss_fn must be callables: make_inputs(num_tokens, num_reqs) -> dict, "
+            "loss_fn(output, inputs) -> scalar loss"
+        )
+    if optimizer is not None and not callable(optimizer):
+        raise ValueError(
+            "optimizer must build a torch.optim.Optimizer from the parameters, e.g. "
+            "lambda params: torch.optim.AdamW(params, capturable=True)"
+        )
+    opts = _options(steps, capture_sizes, max_num_reqs, warmup_steps, seed)
+    if device is None:
+        first = next(iter(module.parameters()), None)
+        device = first.device if first is not None else None
+    engine = make_backend(backend, device)
+    engine.grad_enabled = True
+    engine.checked = True
+    dev = engine.device
+    top = opts.capture_sizes[0]
+    specs = infer_layout(
+        make_inputs,
+        max_tokens=top,
+        max_reqs=min(top, opts.max_num_reqs),
+        device=dev,
+        pad_values=dict(pad_values or {}),
+    )
+    report = VerifyReport(
+        module=type(module).__name__,
+        backend=engine.name,
+        device=str(dev),
+        mode="training",
+        exhaustive=True,
+        checks=TRAINING_CHECKS,
+        planned=len(opts.capture_sizes),
+        config={
+            "capture_sizes": list(opts.capture_sizes),
+            "max_num_reqs": opts.max_num_reqs,
+            "steps": opts.steps,
+            "optimizer": optimizer is not None,
+        },
+        kind="training",
+        training="train" if module.training else "eval",
+    )
+    started = time.perf_counter()
+
+    def replica() -> _Replica:
+        copy_ = copy.deepcopy(module).to(dev)
+        return _Replica(copy_, optimizer(copy_.parameters()) if optimizer is not None else None)
+
+    with _capturable_on_cpu(engine):
+        report.add([_optimizer_capturable(replica())])
+        verified = []
+        for size in opts.capture_sizes:
+            reqs = min(size, opts.max_num_reqs)
+            desc = BatchDescriptor(mode=GraphMode.FULL, num_tokens=size, num_reqs=reqs)
+            outcomes, seconds, nbytes = _verify_size(
+                engine, specs, replica, make_inputs, loss_fn, desc, opts, set(pad_values or {})
+            )
+            report.add(outcomes)
+            report.capture_seconds += seconds
+            if nbytes:
+                report.graph_memory[desc] = nbytes
+            if not any(o.check == "training_capture" and not o.passed for o in outcomes):
+                verified.append(desc)
+                report.real_batches += opts.steps
+            engine.release()
+        report.descriptors = tuple(verified)
+    report.check_seconds = time.perf_counter() - started
+    return report
+
+
+def _inputs(
+    make_inputs: Callable[[int, int], Mapping[str, Any]], tokens: int, reqs: int, seed: int
+) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return dict(make_inputs(tokens, reqs))
+
+
+def _verify_size(
+    engine: Backend,
+    specs: Mapping[str, Any],
+    replica: Callable[[], _Replica],
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    loss_fn: LossFn,
+    desc: BatchDescriptor,
+    opts: _Options,
+    declared: set[str],
+) -> tuple[list[Outcome], float, int]:
+    """The outcomes at this size, the seconds its capture took and the graph's memory."""
+    tokens, reqs = desc.num_tokens, desc.num_reqs or desc.num_tokens
+    eager, graphed = replica(), replica()
+    # The graph reads the static buffers: views of the layout's, at this size.
+    static = {
+        name: spec.window(tokens, reqs) if spec.kind != "const" else spec.value
+        for name, spec in specs.items()
+    }
+
+    def load(inputs: Mapping[str, Any]) -> None:
+        with torch.no_grad():
+            for name, spec in specs.items():
+                if spec.kind != "const":
+                    static[name].copy_(inputs[name])
+
+    # Warm-up: the same steps on both copies from the same seed.
+    warm = _inputs(make_inputs, tokens, reqs, opts.seed)
+    torch.manual_seed(opts.seed)
+    try:
+        for _ in range(max(opts.warmup_steps, 1)):
+            _step(eager, loss_fn, warm)
+    except Exception as exc:
+        raise EagerFailure(
+            f"the training step fails eagerly at {tokens} tokens and {reqs} requests, before anything is "
+            f"captured: {type(exc).__name__}: {exc}; fix the step, or leave this size out of capture_sizes"
+        ) from exc
+    torch.manual_seed(opts.seed)
+    for _ in range(max(opts.warmup_steps, 1)):
+        load(warm)
+        engine.warmup(lambda: _step(graphed, loss_fn, static))
+    start = graphed.snapshot()
+    found: list[Violation] = []
+    guard = CaptureGuard(ModuleTracker(graphed.module), engine.device, on_violation=found.append)
+    began = time.perf_counter()
+    error: Exception | None = None
+    try:
+        graph = engine.capture(lambda: _step(graphed, loss_fn, static), guard)
+    except Exception as exc:
+        error = exc
+    seconds = time.perf_counter() - began
+    if error is not None or found:
+        # The guard names the first op a graph cannot hold; without one, the capture's own error.
+        first = found[0].describe() if found else f"{type(error).__name__}: {error}"
+        why = "not verified: training_capture failed for this size"
+        return (
+            [
+                _fail(
+                    "training_capture",
+                    desc,
+                    f"{max(len(found), 1)} op(s) of the training step cannot be captured in a graph; the first "
+                    f"is {first}",
+                    Finding(ops=[v.describe() for v in found]),
+                ),
+                _skip("training_replay_matches_eager", desc, why),
+                _skip("training_padding", desc, why),
+            ],
+            seconds,
+            0,
+        )
+    out = [Outcome("training_capture", desc, passed=True)]
+    graphed.restore(start)  # the emulator's capture ran the step; CUDA's did not
+    out.append(_replay_matches_eager(graph, graphed, eager, make_inputs, loss_fn, load, desc, opts))
+    out.append(_padding(graph, graphed, specs, make_inputs, load, start, desc, opts, declared))
+    return out, seconds, int(getattr(graph, "nbytes", 0))
+
+
+def _replay_matches_eager(
+    graph: Any,
+    graphed: _Replica,
+    eager: _Replica,
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    loss_fn: LossFn,
+    load: Callable[[Mapping[str, Any]], None],
+    desc: BatchDescriptor,
+    opts: _Options,
+) -> Outcome:
+    check = "training_replay_matches_eager"
+    tokens, reqs = desc.num_tokens, desc.num_reqs or desc.num_tokens
+    batches = [_inputs(make_inputs, tokens, reqs, opts.seed + 1 + k) for k in range(opts.steps)]
+    start = _difference(graphed.snapshot(), eager.snapshot())
+    if start is not None:
+        return _skip(
+            check,
+            desc,
+            f"eager's warm-up did not reproduce itself ({start[0]}): the step is not "
+            "deterministic, so replays cannot be held to it bit for bit",
+        )
+    got = []
+    torch.manual_seed(opts.seed + 1000)
+    for batch in batches:
+        load(batch)
+        graph.replay()
+        got.append({"loss": graph.output.detach().clone(), **graphed.snapshot()})
+    torch.manual_seed(opts.seed + 1000)
+    for k, batch in enumerate(batches):
+        want = {"loss": _step(eager, loss_fn, batch), **eager.snapshot()}
+        diff = _difference(got[k], want)
+        if diff is not None:
+            return _fail(
+                check,
+                desc,
+                f"step {k + 1} of {opts.steps} replayed on fresh inputs differs from eager "
+                f"from the same start: {diff[0]}{_python_state_differs(graphed.module, eager.module)}",
+                diff[1],
+            )
+    return Outcome(check, desc, passed=True)
+
+
+def _batch_norms(module: torch.nn.Module) -> str:
+    """Where the module normalises over the batch in train mode: padded rows enter those statistics."""
+    found = [
+        name or "the top-level module"
+        for name, sub in module.named_modules()
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.training
+    ]
+    return f" (BatchNorm in train mode: {', '.join(repr(n) for n in found)})" if found else ""
+
+
+def _python_state(module: torch.nn.Module) -> dict[str, Any]:
+    """The plain Python values the module keeps on itself (counters, flags), by dotted name."""
+    return {
+        f"{prefix}.{key}" if prefix else key: value
+        for prefix, sub in module.named_modules()
+        for key, value in vars(sub).items()
+        if key not in MODULE_INTERNALS and isinstance(value, (bool, int, float, str))
+    }
+
+
+def _python_state_differs(graphed: torch.nn.Module, eager: torch.nn.Module) -> str:
+    """Why, where a Python value of the module differs: the step changed it, and a graph runs no Python."""
+    got, want = _python_state(graphed), _python_state(eager)
+    changed = [k for k in want if got.get(k) != want[k]]
+    if not changed:
+        return ""
+    name = changed[0]
+    return (
+        f"; the module's Python state differs too: {name!r} is {got.get(name)!r} after the replays and "
+        f"{want[name]!r} in eager (Python runs at capture only: a value the step changes belongs in a buffer "
+        "it updates in place)"
+    )
+
+
+def _padding(
+    graph: Any,
+    graphed: _Replica,
+    specs: Mapping[str, Any],
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    load: Callable[[Mapping[str, Any]], None],
+    start: Mapping[str, Any],
+    desc: BatchDescriptor,
+    opts: _Options,
+    declared: set[str],
+) -> Outcome:
+    check = "training_padding"
+    tokens, reqs = desc.num_tokens, desc.num_reqs or desc.num_tokens
+    real = max(1, tokens - max(1, tokens // 4))
+    if real >= tokens:
+        return _skip(check, desc, "no real batch of this size leaves padded rows")
+    real_reqs = min(real, reqs)
+    padded = padded_inputs(specs, _inputs(make_inputs, real, real_reqs, opts.seed + 7), tokens, reqs)
+    # Padded rows an engine leaves stale are those of the forward's own inputs (hidden states);
+    # an input only the loss reads (a per-token weight, labels) holds its pad value by design, as
+    # does one declared in pad_values.
+    taken = _taken(graphed.module, padded)
+    floating = [
+        name
+        for name, spec in specs.items()
+        if spec.kind in ("tokens", "reqs")
+        and name in taken
+        and name not in declared
+        and isinstance(padded[name], torch.Tensor)
+        and padded[name].is_floating_point()
+    ]
+    if not floating:
+        return _skip(
+            check,
+            desc,
+            "no floating input of forward has padded rows that can hold other values (inputs only the loss "
+            "reads, and those in pad_values, keep their pad value)",
+        )
+    results = []
+    for fill in (None, 1e4):
+        batch = dict(padded)
+        for name in floating:
+            spec = specs[name]
+            t = batch[name].clone()
+            rows = spec.rows(real, real_reqs)
+            full = spec.rows(tokens, reqs)
+            if fill is not None and full > rows:
+                t.narrow(spec.dim, rows, full - rows).fill_(fill)
+            batch[name] = t
+        graphed.restore(start)
+        torch.manual_seed(opts.seed + 2000)
+        load(batch)
+        graph.replay()
+        results.append({"loss": graph.output.detach().clone(), **graphed.snapshot()})
+    graphed.restore(start)
+    diff = _difference(results[1], results[0])
+    if diff is None:
+        return Outcome(check, desc, passed=True)
+    where, finding = diff
+    values = (
+        f" ({finding.got!r} against {finding.expected!r} at the pad value)" if finding.got is not None else ""
+    )
+    return _fail(
+        check,
+        desc,
+        f"padded rows reach the training step: with {real} real tokens of {tokens}, padded rows of "
+        f"{', '.join(repr(n) for n in floating)} at 1e4 instead of their pad value change "
+        f"{where.partition(':')[0]}{values}; mask them out of the loss (a per-token weight that is 0 on "
+        f"padded rows) and out of any statistic over the batch{_batch_norms(graphed.module)}",
+        Finding(output=finding.output, index=finding.index),
+    )

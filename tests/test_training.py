@@ -1,0 +1,109 @@
+"""verify_training: its keywords, what it leaves alone, and what each of its checks holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from examples.training.gallery import Mlp, adamw, masked_loss, token_inputs
+from pytest_cudagraph import TRAINING_CHECKS, verify_training
+from pytest_cudagraph.errors import EagerFailure
+
+SIZES = {"capture_sizes": (2, 4), "max_num_reqs": 4}
+
+
+def _run(module: torch.nn.Module | None = None, **keywords: Any) -> Any:
+    torch.manual_seed(0)
+    return verify_training(
+        module if module is not None else Mlp(),
+        token_inputs(),
+        keywords.pop("loss_fn", masked_loss),
+        **{"optimizer": adamw(True), **SIZES, **keywords},
+    )
+
+
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        ({"steps": 0}, "steps must be a positive int; got 0"),
+        ({"capture_sizes": []}, "capture_sizes must be a non-empty list of positive ints"),
+        ({"capture_sizes": [2, -1]}, "capture_sizes must be a non-empty list of positive ints"),
+        ({"warmup_steps": -1}, "warmup_steps must be an int of at least 0"),
+        ({"optimizer": "adam"}, "optimizer must build a torch.optim.Optimizer from the parameters"),
+        ({"max_num_reqs": 0}, "max_num_reqs must be a positive int"),
+    ],
+)
+def test_bad_keywords_say_what_was_expected(keywords: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        _run(**keywords)
+
+
+def test_a_loss_that_is_not_a_scalar_is_told() -> None:
+    with pytest.raises(
+        ValueError, match="loss_fn must return the scalar loss as a 0-dim tensor; got Tensor of shape"
+    ):
+        _run(loss_fn=lambda out, inputs: out.sum(-1))
+
+
+def test_a_step_that_fails_eagerly_is_one_error_with_its_cause() -> None:
+    def broken(out: torch.Tensor, inputs: Any) -> torch.Tensor:
+        raise KeyError("labels")
+
+    with pytest.raises(
+        EagerFailure, match="the training step fails eagerly at 4 tokens and 4 requests"
+    ) as info:
+        _run(loss_fn=broken)
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_the_callers_module_is_never_trained() -> None:
+    module = Mlp()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    report = _run(module)
+    assert report.ok, report.format()
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_every_check_runs_and_the_report_says_what_it_did() -> None:
+    report = _run(steps=2)
+    assert report.ok, report.format()
+    assert report.checks == TRAINING_CHECKS
+    ran = {o.check for o in report.outcomes if not o.skipped}
+    assert ran == set(TRAINING_CHECKS)
+    assert [d.num_tokens for d in report.descriptors] == [4, 2]
+    assert report.real_batches == 4 and report.kind == "training" and report.training == "train"
+    assert report.graph_memory and report.capture_seconds > 0
+
+
+def test_without_an_optimizer_forward_and_backward_are_held_to_eager() -> None:
+    report = _run(optimizer=None)
+    assert report.ok, report.format()
+    skipped = [o for o in report.outcomes if o.check == "optimizer_capturable"]
+    assert skipped and skipped[0].skipped and "make_graphed_callables" in skipped[0].message
+
+
+class GradsOnly(torch.nn.Module):
+    """A module whose gradient in the graph is not eager's: its backward reads a Python float the
+    capture froze (a scale set from outside between steps), while its loss stays the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale += 1.0
+        y = self.lin(x)
+        # The value is y's; only the gradient is scaled by the Python float.
+        return y.detach() + (y - y.detach()) * self.scale
+
+
+def test_a_gradient_that_differs_is_named_though_the_loss_agrees() -> None:
+    report = _run(GradsOnly(), optimizer=None)
+    failed = [o for o in report.failures if o.check == "training_replay_matches_eager"]
+    assert failed, report.format()
+    assert "grad of lin." in failed[0].message and "differs from eager" in failed[0].message
+    assert "'scale'" in failed[0].message  # the Python value behind it, named
