@@ -82,7 +82,7 @@ def test_split_by_descriptor_verifies_one_descriptor_an_item(inner: pytest.Pytes
     inner.makepyfile(test_split=SPLIT_TESTS)
     result, data = _run(inner, "-p", "no:xdist", "--cudagraph-split=descriptor", "-k", "big or call")
     result.assert_outcomes(passed=9)
-    result.stdout.fnmatch_lines(["cudagraph: *, split=descriptor"])
+    result.stdout.fnmatch_lines(["cudagraph: *, split=descriptor*"])  # then ", threads ..." on some machines
     big = {k: v for k, v in data["tests"].items() if "test_big" in k}
     labels = sorted(k.split("[")[1].rstrip("]") for k in big)
     assert labels == sorted(

@@ -381,17 +381,17 @@ def _verify_size(
     seconds = time.perf_counter() - began
     if error is not None or found:
         # The guard names the first op a graph cannot hold; without one, the capture's own error.
-        first = found[0].describe() if found else f"{type(error).__name__}: {error}"
+        if found:
+            message = (
+                f"{len(found)} op(s) of the training step cannot be captured in a graph; the first is "
+                f"{found[0].describe()}"
+            )
+        else:
+            message = f"the training step's capture fails: {type(error).__name__}: {error}"
         why = "not verified: training_capture failed for this size"
         return (
             [
-                _fail(
-                    "training_capture",
-                    desc,
-                    f"{max(len(found), 1)} op(s) of the training step cannot be captured in a graph; the first "
-                    f"is {first}",
-                    Finding(ops=[v.describe() for v in found]),
-                ),
+                _fail("training_capture", desc, message, Finding(ops=[v.describe() for v in found])),
                 _skip("training_replay_matches_eager", desc, why),
                 _skip("training_padding", desc, why),
             ],
