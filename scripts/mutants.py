@@ -1250,8 +1250,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "training-padding-unfilled",
         TRN,
-        "    for fill in (None, 1e4):",
-        "    for fill in (None, None):",
+        "            if other and full > rows:",
+        "            if False:",
         TRAINING_TESTS,
         "padded rows that reach the loss or a BatchNorm's statistics pass",
     ),

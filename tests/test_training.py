@@ -107,3 +107,37 @@ def test_a_gradient_that_differs_is_named_though_the_loss_agrees() -> None:
     assert failed, report.format()
     assert "grad of lin." in failed[0].message and "differs from eager" in failed[0].message
     assert "'scale'" in failed[0].message  # the Python value behind it, named
+
+
+def test_bf16_autocast_trains_as_a_graph() -> None:
+    report = _run(autocast=torch.bfloat16)
+    assert report.ok, report.format()
+    held = [o for o in report.outcomes if o.check == "training_replay_matches_eager"]
+    assert held and all(o.passed and not o.skipped for o in held)
+
+
+def test_autocast_must_be_a_floating_dtype() -> None:
+    with pytest.raises(
+        ValueError, match=r"autocast must be None or a floating dtype such as torch\.bfloat16"
+    ):
+        _run(autocast="bf16")
+
+
+def test_bit_for_bit_where_eager_reproduces_itself_and_the_measured_floor_where_not() -> None:
+    from pytest_cudagraph.training.verify import FLOOR_FACTOR, _held
+
+    w = torch.linspace(-1, 1, 64)
+    bump = torch.zeros(64)
+    bump[5] = 1e-6
+    # Eager reproduced itself: one ulp-sized difference is a difference.
+    assert _held({"p": w + bump}, {"p": w}, {"p": w.clone()}) is not None
+    assert _held({"p": w.clone()}, {"p": w}, {"p": w.clone()}) is None
+    # Eager differs from itself by 1e-6 at one element: the graph may differ by up to FLOOR_FACTOR times that.
+    again = {"p": w + bump, "q": w.clone()}
+    assert _held({"p": w + (FLOOR_FACTOR - 0.5) * bump, "q": w.clone()}, {"p": w, "q": w}, again) is None
+    found = _held({"p": w + (FLOOR_FACTOR + 2) * bump, "q": w.clone()}, {"p": w, "q": w}, again)
+    assert found is not None and "eager differs from itself here by up to 1.0" in found[0]
+    # A tensor that did not drift, in a step that did elsewhere: the dtype's tolerance, and no more.
+    assert _held({"p": w, "q": w + 1e-9}, {"p": w, "q": w}, again) is None
+    found = _held({"p": w, "q": w + 0.5}, {"p": w, "q": w}, again)
+    assert found is not None and found[0].startswith("q:") and "dtype's tolerance" in found[0]

@@ -166,7 +166,7 @@ PAIRS = [
         "training_padding",
         Case("loss over padded rows", Mlp, mean_loss),
         Case("loss masked by a per-token weight", Mlp, masked_loss),
-        r"padded rows reach the training step: .* padded rows of 'x' at 1e4",
+        r"padded rows reach the training step: .* padded rows of 'x' at 10000.0",
     ),
     Pair(
         "training_padding",
