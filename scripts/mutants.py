@@ -1256,6 +1256,14 @@ MUTANTS: list[Mutant] = [
         "padded rows that reach the loss or a BatchNorm's statistics pass",
     ),
     Mutant(
+        "training-floor-always",
+        TRN,
+        "    if _difference(again, want) is None:\n        return _difference(got, want)",
+        "    if False:\n        return _difference(got, want)",
+        TRAINING_TESTS,
+        "a step eager reproduces bit for bit is held only within a tolerance",
+    ),
+    Mutant(
         "training-start-unrestored",
         TRN,
         "    graphed.restore(start)  # the emulator's capture ran the step; CUDA's did not",
