@@ -1234,10 +1234,18 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "training-replay-unheld",
         TRN,
-        "        diff = _difference(got[k], want)\n        if diff is not None:",
-        "        diff = _difference(got[k], want)\n        if False:",
+        "        if diff is not None:\n            return _fail(\n                check,",
+        "        if False:\n            return _fail(\n                check,",
         TRAINING_TESTS,
         "replays that train differently from eager pass",
+    ),
+    Mutant(
+        "training-tolerance-for-all",
+        TRN,
+        "            if loose is None:\n                notes.append",
+        "            if True:\n                notes.append",
+        TRAINING_TESTS,
+        "a gradient beyond the dtype's tolerance passes as another kernel's rounding",
     ),
     Mutant(
         "training-grads-unread",
