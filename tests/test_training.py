@@ -27,12 +27,12 @@ def _run(module: torch.nn.Module | None = None, **keywords: Any) -> Any:
 @pytest.mark.parametrize(
     ("keywords", "message"),
     [
-        ({"steps": 0}, "steps must be a positive int; got 0"),
-        ({"capture_sizes": []}, "capture_sizes must be a non-empty list of positive ints"),
-        ({"capture_sizes": [2, -1]}, "capture_sizes must be a non-empty list of positive ints"),
-        ({"warmup_steps": -1}, "warmup_steps must be an int of at least 0"),
+        ({"steps": 0}, "steps must be an integer >= 1; got 0"),
+        ({"capture_sizes": []}, "capture_sizes must be a non-empty list of integers >= 1"),
+        ({"capture_sizes": [2, -1]}, "capture_sizes must be a non-empty list of integers >= 1"),
+        ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
         ({"optimizer": "adam"}, "optimizer must build a torch.optim.Optimizer from the parameters"),
-        ({"max_num_reqs": 0}, "max_num_reqs must be a positive int"),
+        ({"max_num_reqs": 0}, "max_num_reqs must be an integer >= 1"),
     ],
 )
 def test_bad_keywords_say_what_was_expected(keywords: dict[str, Any], message: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -33,13 +34,14 @@ import torch
 
 from ..backends.base import Backend
 from ..backends.factory import make_backend
-from ..checks.compare import first_difference, largest_difference
+from ..checks.compare import Difference, first_difference, largest_difference
 from ..checks.report import Finding, Outcome, VerifyReport
 from ..errors import EagerFailure
 from ..guard import CaptureGuard, ModuleTracker, Violation
 from ..manager.layout import infer_layout, padded_inputs
 from ..observe import MODULE_INTERNALS
 from ..plan import BatchDescriptor, GraphMode
+from ..plan.validate import check_int, int_list, is_int
 
 __all__ = ["TRAINING_CHECKS", "verify_training"]
 
@@ -68,29 +70,17 @@ class _Options:
 def _options(
     steps: Any, capture_sizes: Any, max_num_reqs: Any, warmup_steps: Any, seed: Any, autocast: Any
 ) -> _Options:
-    """Every keyword checked in one place, with what was expected."""
-
-    def positive(name: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int; got {value!r}")
-        return value
-
-    sizes = tuple(capture_sizes) if isinstance(capture_sizes, (list, tuple)) else None
-    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-        raise ValueError(f"capture_sizes must be a non-empty list of positive ints; got {capture_sizes!r}")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int of at least 0; got {warmup_steps!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int; got {seed!r}")
-    top = max(sizes)
-    reqs = top if max_num_reqs is None else positive("max_num_reqs", max_num_reqs)
+    """Every keyword checked in one place, by the package's validators (plan/validate.py)."""
+    sizes = int_list("capture_sizes", capture_sizes)
+    check_int("warmup_steps", warmup_steps, minimum=0)
+    if not is_int(seed):
+        raise ValueError(f"seed must be an integer; got {seed!r}")
+    reqs = max(sizes) if max_num_reqs is None else check_int("max_num_reqs", max_num_reqs)
     if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
         raise ValueError(
             f"autocast must be None or a floating dtype such as torch.bfloat16; got {autocast!r}"
         )
-    return _Options(
-        autocast, positive("steps", steps), tuple(sorted(set(sizes), reverse=True)), reqs, warmup_steps, seed
-    )
+    return _Options(autocast, check_int("steps", steps), tuple(reversed(sizes)), reqs, warmup_steps, seed)
 
 
 # -- a copy of the module that trains -----------------------------------------------------------
@@ -98,6 +88,16 @@ def _options(
 class _Replica:
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
+
+    @functools.cached_property
+    def forward_parameters(self) -> tuple[frozenset[str], bool]:
+        """See ``_forward_parameters``; read once, not at every step."""
+        return _forward_parameters(self.module)
+
+    def taken(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """The inputs ``forward`` takes: the rest (a per-token loss weight, labels) are the loss's."""
+        named, everything = self.forward_parameters
+        return dict(inputs) if everything else {k: v for k, v in inputs.items() if k in named}
 
     def params(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -132,25 +132,15 @@ class _Replica:
                     value.copy_(old)
 
 
-def _taken(module: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """The inputs ``forward`` takes: the rest (a per-token loss weight, labels) are the loss's."""
+def _forward_parameters(module: torch.nn.Module) -> tuple[frozenset[str], bool]:
+    """The inputs ``forward`` names, and whether it takes ``**kwargs`` too (where its signature cannot
+    be read: no names, and every input is passed)."""
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
-        return dict(inputs)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(inputs)
-    return {k: v for k, v in inputs.items() if k in params}
-
-
-def _named_by_forward(module: torch.nn.Module) -> set[str]:
-    """The inputs ``forward`` names: one that only reaches it through ``**kwargs`` (a loss weight
-    passed along to a transformers model) is the loss's, as far as padding goes."""
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return set()
-    return {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        return frozenset(), True
+    named = frozenset(n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+    return named, any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _step(
@@ -170,11 +160,11 @@ def _step(
             if p.grad is not None:
                 p.grad.zero_()
     if autocast is None:
-        loss = loss_fn(replica.module(**_taken(replica.module, inputs)), inputs)
+        loss = loss_fn(replica.module(**replica.taken(inputs)), inputs)
     else:
         device = next((p.device.type for _, p in replica.params()), "cpu")
         with torch.autocast(device, dtype=autocast):
-            loss = loss_fn(replica.module(**_taken(replica.module, inputs)), inputs)
+            loss = loss_fn(replica.module(**replica.taken(inputs)), inputs)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ValueError(
             f"loss_fn must return the scalar loss as a 0-dim tensor; got {type(loss).__name__}"
@@ -259,8 +249,12 @@ def _difference(
     diff = first_difference({k: got[k] for k in keys}, {k: expected[k] for k in keys}, rtol=bound, atol=bound)
     if diff is None:
         return None
-    where = diff.path.strip("[]'") if diff.path else ""
-    return f"{where}: {diff.reason}", Finding(
+    return _found(diff.path.strip("[]'") if diff.path else "", diff)
+
+
+def _found(where: str, diff: Difference, why: str = "") -> tuple[str, Finding]:
+    """What a check says of a difference in the tensor ``where``, and its finding."""
+    return f"{where}: {diff.reason}{why}", Finding(
         output=where, index=diff.index, got=diff.got, expected=diff.expected, max_abs=diff.max_abs
     )
 
@@ -280,9 +274,13 @@ def _held(
         return _difference(got, want)
     for key, w in want.items():
         g, a = got.get(key), again.get(key)
-        if not (isinstance(w, torch.Tensor) and isinstance(g, torch.Tensor) and isinstance(a, torch.Tensor)):
-            found = _difference({key: g}, {key: w})
-        elif not w.is_floating_point() or w.shape != a.shape:
+        if not (
+            isinstance(w, torch.Tensor)
+            and isinstance(g, torch.Tensor)
+            and isinstance(a, torch.Tensor)
+            and w.is_floating_point()
+            and w.shape == a.shape
+        ):
             found = _difference({key: g}, {key: w})
         else:
             drift = largest_difference(a, w, ulp=False)[0]
@@ -292,18 +290,7 @@ def _held(
             else:
                 diff = first_difference(g, w, rtol=None, atol=None)
                 why = "eager is not reproducible elsewhere in the step; held within the dtype's tolerance"
-            found = None
-            if diff is not None:
-                found = (
-                    f"{key}: {diff.reason} ({why})",
-                    Finding(
-                        output=key,
-                        index=diff.index,
-                        got=diff.got,
-                        expected=diff.expected,
-                        max_abs=diff.max_abs,
-                    ),
-                )
+            found = None if diff is None else _found(key, diff, f" ({why})")
         if found is not None:
             return found
     return None
@@ -633,7 +620,9 @@ def _padding(
     # Padded rows an engine leaves stale are those of the forward's own inputs (hidden states);
     # an input only the loss reads (a per-token weight, labels) holds its pad value by design, as
     # does one declared in pad_values.
-    named = _named_by_forward(graphed.module)
+    # An input that only reaches forward through **kwargs (a loss weight passed along to a
+    # transformers model) is the loss's, as far as padding goes.
+    named = graphed.forward_parameters[0]
     # Each input's other fill: 1e4 for a floating one; for an integer one (ids, positions) the
     # largest value its real rows hold, where that is not its pad value.
     fills: dict[str, float | int] = {}
