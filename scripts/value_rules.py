@@ -18,10 +18,9 @@ the emulator and requires its answers to be the GPU's, call for call.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
+import importlib.util
 import json
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -148,14 +147,26 @@ def build(label: str, device: torch.device) -> tuple[Callable[..., Any], tuple[A
     return CALLS[label](device)
 
 
-def _captured_on_cuda(label: str, stream: torch.cuda.Stream) -> dict[str, Any]:
+def _learning_script() -> Any:
+    """scripts/capturability.py, whose way out of a failed capture (``_recover``) and wording of an
+    error (``_first_line``) the probe shares."""
+    spec = importlib.util.spec_from_file_location(
+        "capturability_script", Path(__file__).with_name("capturability.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _captured_on_cuda(label: str, stream: torch.cuda.Stream, learning: Any) -> dict[str, Any]:
     fn, args, kwargs = build(label, torch.device("cuda"))
     with torch.no_grad():
         try:
             fn(*args, **kwargs)
             torch.cuda.synchronize()
         except Exception as exc:
-            return {"eager_error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+            return {"eager_error": learning._first_line(exc)}
         graph = torch.cuda.CUDAGraph()
         error: BaseException | None = None
         with torch.cuda.stream(stream):
@@ -171,20 +182,14 @@ def _captured_on_cuda(label: str, stream: torch.cuda.Stream) -> dict[str, Any]:
     if error is None:
         return {"captured": True}
     del graph
-    with contextlib.suppress(Exception):
-        torch.cuda.synchronize()
-    with contextlib.suppress(Exception), warnings.catch_warnings():
-        # Out of capture mode through an empty capture, as scripts/capturability.py does.
-        warnings.simplefilter("ignore")
-        empty = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(empty, stream=stream):
-            pass
-    return {"captured": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0]}"[:200]}
+    learning._recover(stream)
+    return {"captured": False, "error": learning._first_line(error)}
 
 
 def probe(out: Path) -> None:
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    results = {label: _captured_on_cuda(label, stream) for label in CALLS}
+    learning = _learning_script()
+    results = {label: _captured_on_cuda(label, stream, learning) for label in CALLS}
     record = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),

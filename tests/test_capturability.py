@@ -369,6 +369,7 @@ class _RuledOps(TorchDispatchMode):
 def test_the_value_rules_answer_as_this_gpu_does() -> None:
     """On a GPU, whatever its torch: each call's raw capture against what the guard's rule says."""
     stream = torch.cuda.Stream()
+    learning = VALUE_RULES_SCRIPT._learning_script()
     wrong = []
     for label in VALUE_RULES_SCRIPT.CALLS:
         if label.startswith("one_hot"):
@@ -377,7 +378,7 @@ def test_the_value_rules_answer_as_this_gpu_does() -> None:
         with _RuledOps() as ops:
             fn(*args, **kwargs)
         seen = ops.kinds
-        captured = VALUE_RULES_SCRIPT._captured_on_cuda(label, stream)["captured"]
+        captured = VALUE_RULES_SCRIPT._captured_on_cuda(label, stream, learning)["captured"]
         if seen != [HELD if captured else REFUSED]:
             wrong.append((label, seen, captured))
     assert not wrong
