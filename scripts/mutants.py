@@ -319,6 +319,14 @@ MUTANTS: list[Mutant] = [
         "the capture path named as the cause where the graph disagrees with it too (an 8B false diagnosis)",
     ),
     Mutant(
+        "suite-rng-over-unwritten-memory",
+        S,
+        "    if ctx.uninitialized():\n        # What a replay and an eager run read",
+        "    if False:\n        # What a replay and an eager run read",
+        ("tests/test_diagnoses.py::test_rng_of_a_module_reading_unwritten_memory_is_skipped_every_time",),
+        "rng judged over memory nobody wrote: a verdict that changes run to run (a CI drift)",
+    ),
+    Mutant(
         "suite-padding-first-row",
         S,
         "fill(view)",

@@ -6,12 +6,12 @@ whatever the allocator left there, so eager differs from itself, and a graph rea
 its pool held. Caught by ``determinism``, which names the op that read the memory and the op
 that made it. The plugin prints:
 
-    SplitKIntoEmpty on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 19 real batches, 18 failure(s) in determinism, fresh_inputs, padding_isolation, real_batches, replay_matches_eager, rng, 4 skipped; capture 4 ms, graph memory 2.5 KiB, peak memory 329.1 MiB (327.8 MiB before)
+    SplitKIntoEmpty on emulate (cpu) in train mode: 4/4 descriptors captured and verified (every descriptor), 19 real batches, 18 failure(s) in determinism, fresh_inputs, padding_isolation, real_batches, replay_matches_eager, 6 skipped; capture 4 ms, graph memory 2.5 KiB, peak memory 329.1 MiB (327.8 MiB before)
     FAIL determinism            FULL-T8-R4
          forward reads memory nobody wrote: aten.add_.Tensor reads what aten.empty.memory_format handed back before anything wrote it, so its results are whatever the allocator left there (eager differs from itself, and a graph reads other memory again). Write it fully first, or make it with torch.zeros
          real batch (num_reqs=3, num_tokens=5, num_active_loras=0, num_ubatches=1); the output at index [0, 0]; graph gave -3.9440464973449707, eager gave -3.2735707759857178; max abs diff 1.28, max ULP 15075629
 
-    (CPU emulator, `pytest --cudagraph-verify`, capture sizes 1, 2, 4, 8; the determinism failure shown; also failed: fresh_inputs, padding_isolation, real_batches, replay_matches_eager, rng)
+    (CPU emulator, `pytest --cudagraph-verify`, capture sizes 1, 2, 4, 8; the determinism failure shown; also failed: fresh_inputs, padding_isolation, real_batches, replay_matches_eager)
 """
 
 from __future__ import annotations
