@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .distributed import verify_distributed
     from .manager import GraphManager
     from .runner import RUNNER_CHECKS, verify_runner
-    from .training import TRAINING_CHECKS, verify_training
+    from .training import TRAINING_CHECKS, TrainingStep, verify_training
 
 __all__ = [
     "CHECKS",
@@ -34,6 +34,7 @@ __all__ = [
     "Check",
     "GraphManager",
     "GraphMode",
+    "TrainingStep",
     "VerifyOptions",
     "VerifyReport",
     "current_descriptor",
@@ -57,6 +58,7 @@ _LAZY = {
     "RUNNER_CHECKS": ("pytest_cudagraph.runner", "RUNNER_CHECKS"),
     "verify_training": ("pytest_cudagraph.training", "verify_training"),
     "TRAINING_CHECKS": ("pytest_cudagraph.training", "TRAINING_CHECKS"),
+    "TrainingStep": ("pytest_cudagraph.training", "TrainingStep"),
 }
 
 

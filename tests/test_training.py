@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -30,13 +31,14 @@ def _run(module: torch.nn.Module | None = None, **keywords: Any) -> Any:
         ({"steps": 0}, "steps must be an integer >= 1; got 0"),
         ({"capture_sizes": []}, "capture_sizes must be a non-empty list of integers >= 1"),
         ({"capture_sizes": [2, -1]}, "capture_sizes must be a non-empty list of integers >= 1"),
-        ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
+        ({"warmup_steps": 0}, "warmup_steps must be an integer >= 1; got 0"),
+        ({"step": "mine"}, "step must be a callable step(module, optimizer, loss_fn) -> TrainingStep"),
         ({"optimizer": "adam"}, "optimizer must build a torch.optim.Optimizer from the parameters"),
         ({"max_num_reqs": 0}, "max_num_reqs must be an integer >= 1"),
     ],
 )
 def test_bad_keywords_say_what_was_expected(keywords: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         _run(**keywords)
 
 

@@ -12,17 +12,30 @@ name it and every fix to passing all of them, on the emulator here and on a GPU 
   per-token mask; and a ``BatchNorm1d`` in train mode, whose statistics take the padded rows,
   against a ``LayerNorm``.
 - ``training_replay_matches_eager``: a learning-rate warm-up counted in a Python attribute, frozen at
-  capture, against the same count kept in a buffer the step updates in place.
+  capture, against the same count kept in a buffer the step updates in place; gradients set to None
+  between replays (``zero_grad(set_to_none=True)``) under an optimizer kept outside the graph,
+  against gradients zeroed in place; gradient accumulation whose every-other-step optimizer branch
+  is captured, against the branch kept in the loop's code between replays; a dropout whose seed
+  Python's ``random`` draws on the host, against one drawn by torch's generator.
+- ``training_capture`` again: ``GradScaler`` over an optimizer that cannot take the scale itself
+  (its ``step`` reads ``found_inf`` on the host), against a fused ``AdamW``, which takes the scale
+  and the overflow flag on the device.
+
+The cases that need a loop of their own give ``verify_training`` a ``step``: a ``TrainingStep`` per
+copy of the module, whose ``run`` is captured and whose ``between`` runs after every step.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from pytest_cudagraph import TrainingStep
 
 D = 16
 
@@ -68,6 +81,79 @@ def adamw(capturable: bool) -> Callable[[Any], torch.optim.Optimizer]:
     return lambda params: torch.optim.AdamW(params, lr=1e-2, capturable=capturable)
 
 
+def fused_adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, fused=True)
+
+
+def _loss(module: nn.Module, loss_fn: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return loss_fn(module(x=inputs["x"]), inputs)
+
+
+def optimizer_outside(set_to_none: bool) -> Callable[..., TrainingStep]:
+    """Forward and backward captured, the optimizer's step and ``zero_grad`` run between replays,
+    as a loop around ``make_graphed_callables`` does."""
+
+    def step(module: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any) -> TrainingStep:
+        def run(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            loss = _loss(module, loss_fn, inputs)
+            loss.backward()
+            return loss.detach()
+
+        def between() -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+        return TrainingStep(run, between)
+
+    return step
+
+
+ACCUMULATE = 2  # micro-steps per optimizer step
+
+
+def accumulating(branch_in_graph: bool) -> Callable[..., TrainingStep]:
+    """Gradient accumulation: the optimizer steps every ``ACCUMULATE`` micro-steps, counted in
+    Python. Inside the captured step the branch is taken (or not) once, at capture, for every
+    replay; between replays it runs each time."""
+
+    def step(module: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any) -> TrainingStep:
+        module.micro_steps = 0
+
+        def branch() -> None:
+            module.micro_steps += 1
+            if module.micro_steps % ACCUMULATE == 0:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+
+        def run(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            loss = _loss(module, loss_fn, inputs) / ACCUMULATE
+            loss.backward()
+            if branch_in_graph:
+                branch()
+            return loss.detach()
+
+        return TrainingStep(run, None if branch_in_graph else branch)
+
+    return step
+
+
+def scaled(module: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any) -> TrainingStep:
+    """Mixed precision's loss scaling: ``GradScaler`` scales the loss, unscales the gradients and
+    skips the step on an overflow."""
+    device = next(module.parameters()).device.type
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
+
+    def run(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=False)
+        loss = _loss(module, loss_fn, inputs)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        return loss.detach()
+
+    return TrainingStep(run)
+
+
 class Mlp(nn.Module):
     """Two linear layers with a GELU and dropout between them."""
 
@@ -79,6 +165,31 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.drop(nn.functional.gelu(self.up(x))))
+
+
+class HostSeededDropout(Mlp):
+    """A hash dropout (as a hand-written kernel takes its seed) whose seed Python's ``random``
+    draws: a graph holds the capture's seed, so every replay drops the same units."""
+
+    def keep(self, h: torch.Tensor) -> torch.Tensor:
+        return _hash_keep(h, random.randrange(1 << 20))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.up(x))
+        return self.down(h * self.keep(h) / 0.9)
+
+
+class DeviceSeededDropout(HostSeededDropout):
+    """The same dropout with its seed drawn by torch's generator on the device: replays advance it."""
+
+    def keep(self, h: torch.Tensor) -> torch.Tensor:
+        return _hash_keep(h, torch.randint(1 << 20, (), device=h.device))
+
+
+def _hash_keep(h: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
+    """Keeps 90 % of the units, picked by a hash of their index and ``seed``."""
+    index = torch.arange(h.numel(), device=h.device).view_as(h)
+    return ((index * 2654435761 + seed) % 1000) >= 100
 
 
 class BatchNormed(Mlp):
@@ -133,11 +244,17 @@ class Case:
     module: Callable[[], nn.Module]
     loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor]
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = field(default_factory=lambda: adamw(True))
+    step: Callable[..., Any] | None = None  # verify_training's step: a loop of the case's own
 
     def verify(self, verify_training: Callable[..., Any], device: Any, **keywords: Any) -> Any:
         torch.manual_seed(0)
         return verify_training(
-            self.module().to(device), token_inputs(device), self.loss_fn, optimizer=self.optimizer, **keywords
+            self.module().to(device),
+            token_inputs(device),
+            self.loss_fn,
+            optimizer=self.optimizer,
+            step=self.step,
+            **keywords,
         )
 
 
@@ -179,5 +296,29 @@ PAIRS = [
         Case("warm-up counted in Python", PythonWarmup, masked_loss),
         Case("warm-up counted in a buffer", BufferWarmup, masked_loss),
         r"step \d of 3 replayed on fresh inputs differs from eager .*Python state differs too: 'calls'",
+    ),
+    Pair(
+        "training_replay_matches_eager",
+        Case("grads set to None between replays", Mlp, masked_loss, step=optimizer_outside(True)),
+        Case("grads zeroed in place between replays", Mlp, masked_loss, step=optimizer_outside(False)),
+        r"after replay 1, the gradient of '[\w.]+' is None, not the tensor the graph writes",
+    ),
+    Pair(
+        "training_replay_matches_eager",
+        Case("accumulation branch captured", Mlp, masked_loss, step=accumulating(True)),
+        Case("accumulation branch between replays", Mlp, masked_loss, step=accumulating(False)),
+        r"step \d of 3 replayed .*Python state differs too: 'micro_steps' .*gradient accumulation",
+    ),
+    Pair(
+        "training_replay_matches_eager",
+        Case("dropout seeded by Python's random", HostSeededDropout, masked_loss),
+        Case("dropout seeded by torch's generator", DeviceSeededDropout, masked_loss),
+        r"eager differs from itself from the same start and seed: step 1's loss .*Python's random",
+    ),
+    Pair(
+        "training_capture",
+        Case("GradScaler over AdamW(capturable=True)", Mlp, masked_loss, step=scaled),
+        Case("GradScaler over AdamW(fused=True)", Mlp, masked_loss, fused_adamw, step=scaled),
+        r"cannot be captured in a graph; the first is .*inside GradScaler\.step: .*fused=True",
     ),
 ]

@@ -3,6 +3,6 @@ eager (``verify_training``)."""
 
 from __future__ import annotations
 
-from .verify import TRAINING_CHECKS, verify_training
+from .verify import TRAINING_CHECKS, TrainingStep, verify_training
 
-__all__ = ["TRAINING_CHECKS", "verify_training"]
+__all__ = ["TRAINING_CHECKS", "TrainingStep", "verify_training"]
