@@ -11,6 +11,8 @@ name it and every fix to passing all of them, on the emulator here and on a GPU 
 - ``training_padding``: a loss averaged over every row, padded ones too, against one weighted by a
   per-token mask; and a ``BatchNorm1d`` in train mode, whose statistics take the padded rows,
   against a ``LayerNorm``.
+- ``training_real_batches``: a masked loss divided by the padded row count rather than the real one,
+  which no pad value shows, only eager on the unpadded batch.
 - ``training_replay_matches_eager``: a learning-rate warm-up counted in a Python attribute, frozen at
   capture, against the same count kept in a buffer the step updates in place; gradients set to None
   between replays (``zero_grad(set_to_none=True)``) under an optimizer kept outside the graph,
@@ -56,6 +58,13 @@ def masked_loss(out: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.
     """Mean squared output over the real rows: padded rows weigh 0."""
     w = inputs["weight"]
     return ((out.float() ** 2).mean(-1) * w).sum() / w.sum().clamp(min=1)
+
+
+def over_padded_count(out: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Padded rows weigh 0, but the sum is divided by every row's count: the loss (and every
+    gradient) shrinks by the padding's share, whatever the padded rows hold."""
+    w = inputs["weight"]
+    return ((out.float() ** 2).mean(-1) * w).sum() / w.numel()
 
 
 def mean_loss(out: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -155,16 +164,16 @@ def scaled(module: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any) ->
 
 
 class Mlp(nn.Module):
-    """Two linear layers with a GELU and dropout between them."""
+    """Two linear layers with a GELU between them (no dropout: a module that draws random numbers
+    cannot be held to eager on the unpadded batch, whose draws are others)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.up = nn.Linear(D, 2 * D)
-        self.drop = nn.Dropout(0.1)
         self.down = nn.Linear(2 * D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.drop(nn.functional.gelu(self.up(x))))
+        return self.down(nn.functional.gelu(self.up(x)))
 
 
 class HostSeededDropout(Mlp):
@@ -284,6 +293,12 @@ PAIRS = [
         Case("loss over padded rows", Mlp, mean_loss),
         Case("loss masked by a per-token weight", Mlp, masked_loss),
         r"padded rows reach the training step: .* padded rows of 'x' at 10000.0",
+    ),
+    Pair(
+        "training_real_batches",
+        Case("loss divided by the padded row count", Mlp, over_padded_count),
+        Case("loss divided by the real row count", Mlp, masked_loss),
+        r"a step on \d+ real tokens padded to \d+ differs from eager's step on the \d+ tokens alone in loss",
     ),
     Pair(
         "training_padding",

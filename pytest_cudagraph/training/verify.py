@@ -37,11 +37,12 @@ import torch
 from ..backends.base import Backend
 from ..backends.factory import make_backend
 from ..checks.compare import Difference, first_difference, largest_difference
+from ..checks.floor import across_shapes
 from ..checks.report import Finding, Outcome, VerifyReport
 from ..errors import EagerFailure
 from ..guard import CaptureGuard, ModuleTracker, Violation
 from ..manager.layout import infer_layout, padded_inputs
-from ..observe import MODULE_INTERNALS
+from ..observe import MODULE_INTERNALS, ForwardObserver, observing, unit_roundoff
 from ..plan import BatchDescriptor, GraphMode
 from ..plan.validate import check_int, int_list, is_int
 
@@ -53,6 +54,7 @@ TRAINING_CHECKS = (
     "training_capture",
     "training_replay_matches_eager",
     "training_padding",
+    "training_real_batches",
 )
 
 LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
@@ -578,6 +580,7 @@ def _verify_size(
                 _fail("training_capture", desc, message, Finding(ops=[v.describe() for v in found])),
                 _skip("training_replay_matches_eager", desc, why),
                 _skip("training_padding", desc, why),
+                _skip("training_real_batches", desc, why),
             ],
             seconds,
             0,
@@ -589,6 +592,7 @@ def _verify_size(
     sides = _Sides(graphed, eager, twin, written)
     out.append(_replay_matches_eager(graph, sides, make_inputs, loss_fn, load, desc, opts))
     out.append(_padding(graph, graphed, specs, make_inputs, load, start, desc, opts, declared))
+    out.append(_real_batches(graph, sides, specs, make_inputs, loss_fn, load, start, desc, opts))
     return out, seconds, int(getattr(graph, "nbytes", 0))
 
 
@@ -744,6 +748,122 @@ def _replay_matches_eager(
     return Outcome(check, desc, passed=True)
 
 
+def _real_size(desc: BatchDescriptor) -> tuple[int, int]:
+    """The real batch the padding checks pad to ``desc``: a quarter of its rows padded (at least one)."""
+    tokens, reqs = desc.num_tokens, desc.num_reqs or desc.num_tokens
+    real = max(1, tokens - max(1, tokens // 4))
+    return real, min(real, reqs)
+
+
+def _real_batches(
+    graph: Any,
+    sides: _Sides,
+    specs: Mapping[str, Any],
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    loss_fn: LossFn,
+    load: Callable[[Mapping[str, Any]], None],
+    start: Mapping[str, Any],
+    desc: BatchDescriptor,
+    opts: _Options,
+) -> Outcome:
+    """A replayed step on a real batch padded to ``desc``, against eager's step on the real batch
+    itself: another shape, so another program, held to the floor across shapes (checks/floor.py),
+    measured by eager's step at the padded shape. Held: what the step made before its optimizer
+    ran (the loss, gradients, buffers); the optimizer's step on given gradients is the same
+    program at any batch size, and training_replay_matches_eager holds it. A step the caller wrote
+    is held whole."""
+    check = "training_real_batches"
+    tokens, reqs = desc.num_tokens, desc.num_reqs or desc.num_tokens
+    real, real_reqs = _real_size(desc)
+    if real >= tokens:
+        return _skip(check, desc, "no real batch of this size leaves padded rows")
+    unpadded = _inputs(make_inputs, real, real_reqs, opts.seed + 11)
+    padded = padded_inputs(specs, unpadded, tokens, reqs)
+    whole = sides.eager.custom is not None
+
+    def held(made: Mapping[str, Any]) -> dict[str, Any]:
+        # A scalar loss as one row: the floor's comparison works row by row.
+        return {
+            key: v.reshape(1) if key == "loss" else v
+            for key, v in made.items()
+            if isinstance(v, torch.Tensor) and (whole or _up_to_gradients(key))
+        }
+
+    sides.graphed.restore(start)
+    torch.manual_seed(opts.seed + 3000)
+    load(padded)
+    graph.replay()
+    loss = graph.output.detach().clone()
+    if whole:
+        sides.graphed.between()
+    got = held({"loss": loss, **sides.graphed.snapshot()})
+    sides.graphed.restore(start)
+    observer = ForwardObserver(sides.eager.module)
+
+    def eager_on(replica: _Replica, batch: Mapping[str, Any], watched: bool = False) -> dict[str, Any]:
+        replica.restore(start)
+        torch.manual_seed(opts.seed + 3000)
+        with observing(observer) if watched else contextlib.nullcontext():
+            if whole:
+                loss = replica.run(loss_fn, batch, opts.autocast)
+                replica.between()
+            else:
+                loss = _step(replica, loss_fn, batch, opts.autocast, optimize=False)
+        return held({"loss": loss, **replica.snapshot()})
+
+    try:
+        expected = eager_on(sides.eager, unpadded, watched=True)
+    except Exception as exc:  # BatchNorm over one row, say: the module cannot take the real batch
+        return _skip(
+            check,
+            desc,
+            f"eager's step fails on the real batch of {real} tokens alone ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}), so there is nothing to hold the graph to",
+        )
+    if observer.random_ops:
+        return _skip(
+            check,
+            desc,
+            "the step draws random numbers, which cannot match eager on the unpadded batch draw for draw "
+            "(training_replay_matches_eager holds them at the captured shape)",
+        )
+    floor: list[dict[str, Any]] = []  # eager at the padded shape, run once if a tolerance does not settle it
+
+    def padded_step() -> dict[str, Any]:
+        if not floor:
+            floor.append(eager_on(sides.twin, padded))
+        return floor[0]
+
+    roundoff = max(observer.roundoff, unit_roundoff(opts.autocast) if opts.autocast else 0.0)
+    for key, want in expected.items():
+        # Tensor by tensor, so that the failure names the one it shows in first.
+        verdict = across_shapes(
+            {key: got.get(key)},
+            {key: want},
+            lambda key=key: {key: padded_step().get(key)},  # type: ignore[misc]
+            rtol=None,
+            atol=None,
+            roundoff=roundoff,
+        )
+        if verdict.passed:
+            continue
+        diff = verdict.diff
+        return _fail(
+            check,
+            desc,
+            f"a step on {real} real tokens padded to {tokens} differs from eager's step on the {real} tokens "
+            f"alone in {key}: {verdict.why}; look for a loss or a statistic over every row (a mean over the "
+            f"padded ones too, a sum divided by the padded count){_batch_norms(sides.graphed.module)}",
+            Finding(
+                output=key,
+                index=diff.index if diff is not None else None,
+                got=diff.got if diff is not None else None,
+                expected=diff.expected if diff is not None else None,
+            ),
+        )
+    return Outcome(check, desc, passed=True, figures={"floor_used": bool(floor)})
+
+
 def _batch_norms(module: torch.nn.Module) -> str:
     """Where the module normalises over the batch in train mode: padded rows enter those statistics."""
     found = [
@@ -792,10 +912,9 @@ def _padding(
 ) -> Outcome:
     check = "training_padding"
     tokens, reqs = desc.num_tokens, desc.num_reqs or desc.num_tokens
-    real = max(1, tokens - max(1, tokens // 4))
+    real, real_reqs = _real_size(desc)
     if real >= tokens:
         return _skip(check, desc, "no real batch of this size leaves padded rows")
-    real_reqs = min(real, reqs)
     padded = padded_inputs(specs, _inputs(make_inputs, real, real_reqs, opts.seed + 7), tokens, reqs)
     # Padded rows an engine leaves stale are those of the forward's own inputs (hidden states);
     # an input only the loss reads (a per-token weight, labels) holds its pad value by design, as
