@@ -143,3 +143,79 @@ def test_bit_for_bit_where_eager_reproduces_itself_and_the_measured_floor_where_
     assert _held({"p": w, "q": w + 1e-9}, {"p": w, "q": w}, again) is None
     found = _held({"p": w, "q": w + 0.5}, {"p": w, "q": w}, again)
     assert found is not None and found[0].startswith("q:") and "dtype's tolerance" in found[0]
+
+
+def test_a_step_the_caller_writes_is_captured_and_its_between_runs_after_every_step() -> None:
+    from examples.training.gallery import optimizer_outside
+
+    report = _run(step=optimizer_outside(False))
+    assert report.ok, report.format()
+    assert report.config["step"] == "step"
+    held = [o for o in report.outcomes if o.check == "training_replay_matches_eager"]
+    assert held and all(o.passed and not o.skipped for o in held)
+
+
+def test_a_step_must_return_a_training_step_or_a_callable() -> None:
+    with pytest.raises(ValueError, match=r"must return a TrainingStep or a callable run\(inputs\) -> loss"):
+        _run(step=lambda module, optimizer, loss_fn: 3)
+
+
+def test_autocast_is_the_default_steps_only() -> None:
+    from examples.training.gallery import optimizer_outside
+
+    with pytest.raises(ValueError, match="autocast applies to the default step only"):
+        _run(step=optimizer_outside(False), autocast=torch.bfloat16)
+
+
+def test_real_batches_skip_a_step_that_draws_random_numbers_and_say_so() -> None:
+    from examples.training.gallery import DeviceSeededDropout
+
+    report = _run(DeviceSeededDropout())
+    assert report.ok, report.format()
+    real = [o for o in report.outcomes if o.check == "training_real_batches"]
+    assert real and all(o.skipped and "draws random numbers" in o.message for o in real)
+
+
+def test_real_batches_are_held_to_the_floor_not_bit_for_bit() -> None:
+    # The padded step and the unpadded one are other programs: a masked loss passes though they
+    # differ in the last bits, and the floor is measured only where the tolerance does not settle it.
+    report = _run(steps=1)
+    real = [o for o in report.outcomes if o.check == "training_real_batches"]
+    assert real and all(o.passed and not o.skipped for o in real), report.format()
+
+
+@pytest.mark.parametrize("adapter", ["graphed_training", "compiled_training"])
+def test_runner_steps_without_cuda_say_what_they_need(adapter: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    from pytest_cudagraph.training import adapters
+
+    with pytest.raises(RuntimeError, match=rf"{adapter}\(\) needs a CUDA device"):
+        _run(step=getattr(adapters, adapter)())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("adapter", ["graphed_training", "compiled_training"])
+def test_runner_steps_are_held_to_eager_by_the_same_checks(adapter: str) -> None:
+    """make_graphed_callables' and torch.compile's own graphs of forward and backward, the optimizer
+    between them: a correct step passes every check, a loss over padded rows is caught."""
+    from examples.training.gallery import mean_loss
+    from pytest_cudagraph.training import adapters
+
+    def run(loss_fn: Any) -> Any:
+        torch.manual_seed(0)
+        return verify_training(
+            Mlp().cuda(),
+            token_inputs("cuda"),
+            loss_fn,
+            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+            step=getattr(adapters, adapter)(),
+            **SIZES,
+        )
+
+    report = run(masked_loss)
+    assert report.ok, report.format()
+    held = [o for o in report.outcomes if o.check == "training_replay_matches_eager"]
+    assert len(held) == 2 and all(o.passed and not o.skipped for o in held)
+    caught = run(mean_loss)
+    assert {o.check for o in caught.failures} >= {"training_padding"}, caught.format()

@@ -26,7 +26,7 @@ import torch
 
 from ..plan.validate import int_list, optional_int
 
-__all__ = ["CompiledRunner", "GraphedRunner", "compiled", "graphed_callables"]
+__all__ = ["CompiledRunner", "GraphedRunner", "compiled", "graphed_callables", "skips_recorded"]
 
 
 @contextmanager
@@ -131,6 +131,49 @@ class _Recorder(logging.Handler):
             self.messages.append(str(record.msg))
 
 
+@contextmanager
+def skips_recorded(record: Callable[[Iterable[str]], None]) -> Iterator[None]:
+    """Give ``record`` torch's reasons for running without CUDA graphs while the body runs.
+
+    Two sources, as torch reports a skip in two ways at once
+    (``log_cudagraph_skip_and_bump_counter``): the warning on the
+    'cudagraphs' artifact logger, which has the reason, and
+    ``counters["inductor"]["cudagraph_skips"]``, which every skip bumps,
+    also those torch does not log (a graph without CUDA tensors) and
+    those a logging configuration filters out (the handler here sees
+    only what passes the logger's level; the counter sees all). A count
+    the messages do not account for is recorded as a reason of its own.
+    Dynamo's warnings that it gave a frame up and ran it eagerly (the
+    recompile limit, a suppressed compile error) are recorded too: no
+    CUDA graph runs in an eager frame either.
+    """
+    graphs, frames = _Recorder(), _Recorder()
+    graph_log, frame_log = _cudagraph_skip_logger(), _dynamo_fallback_logger()
+    before = _skip_counter()
+    graph_log.addHandler(graphs)
+    frame_log.addHandler(frames)
+    try:
+        yield
+    finally:
+        graph_log.removeHandler(graphs)
+        frame_log.removeHandler(frames)
+        after = _skip_counter()
+        # counters.clear() (torch._dynamo.reset) during the call restarts the count from zero
+        bumped = after - before if after >= before else after
+        logged = [m for m in graphs.messages if m]
+        record(logged)
+        if bumped > len(logged):
+            record(
+                [
+                    f"torch.compile skipped CUDA graphs for {bumped - len(logged)} compiled graph(s) without a "
+                    "logged reason (counters['inductor']['cudagraph_skips'] rose by "
+                    f"{bumped}): a graph with no CUDA tensor, or torch's 'cudagraphs' log filtered out; run with "
+                    "TORCH_LOGS=cudagraphs to see torch's reason"
+                ]
+            )
+        record(frames.messages)
+
+
 class CompiledRunner:
     """``torch.compile(module, mode="reduce-overhead")`` as a runner; built by :func:`compiled`.
 
@@ -195,47 +238,8 @@ class CompiledRunner:
             if msg and msg not in self.skip_reasons:
                 self.skip_reasons.append(msg)
 
-    @contextmanager
-    def _watch(self) -> Iterator[None]:
-        """Record torch's reasons for running without CUDA graphs while the body runs.
-
-        Two sources, as torch reports a skip in two ways at once
-        (``log_cudagraph_skip_and_bump_counter``): the warning on the
-        'cudagraphs' artifact logger, which has the reason, and
-        ``counters["inductor"]["cudagraph_skips"]``, which every skip bumps,
-        also those torch does not log (a graph without CUDA tensors) and
-        those a logging configuration filters out (the handler here sees
-        only what passes the logger's level; the counter sees all). A count
-        the messages do not account for is recorded as a reason of its own.
-        Dynamo's warnings that it gave a frame up and ran it eagerly (the
-        recompile limit, a suppressed compile error) are recorded too: no
-        CUDA graph runs in an eager frame either.
-        """
-        graphs, frames = _Recorder(), _Recorder()
-        graph_log, frame_log = _cudagraph_skip_logger(), _dynamo_fallback_logger()
-        before = _skip_counter()
-        graph_log.addHandler(graphs)
-        frame_log.addHandler(frames)
-        try:
-            yield
-        finally:
-            graph_log.removeHandler(graphs)
-            frame_log.removeHandler(frames)
-            after = _skip_counter()
-            # counters.clear() (torch._dynamo.reset) during the call restarts the count from zero
-            bumped = after - before if after >= before else after
-            logged = [m for m in graphs.messages if m]
-            self._record(logged)
-            if bumped > len(logged):
-                self._record(
-                    [
-                        f"torch.compile skipped CUDA graphs for {bumped - len(logged)} compiled graph(s) without a "
-                        "logged reason (counters['inductor']['cudagraph_skips'] rose by "
-                        f"{bumped}): a graph with no CUDA tensor, or torch's 'cudagraphs' log filtered out; run with "
-                        "TORCH_LOGS=cudagraphs to see torch's reason"
-                    ]
-                )
-            self._record(frames.messages)
+    def _watch(self) -> Any:
+        return skips_recorded(self._record)
 
     def _invoke(self, inputs: Mapping[str, Any]) -> Any:
         with ExitStack() as stack:

@@ -70,7 +70,10 @@ class TrainingStep:
     ``zero_grad``, an accumulation counter)."""
 
     run: Callable[[Mapping[str, Any]], torch.Tensor]
-    between: Callable[[], None] | None = None
+    between: Callable[[], Any] | None = None
+    #: For a step that replays graphs of its own (``training/adapters.py``): why its last calls ran
+    #: without them ("" when they ran), asked after its first call at a size and after its replays.
+    not_graphed: Callable[[], str] | None = None
 
 
 #: ``step(module, optimizer, loss_fn)``: a step for one copy of the module (its optimizer is None
@@ -126,6 +129,10 @@ class _Replica:
     def between(self) -> None:
         if self.custom is not None and self.custom.between is not None:
             self.custom.between()
+
+    def not_graphed(self) -> str:
+        told = self.custom.not_graphed if self.custom is not None else None
+        return told() if told is not None else ""
 
     @functools.cached_property
     def forward_parameters(self) -> tuple[frozenset[str], bool]:
@@ -288,13 +295,15 @@ def _skip(check: str, desc: BatchDescriptor | None, message: str) -> Outcome:
     return Outcome(check, desc, passed=True, message=message, skipped=True)
 
 
-def _optimizer_capturable(replica: _Replica) -> Outcome:
+def _optimizer_capturable(replica: _Replica, own: bool) -> Outcome:
     check = "optimizer_capturable"
     opt = replica.optimizer
     if opt is None:
         return _skip(
             check, None, "no optimizer: forward and backward are captured, as make_graphed_callables does"
         )
+    if own:
+        return _skip(check, None, "the optimizer steps between the runner's graphs, outside them")
     # A fused optimizer keeps its step count on the device as a capturable one does.
     held = [bool(g.get("capturable")) or bool(g.get("fused")) for g in opt.param_groups]
     if not all(held) and all("capturable" in g for g in opt.param_groups):
@@ -460,19 +469,23 @@ def verify_training(
     )
     started = time.perf_counter()
 
-    def replica() -> _Replica:
+    # A step that replays graphs of its own (training/adapters.py) is held to the default step.
+    own = bool(getattr(step, "graphs_itself", False))
+
+    def replica(graphed: bool = False) -> _Replica:
         copy_ = copy.deepcopy(module).to(dev)
         opt = optimizer(copy_.parameters()) if optimizer is not None else None
-        return _Replica(copy_, opt, _made_step(step, copy_, opt, loss_fn))
+        made = _made_step(step, copy_, opt, loss_fn) if graphed or not own else None
+        return _Replica(copy_, opt, made)
 
     with _capturable_on_cpu(engine):
-        report.add([_optimizer_capturable(replica())])
+        report.add([_optimizer_capturable(replica(), own)])
         verified = []
         for size in opts.capture_sizes:
             reqs = min(size, opts.max_num_reqs)
             desc = BatchDescriptor(mode=GraphMode.FULL, num_tokens=size, num_reqs=reqs)
             outcomes, seconds, nbytes = _verify_size(
-                engine, specs, replica, make_inputs, loss_fn, desc, opts, set(pad_values or {})
+                engine, specs, replica, make_inputs, loss_fn, desc, opts, set(pad_values or {}), own
             )
             report.add(outcomes)
             for o in outcomes:
@@ -500,17 +513,19 @@ def _inputs(
 def _verify_size(
     engine: Backend,
     specs: Mapping[str, Any],
-    replica: Callable[[], _Replica],
+    replica: Callable[..., _Replica],
     make_inputs: Callable[[int, int], Mapping[str, Any]],
     loss_fn: LossFn,
     desc: BatchDescriptor,
     opts: _Options,
     declared: set[str],
+    own: bool,
 ) -> tuple[list[Outcome], float, int]:
-    """The outcomes at this size, the seconds its capture took and the graph's memory."""
+    """The outcomes at this size, the seconds its capture took and the graph's memory. ``own``: the
+    step replays graphs of its own, and is called where another is captured and replayed."""
     tokens, reqs = desc.num_tokens, desc.num_reqs or desc.num_tokens
     # Eager twice (its twin measures whether eager reproduces itself), and the copy that is captured.
-    eager, twin, graphed = replica(), replica(), replica()
+    graphed, eager, twin = replica(graphed=True), replica(), replica()
     # The graph reads the static buffers: views of the layout's, at this size.
     static = {
         name: spec.window(tokens, reqs) if spec.kind != "const" else spec.value
@@ -541,7 +556,10 @@ def _verify_size(
     torch.manual_seed(opts.seed)
     for _ in range(opts.warmup_steps):
         load(warm)
-        engine.warmup(lambda: graphed.run(loss_fn, static, opts.autocast))
+        if own:
+            graphed.run(loss_fn, static, opts.autocast)
+        else:
+            engine.warmup(lambda: graphed.run(loss_fn, static, opts.autocast))
         graphed.between()
     # Both copies start from eager's state, bit for bit (a GPU's warm-ups may differ in the last
     # bits where a kernel accumulates in no fixed order).
@@ -560,18 +578,27 @@ def _verify_size(
     guard = CaptureGuard(ModuleTracker(graphed.module), engine.device, on_violation=noted)
     began = time.perf_counter()
     error: Exception | None = None
+    graph: Any = None
     try:
-        graph = engine.capture(lambda: graphed.run(loss_fn, static, opts.autocast), guard)
+        if own:
+            load(warm)
+            graph = _OwnGraphs(graphed, loss_fn, static)
+            graph.replay()  # its first call at this size after the warm-up: where it records
+        else:
+            graph = engine.capture(lambda: graphed.run(loss_fn, static, opts.autocast), guard)
     except Exception as exc:
         error = exc
     seconds = time.perf_counter() - began
-    if error is not None or found:
+    skipped = graphed.not_graphed() if error is None else ""
+    if error is not None or found or skipped:
         # The guard names the first op a graph cannot hold; without one, the capture's own error.
         if found:
             message = (
                 f"{len(found)} op(s) of the training step cannot be captured in a graph; the first is "
                 f"{found[0].describe()}" + (f"{_SCALER_SYNC}" if found[0] in in_scaler else "")
             )
+        elif skipped:
+            message = f"the step ran without its CUDA graphs: {skipped}"
         else:
             message = f"the training step's capture fails: {type(error).__name__}: {error}"
         why = "not verified: training_capture failed for this size"
@@ -594,6 +621,20 @@ def _verify_size(
     out.append(_padding(graph, graphed, specs, make_inputs, load, start, desc, opts, declared))
     out.append(_real_batches(graph, sides, specs, make_inputs, loss_fn, load, start, desc, opts))
     return out, seconds, int(getattr(graph, "nbytes", 0))
+
+
+class _OwnGraphs:
+    """A step that replays graphs of its own, called where a captured step is replayed: on the
+    static inputs ``load`` fills, its loss the output."""
+
+    nbytes = 0  # its graphs' memory is its own, not counted here
+
+    def __init__(self, replica: _Replica, loss_fn: LossFn, static: Mapping[str, Any]) -> None:
+        self.replica, self.loss_fn, self.static = replica, loss_fn, static
+        self.output: torch.Tensor | None = None
+
+    def replay(self) -> None:
+        self.output = self.replica.run(self.loss_fn, self.static, None)
 
 
 @dataclass(frozen=True)
@@ -683,6 +724,9 @@ def _replay_matches_eager(
         if let_go is not None:
             return _fail(check, desc, *let_go)
         got.append({"loss": loss, **sides.graphed.snapshot()})
+    skipped = sides.graphed.not_graphed()
+    if skipped:
+        return _fail(check, desc, f"the replayed steps ran without their CUDA graphs: {skipped}")
     # The same eager steps twice from the same start: where they differ, eager is not
     # reproducible and the floor is measured (see _held). With the default step each eager step
     # is held to the graph's in two parts. Up to the gradients, a GPU may run another program
