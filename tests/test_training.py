@@ -219,3 +219,50 @@ def test_runner_steps_are_held_to_eager_by_the_same_checks(adapter: str) -> None
     assert len(held) == 2 and all(o.passed and not o.skipped for o in held)
     caught = run(mean_loss)
     assert {o.check for o in caught.failures} >= {"training_padding"}, caught.format()
+
+
+class _EagerRunner:
+    """A step that 'replays graphs of its own' (the protocol training/adapters.py's steps meet),
+    here plain eager code, so that the path verify_training takes for such steps runs on the CPU:
+    called rather than captured, held to the default step. ``zero``: whether it zeroes the
+    gradients before each step; ``reason``: what its not_graphed says."""
+
+    graphs_itself = True
+    __name__ = "eager_runner"
+
+    def __init__(self, zero: bool = True, reason: str = "") -> None:
+        self.zero, self.reason = zero, reason
+
+    def __call__(self, module: Any, optimizer: Any, loss_fn: Any) -> Any:
+        from pytest_cudagraph import TrainingStep
+
+        def run(inputs: Any) -> torch.Tensor:
+            if self.zero:
+                optimizer.zero_grad(set_to_none=False)
+            loss = loss_fn(module(x=inputs["x"]), inputs)
+            loss.backward()
+            return loss.detach()
+
+        return TrainingStep(run, optimizer.step, not_graphed=lambda: self.reason)
+
+
+def test_a_step_with_graphs_of_its_own_is_called_and_held_to_the_default_step() -> None:
+    report = _run(step=_EagerRunner())
+    assert report.ok, report.format()
+    ran = {o.check for o in report.outcomes if not o.skipped}
+    assert ran == set(TRAINING_CHECKS) - {"optimizer_capturable"}
+    skipped = [o for o in report.outcomes if o.check == "optimizer_capturable"]
+    assert "outside them" in skipped[0].message
+
+
+def test_a_runner_step_that_accumulates_gradients_is_caught() -> None:
+    report = _run(step=_EagerRunner(zero=False))
+    failed = [o for o in report.failures if o.check == "training_replay_matches_eager"]
+    assert failed and "grad of " in failed[0].message, report.format()
+
+
+def test_a_runner_step_that_ran_without_its_graphs_fails_its_capture_and_says_why() -> None:
+    report = _run(step=_EagerRunner(reason="skipping cudagraphs due to cpu device"))
+    failed = [o for o in report.failures if o.check == "training_capture"]
+    assert len(failed) == 2, report.format()
+    assert "ran without its CUDA graphs: skipping cudagraphs due to cpu device" in failed[0].message
