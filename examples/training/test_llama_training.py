@@ -82,6 +82,8 @@ def test_a_loss_over_padded_tokens_is_caught(cudagraph_verify_training, cudagrap
         )
 
 
+# peft asks transformers a deprecated question (is_gradient_checkpointing): its warning, not ours.
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_llama_fine_tunes_with_lora_as_a_graph(cudagraph_verify_training, cudagraph_device):
     """LoRA from peft: only the adapters train (the base weights are frozen), in bf16 autocast."""
     peft = pytest.importorskip("peft")
