@@ -8,6 +8,7 @@ rank stuck in a collective is named with the collective it waits in.
 
 from __future__ import annotations
 
+import functools
 import re
 import tempfile
 from collections.abc import Callable
@@ -21,8 +22,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import pytest_cudagraph
-from examples.tensor_parallel import buggy, tp
+from examples.tensor_parallel import buggy, llama, tp
 from pytest_cudagraph.checks import VerifyReport
+from pytest_cudagraph.checks.floor import across_shapes, given
+from pytest_cudagraph.observe import unit_roundoff
 
 WORLD_SIZE = 2
 CONFIG: dict[str, Any] = {"world_size": WORLD_SIZE, "capture_sizes": [1, 2, 4], "backend": "emulate"}
@@ -53,13 +56,20 @@ BUGS = {
 }
 
 
-@pytest.mark.parametrize("name", ["attention", "mlp-all-gather"])
+#: The Llama shape: (build, make_inputs) of its small shard, for the CPU suite.
+LLAMA = (llama.build_small, llama.make_inputs)
+
+
+@pytest.mark.parametrize("name", ["attention", "mlp-all-gather", "llama"])
 def test_tp_module_passes_on_every_rank(name: str) -> None:
-    build, make_inputs, _ = MODELS[name]
+    build, make_inputs = LLAMA if name == "llama" else MODELS[name][:2]
     report = pytest_cudagraph.verify_distributed(build, make_inputs, **CONFIG)
     assert report.ok, report.format()
     assert report.descriptors
     assert "rank_agreement" in report.checks
+    # Each rank's peak, the largest the report's.
+    assert sorted(report.rank_peak_memory) == list(range(WORLD_SIZE))
+    assert report.peak_memory == max(report.rank_peak_memory.values()) > 0
 
 
 @pytest.mark.cudagraph(capture_sizes=[1, 2, 4])
@@ -178,3 +188,58 @@ def test_bug_fails_rank_agreement_on_gpus(name: str) -> None:
     if name == "RankBranch":
         assert {f.check for f in report.failures} == {"rank_agreement"}, report.format()
         assert [f.rank for f in report.failures] == [1]
+
+
+# ---------------------------------------------------------------------------
+# The sharded Llama shape against its unsharded reference, within the measured floor.
+
+
+def _run_llama_shards(rank: int, world_size: int, init_file: str, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(1)
+        ids = llama.make_inputs(11, 4)["input_ids"]
+        with torch.no_grad():
+            out = llama.build_small(rank, world_size)(ids)
+            wrong = llama.build(rank, world_size, bug="residual_before_sum")(ids)
+        torch.save({"ids": ids, "out": out, "wrong": wrong}, Path(folder) / f"llama{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_llama_equals_unsharded_within_the_floor() -> None:
+    """Each rank's logits against the unsharded reference's. The two sum in another order, so not
+    bit for bit: the floor is the reference's own rounding, measured against the same model in
+    float64, and the sharded logits may be a small multiple of it from the reference
+    (checks/floor.py). A residual summed on every rank (counted twice) fails, and so does a 0.1 %
+    scale of the logits, far inside fp32's tolerance of a logit's size."""
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_run_llama_shards, args=(WORLD_SIZE, str(Path(folder) / "init"), folder), nprocs=WORLD_SIZE)
+        ranks = [torch.load(Path(folder) / f"llama{r}.pt") for r in range(WORLD_SIZE)]
+    ids = ranks[0]["ids"]
+    with torch.no_grad():
+        expected = llama.TPLlama(llama.SMALL, None, WORLD_SIZE)(ids)
+        exact = llama.TPLlama(llama.SMALL, None, WORLD_SIZE, torch.float64)(ids).float()
+
+    def held(got: torch.Tensor) -> Any:
+        return across_shapes(
+            got, expected, given(exact), rtol=None, atol=None, roundoff=unit_roundoff(torch.float32)
+        )
+
+    assert not torch.equal(ranks[0]["out"], expected)  # another order of sums: the floor is needed
+    for rank, seen in enumerate(ranks):
+        verdict = held(seen["out"])
+        assert verdict.passed, f"rank {rank}: {verdict.why}"
+        assert torch.equal(seen["out"], ranks[0]["out"])  # replicated after the all-reduce
+    assert not held(ranks[0]["out"] * 1.001).passed
+    assert not held(ranks[0]["wrong"]).passed
+
+
+def test_a_rank_branch_in_the_llama_shape_fails_rank_agreement() -> None:
+    report = pytest_cudagraph.verify_distributed(
+        functools.partial(llama.build, bug="rank_branch"), llama.make_inputs, **CONFIG
+    )
+    agreement = [f for f in report.failures if f.check == "rank_agreement"]
+    assert agreement and agreement[0].rank == 1, report.format()
+    assert {f.check for f in report.failures} == {"rank_agreement"}, report.format()

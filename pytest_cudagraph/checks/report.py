@@ -151,6 +151,8 @@ class VerifyReport:
     costs: dict[str, StepCost] = field(default_factory=dict)
     #: The memory held at the peak of the verification and when it began (bytes), and what they count.
     peak_memory: int = 0
+    #: A verification over ranks (verify_distributed): each rank's own peak; peak_memory is the largest.
+    rank_peak_memory: dict[int, int] = field(default_factory=dict)
     memory_at_start: int = 0
     memory_kind: str = ""
     #: What the verification could not do as usual, said once (not a failure of the module's graphs).
@@ -284,6 +286,7 @@ class VerifyReport:
             "real_batches": self.real_batches,
             "costs": {name: cost.to_dict() for name, cost in self.costs.items()},
             "peak_memory_bytes": self.peak_memory,
+            "rank_peak_memory_bytes": {str(rank): n for rank, n in sorted(self.rank_peak_memory.items())},
             "memory_at_start_bytes": self.memory_at_start,
             "memory_kind": self.memory_kind,
             "notes": list(self.notes),

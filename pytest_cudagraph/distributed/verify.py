@@ -232,6 +232,13 @@ def _merged(
         report.capture_seconds = max(report.capture_seconds, result.report.capture_seconds)
         report.check_seconds = max(report.check_seconds, result.report.check_seconds)
         report.real_batches += result.report.real_batches
+        # Each rank's peak, and the largest as the report's: the rank that needs the most memory
+        # decides whether the shards fit.
+        report.rank_peak_memory[rank] = result.report.peak_memory
+        if result.report.peak_memory >= report.peak_memory:
+            report.peak_memory = result.report.peak_memory
+            report.memory_at_start = result.report.memory_at_start
+            report.memory_kind = result.report.memory_kind
         if rank == 0:  # one rank's pools stand for all: every rank captures the same descriptors
             report.graph_memory = dict(result.report.graph_memory)
     # The ranks' agreement first: when ranks disagree or stop, the failures of
