@@ -726,6 +726,14 @@ MUTANTS: list[Mutant] = [
     ),
     # -- verify_distributed and the emulator's collectives ------------------------------------
     Mutant(
+        "distributed-rank-peaks-dropped",
+        DV,
+        "        report.rank_peak_memory[rank] = result.report.peak_memory\n",
+        "",
+        ("examples/tensor_parallel/test_tensor_parallel.py::test_tp_module_passes_on_every_rank[llama]",),
+        "a rank's peak memory lost in the merged report (issue #32: each rank against its hand capture)",
+    ),
+    Mutant(
         "dist-outputs-not-compared",
         DV,
         "diff = first_difference(b.output, a.output)",
