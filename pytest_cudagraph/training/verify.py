@@ -1,14 +1,19 @@
 """``verify_training``: a training step captured as one graph and held to eager, step by step.
 
-For each capture size the step (zero the gradients in place, forward, the loss, backward, and the
-optimizer's step when there is an optimizer) is warmed up and captured on one copy of the module,
-while another copy trains eagerly from the same start. Then ``steps`` replays on fresh inputs are
-held to as many eager steps: the loss, every gradient, every parameter and buffer, and the
-optimizer's state, bit for bit (the same program at the same shape). A second pass holds the
-padded rows to nothing: one replayed step with the padded rows of the floating inputs at zero
-and one with them at other values must leave the same loss, gradients, parameters and state.
+For each capture size the step (by default: zero the gradients in place, forward, the loss,
+backward, and the optimizer's step when there is an optimizer; or a ``TrainingStep`` the caller
+writes, whose ``between`` runs after every step) is warmed up and captured on one copy of the
+module, while two others train eagerly from the same start (the second tells whether eager
+reproduces itself). Then ``steps`` replays on fresh inputs are held to as many eager steps: the
+loss, every gradient, every parameter and buffer, and the optimizer's state, bit for bit where
+the program is the same. Then the padding: one replayed step with the padded rows of the
+floating inputs at zero and one with them at other values must leave the same loss, gradients,
+parameters and state; and a replayed step on a padded real batch is held to eager's step on the
+real batch alone, within the floor across shapes (``checks/floor.py``). A step that replays
+graphs of its own (``adapters.py``) is called where another is captured, and held to the
+default step.
 
-The caller's module is never trained: both copies are deep copies of it.
+The caller's module is never trained: every copy is a deep copy of it.
 
 Random ops draw the same numbers in the graph and in eager from one seed: the graph's replays run
 first from the seed, then the eager steps from it again, as the ``rng`` check of ``verify`` does.
