@@ -216,3 +216,11 @@ def test_cut_to_takes_the_real_rows_in_every_padded_dimension() -> None:
     like = {"logits": torch.zeros(1, 3, 6), "h": torch.zeros(3, 2)}
     cut = cut_to(padded, like)
     assert torch.equal(cut["logits"], padded["logits"][:, :3]) and torch.equal(cut["h"], padded["h"][:3])
+
+
+def test_a_small_relative_difference_keeps_two_figures() -> None:
+    # A loss 2.8e-5 off relative is no "0.0%": the message says how far it is.
+    from pytest_cudagraph.checks.floor import _percent
+
+    assert _percent(2.8e-5) == "0.0028%"
+    assert _percent(0.25) == "25.0%"

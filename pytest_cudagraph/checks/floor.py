@@ -294,6 +294,11 @@ def _fmt(x: float) -> str:
     return "0" if x == 0 else f"{x:.3g}"
 
 
+def _percent(x: float) -> str:
+    """``x`` as a percentage that keeps two figures where it is small (0.0028%, not 0.0%)."""
+    return f"{x:.1%}" if x >= 0.001 else f"{x * 100:.2g}%"
+
+
 def given(value: Any) -> Callable[[], Any]:
     """``value`` as the thunk ``across_shapes`` takes, for a floor already at hand."""
     return lambda: value
@@ -523,7 +528,7 @@ def _leaf_verdict(
         return Verdict(
             False,
             own,
-            f"real rows differ from eager on the unpadded batch by {rms_d / rms_e:.1%} (relative rms), "
+            f"real rows differ from eager on the unpadded batch by {_percent(rms_d / rms_e)} (relative rms), "
             f"more than rounding at {name} precision moves a result ({CAP * u:.3g}; {both}): the "
             f"difference comes from a computation that depends on the padded batch size, not from "
             f"rounding",
