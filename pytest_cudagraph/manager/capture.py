@@ -41,7 +41,6 @@ from .pieces import EagerPieceError, capture_in_pieces, piece_of, resolve_eager_
 from .runtime import Entry, OutCut, Runtime
 
 if TYPE_CHECKING:
-    from ..plan import CaptureConfig
     from .state import ManagerState
 
 __all__ = ["Capture"]
@@ -145,23 +144,7 @@ class Capture:
         self.state = state
         self.runtime = runtime
 
-    # -- what an estimate reads (estimate.Sizing) --------------------------
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.state.module
-
-    @property
-    def config(self) -> CaptureConfig:
-        return self.state.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.state.device
-
-    @property
-    def backend(self) -> str:
-        return self.state.backend.name
-
+    # -- what an estimate reads besides the state (estimate.Sizing) ---------
     def capture_reqs(self, desc: BatchDescriptor) -> int:
         return self.runtime.capture_reqs(desc)
 

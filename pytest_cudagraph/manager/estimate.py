@@ -50,20 +50,16 @@ from ..units import format_bytes
 from .inputs import call_make_inputs
 
 if TYPE_CHECKING:
-    from ..plan import CaptureConfig
+    from .state import ManagerState
 
 
 class Sizing(Protocol):
-    """What an estimate reads of a manager: ``GraphManager``, or its capture part mid-sequence."""
+    """What an estimate reads of a manager: ``GraphManager``, or its capture part mid-sequence:
+    the state they share (the module, its configuration, the backend and its device) and three
+    calls."""
 
     @property
-    def module(self) -> torch.nn.Module: ...
-    @property
-    def config(self) -> CaptureConfig: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def backend(self) -> str: ...
+    def state(self) -> ManagerState: ...
     @property
     def make_inputs(self) -> Callable[[int, int], Mapping[str, Any]]: ...
     def capture_reqs(self, desc: BatchDescriptor) -> int: ...
@@ -269,7 +265,7 @@ def _footprint_at(manager: Sizing, num_tokens: int, num_reqs: int) -> Footprint:
     sample = call_make_inputs(manager.make_inputs, num_tokens, num_reqs)
     kwargs = manager.eager_kwargs(sample, num_tokens)
     marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
-    return measure_forward(manager.module, kwargs, marker=marker)
+    return measure_forward(manager.state.module, kwargs, marker=marker)
 
 
 def estimate_capture(manager: Sizing, descriptors: Iterable[BatchDescriptor]) -> CaptureEstimate | None:
@@ -282,7 +278,7 @@ def estimate_capture(manager: Sizing, descriptors: Iterable[BatchDescriptor]) ->
     largest = max(order, key=lambda d: d.num_tokens)
     # The random draws of make_inputs and the module here are not the
     # captures': the generators are put back as they were.
-    devices = [manager.device.index or 0] if manager.device.type == "cuda" else []
+    devices = [manager.state.device.index or 0] if manager.state.device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
             return _estimate(manager, order, largest)
@@ -298,14 +294,14 @@ def _estimate(manager: Sizing, order: list[BatchDescriptor], largest: BatchDescr
         extrapolated = False
     else:
         shapes = [DIRECT_TOKENS // 4, DIRECT_TOKENS // 2, DIRECT_TOKENS]
-        max_reqs = manager.config.max_num_reqs
+        max_reqs = manager.state.config.max_num_reqs
         feet = [_footprint_at(manager, t, min(t, max_reqs)) for t in shapes]
         created = _extrapolate([(t, f.created) for t, f in zip(shapes, feet, strict=True)], top)
         peak = _extrapolate([(t, f.peak) for t, f in zip(shapes, feet, strict=True)], top)
         out = _extrapolate([(t, f.output) for t, f in zip(shapes, feet, strict=True)], top)
         out_per_token = out / top
         extrapolated = True
-    transient = created if manager.backend == "emulate" else 0
+    transient = created if manager.state.backend.name == "emulate" else 0
     return _capture_estimate(
         manager,
         order,
@@ -314,7 +310,7 @@ def _estimate(manager: Sizing, order: list[BatchDescriptor], largest: BatchDescr
         out_per_token=out_per_token,
         transient=transient,
         extrapolated=extrapolated,
-        available=lambda need: available_memory(manager.device),
+        available=lambda need: available_memory(manager.state.device),
     )
 
 
@@ -340,7 +336,7 @@ def _capture_estimate(
         graph_bytes=graph_bytes,
         transient_bytes=transient,
         available_bytes=available(graph_bytes),
-        backend=manager.backend,
+        backend=manager.state.backend.name,
         extrapolated=extrapolated,
     )
 
@@ -496,7 +492,7 @@ def _measured_estimate(
         out_per_token=foot.output / largest.num_tokens,
         transient=0,
         extrapolated=False,
-        available=lambda need: _cuda_room(manager.device, need),
+        available=lambda need: _cuda_room(manager.state.device, need),
     )
 
 
