@@ -24,7 +24,7 @@ import torch
 
 from ..plan.validate import check_int
 from ..runner.adapters import _require_cuda, skips_recorded
-from .verify import LossFn, TrainingStep, _forward_parameters
+from .verify import LossFn, TrainingStep, _forward_parameters, _taken
 
 __all__ = ["compiled_training", "graphed_training"]
 
@@ -52,10 +52,11 @@ def _zero_grads(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
             p.grad.zero_()
 
 
-def _forward_inputs(module: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def _forward_inputs(
+    inputs: Mapping[str, Any], params: tuple[frozenset[str], bool]
+) -> dict[str, torch.Tensor]:
     """The tensor inputs ``forward`` takes (the rest, a loss weight or labels, are the loss's)."""
-    named, everything = _forward_parameters(module)
-    return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor) and (everything or k in named)}
+    return {k: v for k, v in _taken(inputs, params).items() if isinstance(v, torch.Tensor)}
 
 
 class _RunnerStep:
@@ -85,9 +86,10 @@ def graphed_training(*, num_warmup_iters: int = 3) -> _RunnerStep:
         module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn
     ) -> TrainingStep:
         graphed: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        params = _forward_parameters(module)  # read once, not at every step
 
         def run(inputs: Mapping[str, Any]) -> torch.Tensor:
-            taken = _forward_inputs(module, inputs)
+            taken = _forward_inputs(inputs, params)
             key = tuple((name, tuple(t.shape), t.dtype) for name, t in taken.items())
             if key not in graphed:
                 sample = tuple(t.detach().clone() for t in taken.values())
@@ -121,6 +123,7 @@ def compiled_training(*, recompile_limit: int = 64) -> _RunnerStep:
         from torch._dynamo import config as dynamo_config
 
         compiled = torch.compile(module, mode="reduce-overhead", dynamic=False)
+        params = _forward_parameters(module)  # read once, not at every step
         reasons: list[str] = []
 
         def record(messages: Iterable[str]) -> None:
@@ -131,7 +134,7 @@ def compiled_training(*, recompile_limit: int = 64) -> _RunnerStep:
             # Each step a new generation of CUDA graph trees: the last step's outputs are dead.
             torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
             with skips_recorded(record), dynamo_config.patch(recompile_limit=limit):
-                loss = loss_fn(compiled(**_forward_inputs(module, inputs)), inputs)
+                loss = loss_fn(compiled(**_forward_inputs(inputs, params)), inputs)
                 loss.backward()  # type: ignore[no-untyped-call]
             return loss.detach()
 

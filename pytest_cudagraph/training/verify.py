@@ -145,9 +145,7 @@ class _Replica:
         return _forward_parameters(self.module)
 
     def taken(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        """The inputs ``forward`` takes: the rest (a per-token loss weight, labels) are the loss's."""
-        named, everything = self.forward_parameters
-        return dict(inputs) if everything else {k: v for k, v in inputs.items() if k in named}
+        return _taken(inputs, self.forward_parameters)
 
     def params(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -180,6 +178,13 @@ class _Replica:
                 old = saved.get(key)
                 if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor):
                     value.copy_(old)
+
+
+def _taken(inputs: Mapping[str, Any], params: tuple[frozenset[str], bool]) -> dict[str, Any]:
+    """The inputs ``forward`` takes (``params``: what ``_forward_parameters`` read of it): the rest
+    (a per-token loss weight, labels) are the loss's."""
+    named, everything = params
+    return dict(inputs) if everything else {k: v for k, v in inputs.items() if k in named}
 
 
 def _forward_parameters(module: torch.nn.Module) -> tuple[frozenset[str], bool]:
