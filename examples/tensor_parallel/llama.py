@@ -223,11 +223,6 @@ def make_inputs(num_tokens: int, num_reqs: int, *, vocab: int = SMALL.vocab) -> 
     return {"input_ids": torch.randint(1, vocab, (num_tokens,)).to(device())}
 
 
-def build_small(rank: int, world_size: int) -> TPLlama:
-    """This rank's shard of the ``SMALL`` shape, in fp32, on this rank's device."""
-    return TPLlama(SMALL, rank, world_size)
-
-
 def build(
     rank: int, world_size: int, *, shape: str = "small", dtype: str = "float32", bug: str = ""
 ) -> TPLlama:

@@ -57,7 +57,7 @@ BUGS = {
 
 
 #: The Llama shape: (build, make_inputs) of its small shard, for the CPU suite.
-LLAMA = (llama.build_small, llama.make_inputs)
+LLAMA = (llama.build, llama.make_inputs)
 
 
 @pytest.mark.parametrize("name", ["attention", "mlp-all-gather", "llama"])
@@ -100,26 +100,33 @@ def test_bug_fails_rank_agreement(name: str) -> None:
 # The sharded modules compute what the unsharded ones do (no graphs involved).
 
 
-def _run_shards(rank: int, world_size: int, init_file: str, folder: str) -> None:
+def _rank_runs(rank: int, world_size: int, init_file: str, folder: str, body: Callable[..., Any]) -> None:
+    """One gloo rank: ``body(rank, world_size)`` from seed 1, without grad, saved for the parent."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(1)
-        x = tp.make_inputs(7, 3)["x"]
-        outputs = {}
         with torch.no_grad():
-            for name, (build, _, _) in MODELS.items():
-                outputs[name] = build(rank, world_size)(x)
-        torch.save({"x": x, "outputs": outputs}, Path(folder) / f"rank{rank}.pt")
+            torch.save(body(rank, world_size), Path(folder) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
+def _on_every_rank(body: Callable[..., Any]) -> list[Any]:
+    """What ``body`` (a top-level function, so that it pickles) returns on each of the gloo ranks."""
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_rank_runs, args=(WORLD_SIZE, str(Path(folder) / "init"), folder, body), nprocs=WORLD_SIZE)
+        return [torch.load(Path(folder) / f"rank{r}.pt") for r in range(WORLD_SIZE)]
+
+
+def _shard_outputs(rank: int, world_size: int) -> dict[str, Any]:
+    x = tp.make_inputs(7, 3)["x"]
+    return {"x": x, "outputs": {name: build(rank, world_size)(x) for name, (build, _, _) in MODELS.items()}}
+
+
 def test_sharded_equals_unsharded() -> None:
     """Every rank's sharded output (eager, after its collective) equals the unsharded module's."""
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_run_shards, args=(WORLD_SIZE, str(Path(folder) / "init"), folder), nprocs=WORLD_SIZE)
-        ranks = [torch.load(Path(folder) / f"rank{r}.pt") for r in range(WORLD_SIZE)]
+    ranks = _on_every_rank(_shard_outputs)
     for name, (_, _, reference) in MODELS.items():
         module: nn.Module = reference()
         with torch.no_grad():
@@ -194,18 +201,13 @@ def test_bug_fails_rank_agreement_on_gpus(name: str) -> None:
 # The sharded Llama shape against its unsharded reference, within the measured floor.
 
 
-def _run_llama_shards(rank: int, world_size: int, init_file: str, folder: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.manual_seed(1)
-        ids = llama.make_inputs(11, 4)["input_ids"]
-        with torch.no_grad():
-            out = llama.build_small(rank, world_size)(ids)
-            wrong = llama.build(rank, world_size, bug="residual_before_sum")(ids)
-        torch.save({"ids": ids, "out": out, "wrong": wrong}, Path(folder) / f"llama{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _llama_logits(rank: int, world_size: int) -> dict[str, Any]:
+    ids = llama.make_inputs(11, 4)["input_ids"]
+    return {
+        "ids": ids,
+        "out": llama.build(rank, world_size)(ids),
+        "wrong": llama.build(rank, world_size, bug="residual_before_sum")(ids),
+    }
 
 
 def test_sharded_llama_equals_unsharded_within_the_floor() -> None:
@@ -214,9 +216,7 @@ def test_sharded_llama_equals_unsharded_within_the_floor() -> None:
     float64, and the sharded logits may be a small multiple of it from the reference
     (checks/floor.py). A residual summed on every rank (counted twice) fails, and so does a 0.1 %
     scale of the logits, far inside fp32's tolerance of a logit's size."""
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_run_llama_shards, args=(WORLD_SIZE, str(Path(folder) / "init"), folder), nprocs=WORLD_SIZE)
-        ranks = [torch.load(Path(folder) / f"llama{r}.pt") for r in range(WORLD_SIZE)]
+    ranks = _on_every_rank(_llama_logits)
     ids = ranks[0]["ids"]
     with torch.no_grad():
         expected = llama.TPLlama(llama.SMALL, None, WORLD_SIZE)(ids)
