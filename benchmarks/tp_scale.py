@@ -34,11 +34,9 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.scale import VLLM_SIZES  # noqa: E402  (vLLM's 67 capture sizes)
 from examples.tensor_parallel import llama  # noqa: E402
 from pytest_cudagraph import verify_distributed  # noqa: E402
-
-#: vLLM's classic capture sizes: 1, 2, 4, then every multiple of 8 up to 512 (67 sizes).
-VLLM_SIZES = [1, 2, 4, *range(8, 513, 8)]
 
 
 def _hand_rank(
