@@ -60,6 +60,18 @@ def test_a_step_that_fails_eagerly_is_one_error_with_its_cause() -> None:
     assert isinstance(info.value.__cause__, KeyError)
 
 
+def test_a_module_raising_value_error_eagerly_is_one_error_with_its_cause() -> None:
+    # A ValueError of the module's own (BatchNorm over one row, say) is told as the eager step's
+    # failure at that size, not passed on bare as if it were a bad keyword.
+    class Refuses(Mlp):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("Expected more than 1 value per channel")
+
+    with pytest.raises(EagerFailure, match="the training step fails eagerly at 4 tokens") as info:
+        _run(Refuses())
+    assert isinstance(info.value.__cause__, ValueError)
+
+
 def test_the_callers_module_is_never_trained() -> None:
     module = Mlp()
     before = {k: v.clone() for k, v in module.state_dict().items()}

@@ -556,8 +556,6 @@ def _verify_size(
             for _ in range(opts.warmup_steps):
                 copy_.run(loss_fn, warm, opts.autocast)
                 copy_.between()
-    except ValueError:
-        raise  # the caller's step or loss returned the wrong thing: said plainly
     except Exception as exc:
         raise EagerFailure(
             f"the training step fails eagerly at {tokens} tokens and {reqs} requests, before anything is "
