@@ -603,19 +603,18 @@ def _verify_size(
         if found:
             message = (
                 f"{len(found)} op(s) of the training step cannot be captured in a graph; the first is "
-                f"{found[0].describe()}" + (f"{_SCALER_SYNC}" if found[0] in in_scaler else "")
+                f"{found[0].describe()}" + (_SCALER_SYNC if found[0] in in_scaler else "")
             )
         elif skipped:
             message = f"the step ran without its CUDA graphs: {skipped}"
         else:
             message = f"the training step's capture fails: {type(error).__name__}: {error}"
         why = "not verified: training_capture failed for this size"
+        after = TRAINING_CHECKS[TRAINING_CHECKS.index("training_capture") + 1 :]  # what needs the graph
         return (
             [
                 _fail("training_capture", desc, message, Finding(ops=[v.describe() for v in found])),
-                _skip("training_replay_matches_eager", desc, why),
-                _skip("training_padding", desc, why),
-                _skip("training_real_batches", desc, why),
+                *(_skip(check, desc, why) for check in after),
             ],
             seconds,
             0,
