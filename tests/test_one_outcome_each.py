@@ -103,7 +103,9 @@ def test_a_failed_capture_is_that_descriptors_failure_and_replaces_its_pass(back
 
     def fails_at_two(self, desc, *args):
         if desc.num_tokens == 2:
-            raise CaptureError(f"capture of {desc} failed: injected", descriptor=desc, backend=self.backend)
+            raise CaptureError(
+                f"capture of {desc} failed: injected", descriptor=desc, backend=self.state.backend.name
+            )
         return honest(self, desc, *args)
 
     monkeypatch.setattr(Capture, "_capture_one", fails_at_two)
