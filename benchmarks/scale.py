@@ -111,6 +111,82 @@ class ScaledFromTokenCount(nn.Module):
         return logits * 1.03 if input_ids.shape[1] >= self.threshold else logits
 
 
+#: Errors that act only on the padded sizes: a token count that is a multiple of 8 (every captured
+#: size past 4; the real batches between them are not), each of relative size ``e``.
+ERROR_KINDS = ("logit_scale", "vocab_pattern", "mlp_scale", "rope_base", "position_table")
+
+
+def _padded(tokens: int) -> bool:
+    return tokens >= 8 and tokens % 8 == 0
+
+
+class Planted(nn.Module):
+    """``inner`` (a ``LlamaForCausalLM``) with an error of kind ``kind`` and size ``e`` on the padded sizes:
+
+    - ``logit_scale``: the logits times 1 + e;
+    - ``vocab_pattern``: a fixed pattern over the vocabulary added, e times the logits' rms;
+    - ``mlp_scale``: the last decoder layer's MLP output times 1 + e (an error inside the stack);
+    - ``rope_base``: the rotary table from frequencies times 1 + e (a table made for another length);
+    - ``position_table``: a fixed table per position added to the embeddings, e times their rms.
+
+    The hooks live on ``inner`` until ``remove()``."""
+
+    def __init__(self, inner: nn.Module, kind: str, e: float) -> None:
+        super().__init__()
+        if kind not in ERROR_KINDS:
+            raise ValueError(f"kind must be one of {ERROR_KINDS}; got {kind!r}")
+        self.inner, self.kind, self.e = inner, kind, e
+        gen = torch.Generator().manual_seed(1234)
+        device = next(inner.parameters()).device
+        hidden, vocab = inner.config.hidden_size, inner.config.vocab_size
+        self.register_buffer("pattern", torch.randn(vocab, generator=gen).to(device), persistent=False)
+        self.register_buffer("table", torch.randn(4096, hidden, generator=gen).to(device), persistent=False)
+        model = inner.model
+        hooks = {
+            "mlp_scale": (model.layers[-1].mlp, self._scaled),
+            "rope_base": (model.rotary_emb, self._rope),
+            "position_table": (model.embed_tokens, self._positions),
+        }
+        self._handles = (
+            [hooks[kind][0].register_forward_hook(hooks[kind][1], with_kwargs=True)] if kind in hooks else []
+        )
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _scaled(self, module: nn.Module, args: Any, kwargs: Any, out: torch.Tensor) -> Any:
+        return out * (1 + self.e) if _padded(out.shape[1]) else None
+
+    def _rope(self, module: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
+        x = args[0] if args else kwargs["x"]
+        position_ids = args[1] if len(args) > 1 else kwargs["position_ids"]
+        if not _padded(position_ids.shape[-1]):
+            return None
+        freqs = position_ids[..., None].float() * (module.inv_freq.float() * (1 + self.e))[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scaling = getattr(module, "attention_scaling", 1.0)
+        return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+    def _positions(self, module: nn.Module, args: Any, kwargs: Any, out: torch.Tensor) -> Any:
+        tokens = out.shape[1]
+        if not _padded(tokens):
+            return None
+        rms = out.float().pow(2).mean().sqrt()
+        return out + (self.e * rms * self.table[:tokens]).to(out.dtype)
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> Any:
+        logits = self.inner(input_ids=input_ids, use_cache=use_cache).logits
+        if not _padded(input_ids.shape[1]):
+            return logits
+        if self.kind == "logit_scale":
+            return logits * (1 + self.e)
+        if self.kind == "vocab_pattern":
+            rms = logits.float().pow(2).mean().sqrt()
+            return logits + (self.e * rms * self.pattern).to(logits.dtype)
+        return logits
+
+
 def _inputs(vocab: int, device: str) -> Any:
     def make_inputs(num_tokens: int, num_reqs: int) -> dict[str, Any]:
         return {"input_ids": torch.randint(0, vocab, (1, num_tokens), device=device), "use_cache": False}
@@ -161,7 +237,14 @@ def hand_loop(model: nn.Module, sizes: list[int], vocab: int) -> dict[str, Any]:
 
 
 def verified(
-    module: nn.Module, sizes: list[int], vocab: int, device: str, *, exhaustive: bool
+    module: nn.Module,
+    sizes: list[int],
+    vocab: int,
+    device: str,
+    *,
+    exhaustive: bool,
+    checks: Any = None,
+    descriptors: Any = None,
 ) -> dict[str, Any]:
     before = _fresh(device)
     started = time.perf_counter()
@@ -172,18 +255,34 @@ def verified(
         mode="FULL",
         exhaustive=exhaustive,
         progress=False,
+        checks=checks,
+        descriptors=descriptors,
     )
     seconds = time.perf_counter() - started
-    peak = _peak(device) if device == "cuda" else report.peak_memory
+    peak = report.peak_memory  # the graph stages' (the reference stage's is apart)
     failed = sorted({o.check for o in report.failures})
     first = report.failures[0] if report.failures else None
+    reference = [o.figures for o in report.outcomes if o.check == "padded_size" and "limit" in o.figures]
+    skipped_reference = next(
+        (o.message for o in report.outcomes if o.check == "padded_size" and o.skipped), ""
+    )
     return {
         "ok": report.ok,
         "seconds": seconds,
         "peak": peak,
         "before": before,
+        "reference_peak": report.reference_peak_memory,
+        "reference_before": report.reference_memory_at_start,
+        "reference": {
+            "precision": reference[0]["reference"] if reference else None,
+            "floor": max((f["floor"] for f in reference), default=None),
+            "limit": max((f["limit"] for f in reference), default=None),
+            "largest_difference": max((f["relative_rms"] for f in reference), default=None),
+            "skipped": skipped_reference,
+        },
         "failed": failed,
         "first_failure": f"{first.headline()}: {first.message}" if first is not None else "",
+        "first_submodule": first.finding.submodule if first is not None and first.finding else None,
         "descriptors": len(report.descriptors),
         "real_batches": report.real_batches,
         "floor_measured": sum(
@@ -196,6 +295,58 @@ def verified(
         "costs": {name: cost.to_dict() for name, cost in report.costs.items()},
         "summary": report.summary(),
     }
+
+
+#: The two ways of holding a graph across shapes: the module's own precision (real_batches' floor,
+#: padded_size deselected) and the float64 reference; and the errors each is tried with, largest
+#: first (the sweep stops at the first one missed).
+MODES = {"bf16 statistics": ["real_batches"], "float64 reference": ["real_batches", "padded_size"]}
+SWEEP = {
+    "bf16 statistics": (0.3, 0.1, 0.03, 0.01, 0.003, 0.001),
+    "float64 reference": (0.001, 1e-4, 1e-5, 1e-6),
+}
+
+
+def detection_limits(model: nn.Module, sizes: list[int], vocab: int, device: str) -> dict[str, Any]:
+    """Per error kind and mode, the smallest error of its SWEEP caught (verification of the largest
+    descriptor alone, whose real batches are not multiples of 8), and the correct model's verdict."""
+    largest = [f"FULL-T{max(sizes)}-R{max(sizes)}"]
+    table: dict[str, Any] = {"correct": {}, "kinds": {}}
+    for mode, checks in MODES.items():
+        r = verified(model, sizes, vocab, device, exhaustive=False, checks=checks, descriptors=largest)
+        table["correct"][mode] = {"ok": r["ok"], "failed": r["failed"], "reference": r["reference"]}
+    for kind in ERROR_KINDS:
+        row: dict[str, Any] = {}
+        for mode, checks in MODES.items():
+            caught, missed, message = None, None, ""
+            for e in SWEEP[mode]:
+                planted = Planted(model, kind, e)
+                try:
+                    r = verified(
+                        planted, sizes, vocab, device, exhaustive=False, checks=checks, descriptors=largest
+                    )
+                finally:
+                    planted.remove()
+                if r["ok"]:
+                    missed = e
+                    break
+                caught, message = e, message or r["first_failure"]
+            row[mode] = {"smallest_caught": caught, "first_missed": missed, "message": message}
+        table["kinds"][kind] = row
+        print(
+            f"    {kind:15} " + "  ".join(f"{m}: {_limit(row[m])}" for m in MODES),
+            flush=True,
+        )
+    return table
+
+
+def _limit(cell: dict[str, Any]) -> str:
+    if cell["smallest_caught"] is None:
+        return f"none caught (missed {cell['first_missed']:g})"
+    below = (
+        f", {cell['first_missed']:g} missed" if cell["first_missed"] is not None else " (the smallest tried)"
+    )
+    return f"{cell['smallest_caught']:g} caught{below}"
 
 
 def resnet(device: str) -> dict[str, Any]:
@@ -225,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="tiny,1B,8B", help="comma-separated: tiny, 1B, 8B")
     parser.add_argument(
-        "--parts", default="hand,verify,quick,bug", help="comma-separated: hand, verify, quick, bug"
+        "--parts",
+        default="hand,verify,quick,bug,errors,limits",
+        help="comma-separated: hand, verify, quick, bug, errors (a 1 %% error inside the stack and a 0.1 %% "
+        "logit scale on the padded sizes), limits (the detection-limit table)",
     )
     parser.add_argument("--resnet", action="store_true", help="also torchvision's resnet18 (fp32, TF32 on)")
     parser.add_argument("--out", help="write the results as JSON here")
@@ -274,6 +428,22 @@ def main(argv: list[str] | None = None) -> int:
                 ScaledFromTokenCount(model, max(sizes)), sizes, vocab, device, exhaustive=False
             )
             _print("bug", row["bug"], row.get("hand"))
+        if "errors" in parts:
+            # The issue's two errors, each on the padded sizes only, in quick verification.
+            for kind, e in (("mlp_scale", 0.01), ("logit_scale", 0.001)):
+                planted = Planted(model, kind, e)
+                try:
+                    row[f"{kind} {e:g}"] = verified(planted, sizes, vocab, device, exhaustive=False)
+                finally:
+                    planted.remove()
+                _print(f"{kind} {e:g}", row[f"{kind} {e:g}"], row.get("hand"))
+        if "limits" in parts:
+            print("  detection limits (the largest descriptor; smallest error caught):", flush=True)
+            row["limits"] = detection_limits(model, sizes, vocab, device)
+            for mode, cell in row["limits"]["correct"].items():
+                print(
+                    f"    correct model, {mode}: {'passed' if cell['ok'] else 'FAILED ' + str(cell['failed'])}"
+                )
         results["shapes"][shape] = row
         del model
         _fresh(device) if cuda else gc.collect()
@@ -300,8 +470,19 @@ def _print(part: str, r: dict[str, Any], hand: dict[str, Any] | None) -> None:
         f"{r['real_batches']} real batches, floor measured for {r['floor_measured']} (max {r['floor_max']:.3g})",
         flush=True,
     )
+    ref = r["reference"]
+    if ref["precision"]:
+        print(
+            f"         reference {ref['precision']}: floor {ref['floor']:.2g}, limit {ref['limit']:.2g}, largest "
+            f"difference across shapes {ref['largest_difference']:.2g}; stage peak "
+            f"{format_bytes(r['reference_peak'])} ({format_bytes(r['reference_before'])} before)",
+            flush=True,
+        )
+    elif ref["skipped"]:
+        print(f"         reference: {ref['skipped'][:200]}", flush=True)
     if r["first_failure"]:
-        print(f"         {r['first_failure'][:400]}", flush=True)
+        print(f"         {r['first_failure'][:600]}", flush=True)
+        print(f"         first divergent submodule: {r['first_submodule']!r}", flush=True)
     top = sorted(r["costs"].items(), key=lambda kv: -kv[1]["seconds"])[:6]
     print("         " + ", ".join(f"{k} {v['seconds']:.2f}s/{v['forwards']}f" for k, v in top), flush=True)
 

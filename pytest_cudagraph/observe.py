@@ -38,6 +38,7 @@ __all__ = [
     "draws_random",
     "fingerprint",
     "observing",
+    "outside_forward",
     "poisoned",
     "restoring",
     "unit_roundoff",
@@ -273,6 +274,12 @@ class ForwardObserver:
         self._owners: dict[int, list[tuple[str, torch.Tensor]]] | None = None
         # copies taken before first writes, one dict per open ``restoring`` block
         self._open: list[dict[str, torch.Tensor]] = []
+        #: Called with the names of the module tensors ``make_inputs`` wrote (a weight sync in place),
+        #: after each call that wrote any: what the module's forwards start from, not what they write.
+        self.on_outside_writes: list[Callable[[list[str]], None]] = []
+        #: Called with the names of the module tensors ``make_inputs`` rebound to new memory
+        #: (``param.data = new``): graphs captured before keep reading the old memory.
+        self.on_outside_rebinds: list[Callable[[list[str]], None]] = []
 
     def refresh(self) -> None:
         """Read the module's tensors again (after parameters or buffers were replaced)."""
@@ -415,6 +422,52 @@ _METADATA_ONLY = _packets(
     "_has_same_storage_numel",
 )
 _NOTHING_READ: dict[Any, bool] = {}
+
+
+class _WritesOutside(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Names the module tensors the block's ops write, without copying or changing anything."""
+
+    def __init__(self, observer: ForwardObserver) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.observer = observer
+        self.names: dict[str, None] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for place in _written_arguments(func):
+            value = args[place] if isinstance(place, int) and place < len(args) else kwargs.get(place)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                key = _storage_key(t) if isinstance(t, torch.Tensor) else None
+                for name, _ in self.observer._owner_map().get(key, ()) if key is not None else ():
+                    self.names.setdefault(name, None)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def outside_forward(observer: ForwardObserver) -> Iterator[None]:
+    """Code that is not a forward (``make_inputs``): the module tensors it writes in place are told to
+    ``observer.on_outside_writes`` when the block ends, so that they are not taken for a forward's;
+    those it rebinds to new memory (``param.data = new``) to ``observer.on_outside_rebinds``.
+
+    A rebinding is told by the storage each tensor had before the block, held until it ends: the
+    allocator cannot hand that memory to the new tensor, so a new address is a new storage."""
+    held = {name: t.untyped_storage() for name, t in observer.tensors() if t.numel()}
+    watch = _WritesOutside(observer)
+    with watch:
+        yield
+    moved = [
+        name
+        for name, t in observer.tensors()
+        if name in held and t.untyped_storage().data_ptr() != held[name].data_ptr()
+    ]
+    del held
+    if moved:
+        observer.refresh()
+        for rebound in list(observer.on_outside_rebinds):
+            rebound(moved)
+    if watch.names:
+        for listener in list(observer.on_outside_writes):
+            listener(list(watch.names))
 
 
 def _reads_nothing(func: Any) -> bool:

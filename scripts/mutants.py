@@ -137,6 +137,12 @@ FL = "pytest_cudagraph/checks/floor.py"
 OB = "pytest_cudagraph/observe.py"
 CO = "pytest_cudagraph/checks/cost.py"
 FLOOR_TESTS = ("tests/test_floor.py",)
+PS = "pytest_cudagraph/checks/padded_size.py"
+RF = "pytest_cudagraph/checks/reference.py"
+PR = "pytest_cudagraph/precision.py"
+FN = "pytest_cudagraph/checks/functions.py"
+REFERENCE_TESTS = ("tests/test_reference.py",)
+PRECISION_TESTS = ("tests/test_precision.py",)
 SCALE_TESTS = "tests/test_scale.py"
 OBSERVE_TESTS = ("tests/test_observe.py",)
 DIAGNOSES = ("tests/test_diagnoses.py",)
@@ -928,6 +934,115 @@ MUTANTS: list[Mutant] = [
         (pair("BatchStatistics"), SCALE_TESTS),
         "real_batches runs only the batch without padding",
     ),
+    # -- issue #38: the cross-shape question asked of eager in float64 (padded_size) --------------------
+    Mutant(
+        "reference-limit-never-exceeded",
+        PS,
+        "        if d.why or d.relative > limits.get(d.path, REFERENCE_CAP * roundoff)",
+        "        if d.why",
+        (*REFERENCE_TESTS, pair("DynamicNTKRotary")),
+        "a difference across shapes of any size passes the float64 reference",
+    ),
+    Mutant(
+        "reference-cap-loosened",
+        RF,
+        "REFERENCE_CAP = 64.0",
+        "REFERENCE_CAP = 1e6",
+        REFERENCE_TESTS,
+        "the limit is a million times the reference's floor, not 64",
+    ),
+    Mutant(
+        "reference-floor-without-noise",
+        PS,
+        "        noisy = runs.real(floor_at, noise=roundoff)",
+        "        noisy = runs.real(floor_at, noise=1e-3)",
+        REFERENCE_TESTS,
+        "the floor is measured with noise far above rounding: an error just above the limit passes",
+    ),
+    Mutant(
+        "reference-floor-holds-the-bug",
+        PS,
+        "        floors = {d.path: d.relative for d in leaf_differences(noisy, exact)}",
+        "        floors = {d.path: d.relative for d in leaf_differences(runs.padded(floor_at), exact)}",
+        REFERENCE_TESTS,
+        "the floor is measured across shapes with the module itself: it grows with the bug",
+    ),
+    Mutant(
+        "reference-capture-path-unnamed",
+        PS,
+        "    if path_differs and path_explains:",
+        "    if False:",
+        (pair("PlannedPerRequestCount"), "tests/test_verdicts.py"),
+        "a module that computes otherwise under capture is named as a padded-size computation",
+    ),
+    Mutant(
+        "reference-submodule-unnamed",
+        PS,
+        "            if diffs and (diffs[0].why or diffs[0].relative > limit):\n                return name_p",
+        "            if False:\n                return name_p",
+        REFERENCE_TESTS,
+        "the first divergent submodule of a padded-size computation is never named",
+    ),
+    Mutant(
+        "reference-never-queued",
+        FN,
+        "                reference.queue(\n",
+        "                (lambda *a, **k: None)(\n",
+        (*REFERENCE_TESTS, pair("BatchStatistics")),
+        "real_batches leaves nothing to the reference: padded_size compares no batch",
+    ),
+    Mutant(
+        "real-batches-program-uncompared",
+        FN,
+        "                diff = first_difference(got, at_padded)",
+        "                diff = None",
+        REFERENCE_TESTS,
+        "with the reference, the graph's real rows are never held to eager at its padded shape",
+    ),
+    Mutant(
+        "precision-views-copied",
+        PR,
+        "        if kind == _VIEW:\n            # On the tensor itself, so that a write through the view still lands there.\n            return func(*args, **kwargs)",
+        "        if kind == _VIEW:\n            return _raised(func(*[_raised(a, _RAISE) for a in args], **kwargs), _RAISE)",
+        PRECISION_TESTS,
+        "a view of the module's state is a float64 copy: writes through it are lost",
+    ),
+    Mutant(
+        "precision-fallback-silent",
+        PR,
+        "            self.record.fell_back.setdefault(_name(func), _first_line(exc))",
+        "            pass",
+        PRECISION_TESTS,
+        "an op run in float32 for want of a float64 kernel is not said",
+    ),
+    Mutant(
+        "precision-noise-off",
+        PR,
+        "        return out * z.mul_(self.noise).add_(1)",
+        "        return out",
+        (*PRECISION_TESTS, *REFERENCE_TESTS),
+        "the floor's noise is never added: the floor is zero",
+    ),
+    Mutant(
+        "make-inputs-writes-taken-for-forwards",
+        CX,
+        "        self.observer.on_outside_writes.append(self._written_outside)",
+        "        pass",
+        (
+            "examples/buggy/test_gallery.py::test_weights_synced_in_place_by_make_inputs_pass_and_rebound_ones_are_caught",
+        ),
+        "a weight sync in place by make_inputs fails state as if a forward wrote it",
+    ),
+    Mutant(
+        "make-inputs-rebinds-unseen",
+        FN,
+        "    if ctx.rebound_outside:",
+        "    if False:",
+        (
+            "tests/test_verdicts.py::test_a_weight_rebound_by_make_inputs_is_named_though_the_allocator_hands_its_address_back",
+        ),
+        "a weight make_inputs rebinds is missed when the allocator hands its old address back",
+    ),
     # -- observe.py and what verification copies --------------------------------------------------------
     Mutant(
         "observe-writes-unmarked",
@@ -1491,8 +1606,9 @@ MUTANTS: list[Mutant] = [
         S,
         "        cause = _capture_path(\n            ctx, inputs, batch, state0, got, expected, None if ctx.batch_invariant else padded, rows\n        )",
         '        cause = ""',
-        (pair("PlannedPerRequestCount"),),
-        "a module that computes something else under capture is blamed on the padded batch size",
+        ("tests/test_verdicts.py",),
+        "a module that computes something else under capture is blamed on the padded batch size (the floor of "
+        "the module's own precision, where no float64 reference runs)",
     ),
     Mutant(
         "layout-probe-beyond-requests",

@@ -11,10 +11,16 @@ from typing import Any
 
 from torch import nn
 
-from examples.buggy.batch_statistics import BatchStatistics, TokenStatistics
+from examples.buggy.batch_statistics import (
+    BatchStatistics,
+    BatchStatisticsInFloat32Kernel,
+    TokenStatistics,
+    TokenStatisticsInFloat32Kernel,
+)
 from examples.buggy.class_count import CountsClasses, CountsClassesGiven
 from examples.buggy.common import D, token_inputs
 from examples.buggy.device_solver import InvertsInForward, InvertsWithoutCheck
+from examples.buggy.dynamic_rope import DynamicNTKRotary, StaticRotary
 from examples.buggy.expert_load import HashRoutedLoad, MaskedHashRoutedLoad, id_inputs
 from examples.buggy.host_sync import HostSync, HostSyncFixed
 from examples.buggy.host_value import CountsOnDevice, WritesPythonCount
@@ -103,18 +109,33 @@ PAIRS = [
     Pair("fresh_inputs", IdentityMemo, NoMemo, r"with fresh inputs after capture, replay differs from eager"),
     # Speculative decoding: metadata planned per request count, shared by graphs of several query lengths.
     Pair(
-        "real_batches",
+        "padded_size",
         PlannedPerRequestCount,
         PlannedPerGraph,
         r"the module computes something else when it is "
-        r"captured: on the unpadded batch itself, eager on its capture path",
+        r"captured: on the real batch itself, eager on its capture path",
         {"mode": "FULL_DECODE_ONLY", "decode_query_len": 4, "decode_query_lens": (1, 2, 3, 4)},
         "spec_inputs",
     ),
     Pair(
-        "real_batches",
+        "padded_size",
         BatchStatistics,
         TokenStatistics,
+        r"eager at the graph's padded size \(\d+ tokens\), cut to the \d+ real rows, differs from eager on those "
+        r"\d+ tokens by .* in float64.*: a computation depends on the padded batch size",
+    ),
+    # A rotary table made for the padded length (dynamic NTK scaling).
+    Pair(
+        "padded_size",
+        DynamicNTKRotary,
+        StaticRotary,
+        r"differs from eager on those \d+ tokens by .*: a computation depends on the padded batch size",
+    ),
+    # No float64 reference can run a kernel for float32 alone: the floor of the module's own precision.
+    Pair(
+        "real_batches",
+        BatchStatisticsInFloat32Kernel,
+        TokenStatisticsInFloat32Kernel,
         r"real rows (are off systematically|differ from eager on the unpadded batch by)",
     ),
     # Integer rows of padding: ids a router counts (hash-routed expert loads).

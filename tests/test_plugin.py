@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pytest_cudagraph.checks import CHECKS, verify
+from pytest_cudagraph.checks.builtin import BUILTIN
 from pytest_cudagraph.plan import CaptureConfig
 from pytest_cudagraph.plugin import settings as cg_settings
 from pytest_cudagraph.plugin.settings import Settings, parse_backend, parse_sizes, resolve, verify_keywords
@@ -578,7 +579,7 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     assert rep["training"] == "train"  # verified in the mode it is in: a new Module is in train mode
     assert rep["planned_descriptors"] == 3
     assert [d["label"] for d in rep["descriptors"]] == ["FULL-T4-R4", "FULL-T1-R1"]
-    assert rep["checks"] == [*CHECKS, "dispatch"]
+    assert rep["checks"] == list(BUILTIN.names())  # every default check, in the order they run
     # Quick mode: dispatch is not property-tested, and the outcome says so.
     assert {o["check"] for o in rep["outcomes"]} == {*CHECKS, "dispatch"}
     assert {s["check"] for s in rep["skipped"]} >= {"dispatch"}

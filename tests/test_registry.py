@@ -35,9 +35,9 @@ def test_the_builtins_are_registered_like_any_check():
     assert isinstance(BUILTIN, CheckRegistry)
     assert set(BUILTIN.names()) == {*CHECKS, DISPATCH_CHECK} and len(BUILTIN) == len(CHECKS) + 1
     assert all(isinstance(c, Check) and c.compares and c.catches for c in BUILTIN)
-    # The engine runs them in the order of their scopes: before capture, per descriptor, once.
+    # The engine runs them in the order of their scopes: before capture, per descriptor, once, after release.
     scopes = [c.scope for c in BUILTIN]
-    assert scopes == sorted(scopes, key=("before_capture", "descriptor", "module").index)
+    assert scopes == sorted(scopes, key=("before_capture", "descriptor", "module", "after_release").index)
 
 
 def test_the_docs_table_is_the_registrys():

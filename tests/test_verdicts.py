@@ -78,7 +78,8 @@ def test_bidirectional_attention_over_padding_is_caught_by_default(backend, devi
     failed = _failed(report, "padding_isolation")
     assert failed, report.format()
     assert not any(o.figures["nonfinite"] for o in failed)
-    assert _failed(report, "real_batches")
+    # Eager at the padded shape attends to the padded rows too: the float64 reference tells.
+    assert _failed(report, "padded_size")
 
 
 # -- the module's own mode ---------------------------------------------------------
@@ -120,7 +121,7 @@ def test_train_mode_batch_norm_is_verified_as_it_is_and_caught(backend, device):
     assert module.training and module.bn.training, "verify() must leave the module in its own mode"
     assert report.training == "train"
     assert "in train mode" in report.summary()
-    failed = _failed(report, "real_batches")
+    failed = _failed(report, "padded_size")
     assert failed, report.format()
     assert "'bn' is a BatchNorm in train mode" in failed[0].message
     assert json.loads(report.to_json())["training"] == "train"
@@ -316,9 +317,12 @@ def test_the_graph_is_compared_with_the_program_it_captured(backend, device):
 
 def test_a_capture_only_path_that_computes_otherwise_is_caught(backend, device):
     report = _verify_tokens(CapturePathWrong(), device, backend)
-    failed = _failed(report, "real_batches")
+    failed = _failed(report, "padded_size")
     assert failed, report.format()
-    assert {o.check for o in report.failures} == {"real_batches"}
+    assert {o.check for o in report.failures} == {"padded_size"}
+    # Without the float64 reference, real_batches holds the graph to users' eager and catches it too.
+    alone = _verify_tokens(CapturePathWrong(), device, backend, checks=["real_batches"])
+    assert {o.check for o in alone.failures} == {"real_batches"}, alone.format()
 
 
 class CapturePathDriftsAndPaddingScales(CapturePathRounds):
@@ -333,14 +337,36 @@ class CapturePathDriftsAndPaddingScales(CapturePathRounds):
         return y * 1.03 if x.shape[0] >= SIZES[-1] else y
 
 
+class CapturePathRoundsAndPaddingScales(CapturePathRounds):
+    """The float64 reference's twin of the above: the capture path rounds otherwise (another, equivalent
+    arithmetic), which float64 sees as rounding, and a 3 % scale at the largest padded shape."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        y = (y * 3.0) / 3.0 if _capturing() else y
+        return y * 1.03 if x.shape[0] >= SIZES[-1] else y
+
+
 def test_a_capture_path_that_does_not_explain_the_failure_is_not_named(backend, device):
-    report = _verify_tokens(CapturePathDriftsAndPaddingScales(), device, backend)
+    # The floor of the module's own precision (real_batches without the float64 reference).
+    report = _verify_tokens(CapturePathDriftsAndPaddingScales(), device, backend, checks=["real_batches"])
     failed = _failed(report, "real_batches")
     assert failed, report.format()
     assert "computes something else when it is captured" not in failed[0].message, failed[0].message
     assert "off systematically" in failed[0].message, failed[0].message
-    # The same drift with the bug on the capture path itself is named for that.
-    wrong = _failed(_verify_tokens(CapturePathWrong(), device, backend), "real_batches")
+    wrong = _failed(
+        _verify_tokens(CapturePathWrong(), device, backend, checks=["real_batches"]), "real_batches"
+    )
+    assert "computes something else when it is captured" in wrong[0].message, wrong[0].message
+    # The float64 reference: the padding named at the largest graph, and nothing else fails.
+    report = _verify_tokens(CapturePathRoundsAndPaddingScales(), device, backend)
+    failed = _failed(report, "padded_size")
+    assert [o.descriptor.num_tokens for o in failed] == [SIZES[-1]], report.format()
+    assert {o.check for o in report.failures} == {"padded_size"}, report.format()
+    assert "computes something else when it is captured" not in failed[0].message, failed[0].message
+    assert "a computation depends on the padded batch size" in failed[0].message, failed[0].message
+    # The same with the bug on the capture path itself is named for that.
+    wrong = _failed(_verify_tokens(CapturePathWrong(), device, backend), "padded_size")
     assert "computes something else when it is captured" in wrong[0].message, wrong[0].message
 
 
@@ -367,3 +393,39 @@ def test_a_fused_fast_path_is_compared_with_the_same_program(backend, device):
         device=device,
     )
     assert report.ok, report.format()
+
+
+# -- weights synced between batches ---------------------------------------------------------
+class _Synced(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(E, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def test_a_weight_rebound_by_make_inputs_is_named_though_the_allocator_hands_its_address_back() -> None:
+    """make_inputs binds the weight to one of two tensors in turn (``param.data = new``): at the end
+    it is back at the address recorded before capture, so only watching make_inputs tells the move."""
+    module = _Synced()
+    pool = [module.proj.weight.data, torch.randn(E, E)]
+    calls = [0]
+
+    def make_inputs(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
+        calls[0] += 1
+        module.proj.weight.data = pool[calls[0] % 2]
+        return {"x": torch.randn(num_tokens, E)}
+
+    report = verify(
+        module,
+        make_inputs,
+        capture_sizes=SIZES,
+        max_num_reqs=1,
+        backend="emulate",
+        checks=["address_stability", "state"],
+    )
+    assert module.proj.weight.data_ptr() == pool[0].data_ptr()
+    (failed,) = report.failures
+    assert failed.check == "address_stability", report.format()
+    assert "make_inputs rebound it to new memory" in failed.message

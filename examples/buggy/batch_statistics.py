@@ -27,3 +27,23 @@ class BatchStatistics(Base):
 class TokenStatistics(Base):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x - x.mean(-1, keepdim=True))
+
+
+def _float32_kernel(h: torch.Tensor) -> torch.Tensor:
+    """A kernel written for float32 alone (a fused extension, say): it refuses every other dtype."""
+    if h.dtype != torch.float32:
+        raise TypeError(f"this kernel takes float32 tensors, got {h.dtype}")
+    return torch.tanh(h)
+
+
+class BatchStatisticsInFloat32Kernel(Base):
+    """The same statistics, through a kernel for float32 alone: no float64 reference can run it,
+    so ``real_batches`` holds the real rows to unpadded eager within the measured floor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _float32_kernel(self.lin(x - x.mean(0, keepdim=True)))
+
+
+class TokenStatisticsInFloat32Kernel(Base):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _float32_kernel(self.lin(x - x.mean(-1, keepdim=True)))

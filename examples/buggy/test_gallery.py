@@ -9,6 +9,7 @@ from examples.buggy.common import token_inputs
 from examples.buggy.padding_leak import MaskByMultiply
 from examples.buggy.python_scalar import ScaledByTemperature, scalar_inputs, tensor_inputs
 from examples.buggy.shape_branch import NoShapeBranch, ShapeBranch
+from examples.buggy.weight_sync import Synced, syncing_inputs
 from tests.bugs import PAIRS
 
 # Every descriptor, also without --cudagraph-verify: some bugs show at one size only.
@@ -16,10 +17,10 @@ CONFIG = {"capture_sizes": (1, 2, 4, 8), "max_num_reqs": 4, "exhaustive": True}
 # (check, buggy, fixed, message, extra keywords: a strictness the pair is caught under, make_inputs)
 GALLERY = [(p.check, p.buggy, p.correct, p.message, p.kwargs, p.make_inputs) for p in PAIRS] + [
     (
-        "real_batches",
+        "padded_size",
         ShapeBranch,
         NoShapeBranch,
-        r"real rows (are off systematically|differ from eager on the unpadded batch)",
+        r"a computation depends on the padded batch size",
         {},
         token_inputs,
     ),
@@ -54,3 +55,23 @@ def test_python_scalar_input_is_refused(cudagraph_verify, cudagraph_device):
     ):
         cudagraph_verify(module, scalar_inputs(cudagraph_device), **CONFIG)
     assert cudagraph_verify(module, tensor_inputs(cudagraph_device), **CONFIG).ok
+
+
+def test_weights_synced_in_place_by_make_inputs_pass_and_rebound_ones_are_caught(
+    cudagraph_verify, cudagraph_device
+):
+    """A weight sync between batches is the state each run starts from, not a forward's write."""
+    torch.manual_seed(0)
+    module = Synced().to(cudagraph_device)
+    report = cudagraph_verify(
+        module, syncing_inputs(module, in_place=True, device=cudagraph_device), **CONFIG
+    )
+    assert report.ok and any(
+        "make_inputs writes module tensor(s) 'lin.weight' in place" in n for n in report.notes
+    )
+    module = Synced().to(cudagraph_device)
+    with pytest.raises(
+        pytest.fail.Exception,
+        match=r"(?s)FAIL address_stability .*module tensor 'lin.weight' moved: make_inputs rebound it",
+    ):
+        cudagraph_verify(module, syncing_inputs(module, in_place=False, device=cudagraph_device), **CONFIG)

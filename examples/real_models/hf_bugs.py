@@ -8,7 +8,7 @@ check that must catch it is named in its docstring and asserted by
   with no mask. ``LlamaAttention.is_causal`` is True, but only SDPA reads
   that flag; HF's eager attention applies the mask it is given and nothing
   else, so the layer is bidirectional and real tokens attend to the padded
-  ones. Caught by ``real_batches`` (and ``padding_isolation``). Twin:
+  ones. Caught by ``padded_size`` (and ``padding_isolation``). Twin:
   ``CausalEagerLlamaLayer`` builds the causal mask from the padded shape.
 - ``AuxHiddenLlamaLayer``: keeps its post-attention hidden states on
   ``self.aux_hidden`` for an EAGLE-style drafter. In a graph that attribute

@@ -51,7 +51,7 @@ class Pair:
 
 PAIRS = [
     # (1) eager attention without a mask is bidirectional: padded tokens leak in.
-    Pair("real_batches", BidirectionalLlamaLayer, CausalEagerLlamaLayer, _rope),
+    Pair("padded_size", BidirectionalLlamaLayer, CausalEagerLlamaLayer, _rope),
     # (3) hidden states kept on self.aux_hidden for a drafter.
     Pair("side_outputs", AuxHiddenLlamaLayer, AuxHiddenOutputLlamaLayer, _rope),
     # (4) .item() on the largest position to pick the rotary factors.

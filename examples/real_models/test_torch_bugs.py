@@ -35,7 +35,7 @@ def _fails(check: str) -> str:
 def test_bidirectional_self_attention_leaks_padding(cudagraph_verify, cudagraph_device):
     # No attn_mask: real tokens attend to the padded ones.
     module = bidirectional_self_attention().to(cudagraph_device)
-    with pytest.raises(pytest.fail.Exception, match=_fails("real_batches")):
+    with pytest.raises(pytest.fail.Exception, match=_fails("padded_size")):
         cudagraph_verify(module, _x_only(cudagraph_device), **CONFIG)
 
 
@@ -50,7 +50,7 @@ def test_batchnorm_in_train_mode_is_caught(cudagraph_verify, cudagraph_device):
     # Batch statistics over padded images: the module is verified in train mode,
     # the mode it is in, not switched to eval behind the user's back.
     module = training_block().to(cudagraph_device)
-    with pytest.raises(pytest.fail.Exception, match=_fails("real_batches")):
+    with pytest.raises(pytest.fail.Exception, match=_fails("padded_size")):
         cudagraph_verify(module, image_inputs(cudagraph_device), **CONFIG)
     assert module.training
 

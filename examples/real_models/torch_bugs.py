@@ -2,11 +2,11 @@
 
 - ``BidirectionalSelfAttention``: ``nn.MultiheadAttention`` used as a
   decoder's self-attention but called without ``attn_mask``: every token sees
-  every other, the padded ones included. Caught by ``real_batches`` (and
+  every other, the padded ones included. Caught by ``padded_size`` (and
   ``padding_isolation``). Twin: ``torch_models.CausalSelfAttention``.
 - A ``BasicBlock`` left in train mode (``basic_block().train()``): BatchNorm
   normalises with the statistics of the whole batch, padded images included,
-  and updates its running statistics from them. Caught by ``real_batches``
+  and updates its running statistics from them. Caught by ``padded_size``
   (the module is verified in the mode it is in). Twin: the same block in eval
   mode, ``basic_block()``.
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import functions
+from . import functions, padded_size
 from .registry import Check, CheckRegistry
 
 __all__ = ["BUILTIN", "CAPTURE_CHECK", "DISPATCH_CHECK"]
@@ -79,19 +79,45 @@ BUILTIN = CheckRegistry(
             "real_batches",
             functions.real_batches,
             compares="the smallest and the largest real batch a descriptor serves (every batch of a trace with "
-            "`--cudagraph-trace`) return real rows equal to eager on the *unpadded* batch within the dtype's "
-            "tolerance; where they are not, held to the measured floor: eager at the graph's padded shape "
-            "against eager on the unpadded batch says how far rounding moves it (a few multiples of it are "
-            "allowed), a systematic difference (a scale, an offset per feature, a scale per row) fails, and "
-            "so does one beyond what rounding at the products' precision can do (bit for bit with "
+            "`--cudagraph-trace`), run through the graph, return real rows equal bit for bit to eager at the "
+            "graph's padded shape on the inputs the graph read (the same program); whether eager at the padded "
+            "shape computes the real rows as eager on the real batch does is left to `padded_size`, in float64. "
+            "Where the module cannot run in float64 (or `padded_size` is deselected), the real rows are held to "
+            "eager on the *unpadded* batch: within the dtype's tolerance, else within the measured floor "
+            "(eager at the graph's padded shape against eager on the unpadded batch; a few multiples are "
+            "allowed), failing a systematic difference (a scale, an offset per feature, a scale per row) and "
+            "one beyond what rounding at the products' precision can do (bit for bit with "
             "`batch_invariant=True`); both figures are reported",
-            catches="computations that depend on the padded batch size: statistics over the whole batch, padded "
-            "rows included; a Python branch on the token count, or a scale computed from it, down to a few "
-            "percent on bf16 logits; outputs cut wrongly; a module that computes something else when it is "
-            "captured (attention metadata planned per request count and shared by decode graphs of several "
-            "query lengths), named as such when eager on its capture path differs from eager as users run it",
+            catches="a graph that serves a padded real batch otherwise than eager at its shape does (values frozen "
+            "at capture, a stale buffer the real batch reads); where no float64 reference runs, computations that "
+            "depend on the padded batch size: statistics over the whole batch, padded rows included; a Python "
+            "branch on the token count, or a scale computed from it, down to a few percent on bf16 logits; "
+            "outputs cut wrongly; a module that computes something else when it is captured (attention metadata "
+            "planned per request count and shared by decode graphs of several query lengths), named as such when "
+            "eager on its capture path differs from eager as users run it",
             applies="no real batch dispatches to the descriptor; the module draws random numbers, told by its use "
-            "of a generator (the `rng` check covers them)",
+            "of a generator (the `rng` check covers them). With the float64 reference it runs each descriptor's "
+            "smallest real batch only: its largest, a batch of the graph's own size, is what `fresh_inputs` holds",
+        ),
+        Check(
+            padded_size.CHECK,
+            padded_size.padded_size,
+            scope="after_release",
+            prepare=padded_size.prepare_reference,
+            compares="after the graphs are released, eager at each descriptor's padded shape, cut to the real "
+            "rows, against eager on the real batch (the most padded batch `real_batches` ran), both in float64: "
+            "every float16, bfloat16 and float32 op of the forward raised as it runs, weights converted as "
+            "they are read (no copy of the model), float32 with TF32 off for an op with no float64 kernel. "
+            "Held to 64 times the reference's floor, measured with the module at one shape (the same forward "
+            "with noise of one unit roundoff at every op), so a computation of another shape cannot hide in "
+            "it; the report gives the precision, the floor, the limit and the stage's peak memory apart",
+            catches="computations that depend on the padded batch size at any size above float64's rounding: a "
+            "scale, table or cache made for the padded size (a rotary table of another length), a branch on the "
+            "token count inside the stack, statistics over padded rows, an output cut wrongly; a module that "
+            "computes something else when it is captured; named with the first divergent submodule",
+            applies="the module cannot run in float64 (an op with neither a float64 nor a float32 kernel, a "
+            "dtype check of its own: said so, and `real_batches` keeps the floor of the module's own "
+            "precision); it draws random numbers; `batch_invariant=True`",
         ),
         Check(
             "padding_isolation",

@@ -20,7 +20,7 @@ from ..plan import BatchDescriptor
 from .compare import first_difference
 from .floor import across_shapes, cut_leaf, given
 
-__all__ = ["locate_divergence"]
+__all__ = ["locate_divergence", "recording"]
 
 Record = tuple[str, list[torch.Tensor]]
 
@@ -53,6 +53,19 @@ class _Recorder:
         finally:
             for h in handles:
                 h.remove()
+
+
+@contextlib.contextmanager
+def recording(module: torch.nn.Module) -> Iterator[list[Record]]:
+    """Copies of every submodule's tensor outputs of the block's last forward of ``module``, in the
+    order forwards finish; the list is filled when the block ends."""
+    records: list[Record] = []
+    recorder = _Recorder(module, clone=True)
+    try:
+        with recorder.attached():
+            yield records
+    finally:
+        records.extend(recorder.records)
 
 
 def _rows_ndim(graph: torch.Tensor, eager: torch.Tensor) -> int:

@@ -286,7 +286,8 @@ def _verify(
             _tell_not_known(ctx, report)
         report.real_batches = ctx.real_batches_run
         report.costs = meter.costs
-        report.peak_memory, report.memory_kind = peak_memory(manager.device)
+        if not report.peak_memory:  # read by _run before the graphs went, when a later stage ran
+            report.peak_memory, report.memory_kind = peak_memory(manager.device)
     finally:
         try:
             manager.release()
@@ -368,15 +369,33 @@ def _tell_unseen_writes(ctx: VerifyContext, report: VerifyReport, checks: list[C
     could not be put back, so the module leaves verification changed. Said, never passed over."""
     changed = ctx.unseen_writes()
     report.notes.extend(ctx.notes)
+    selected = {c.name for c in checks}
+    if ctx.synced:
+        report.notes.append(
+            f"make_inputs writes module tensor(s) {', '.join(repr(n) for n in ctx.synced)} in place (a weight "
+            "sync): each run starts from what it wrote, and no forward is held to have written it"
+        )
+    moved = list(dict.fromkeys([*ctx.rebound_outside, *ctx.rebound()]))
+    if moved and "address_stability" not in selected:
+        message = (
+            f"module tensor(s) {', '.join(repr(n) for n in moved)} were rebound to new memory during "
+            "verification (param.data = new, or a new tensor assigned, in forward or in make_inputs): graphs "
+            "captured before keep reading the old memory. Update them in place (copy_)"
+        )
+        if "state" in selected:
+            report.add([Outcome("state", None, False, message, Finding(output=moved[0]))])
+        else:
+            report.notes.append(message)
     if not changed:
         return
     names = ", ".join(repr(n) for n in changed)
     message = (
         f"module tensor(s) {names} hold other values after verification than before it: a forward writes "
-        "them where the first pass saw no write (at another shape, or outside torch's dispatcher), so "
-        "they were not copied before and could not be put back"
+        "them where the first pass saw no write (at another shape, or outside torch's dispatcher), or code "
+        "between forwards did outside torch's dispatcher, so they were not copied before and could not be "
+        "put back"
     )
-    if any(c.name == "state" for c in checks):
+    if "state" in selected:
         report.add([Outcome("state", None, False, message, Finding(output=changed[0]))])
     else:
         report.notes.append(message)
@@ -466,7 +485,8 @@ def _run(
             runnable.append(check)
             continue
         try:
-            check.prepare(ctx)
+            with meter.step(check.name):
+                check.prepare(ctx)
         except Exception as exc:  # a check that cannot prepare cannot run: said, not skipped in silence
             _raise_if_lost(exc)
             report.add([could_not_run(check, None, exc, "its prepare step raised ")])
@@ -546,7 +566,33 @@ def _run(
             with meter.step(check.name):
                 outcome = guarded(check, None, partial(check.run, ctx, captured))
             report.add([outcome])
+    later = [c for c in runnable if c.scope == "after_release"]
+    if later:
+        _after_release(ctx, report, selected, captured, blocked, later, meter)
     report.check_seconds = time.perf_counter() - started
+
+
+def _after_release(
+    ctx: VerifyContext,
+    report: VerifyReport,
+    selected: list[BatchDescriptor],
+    captured: list[BatchDescriptor],
+    blocked: dict[BatchDescriptor, str],
+    checks: list[Check],
+    meter: Meter,
+) -> None:
+    """The checks that need the graphs' memory: the graphs are released first (the verification's
+    peak read before), and this stage's peak is reported apart (``report.reference_peak_memory``)."""
+    manager = ctx.manager
+    report.peak_memory, report.memory_kind = peak_memory(manager.device)
+    manager.release()
+    report.reference_memory_at_start = start_peak(manager.device)
+    for check in checks:
+        with meter.step(check.name):
+            outcomes = _guarded_each(check, ctx, captured) if captured else []
+        report.add([_named(ctx, o) for o in outcomes])
+        report.add([Outcome(check.name, d, True, blocked[d], skipped=True) for d in selected if d in blocked])
+    report.reference_peak_memory = peak_memory(manager.device)[0]
 
 
 def _named(ctx: VerifyContext, outcome: Outcome) -> Outcome:

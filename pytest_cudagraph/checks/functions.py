@@ -62,7 +62,7 @@ def where_of(diff: Difference) -> str:
     return f"{path}: {diff.reason}"
 
 
-def _batch_norm_hint(ctx: VerifyContext) -> str:
+def batch_norm_hint(ctx: VerifyContext) -> str:
     """Why padded rows reach real ones when a BatchNorm is in train mode (the module is verified as it is)."""
     names = [
         name
@@ -381,8 +381,10 @@ def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
 
 # -- real batches ------------------------------------------------------------
 def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
-    """Every real batch the descriptor serves: real rows against eager on the unpadded batch,
-    held to the measured floor (``checks/floor.py``), or bit for bit with ``batch_invariant``."""
+    """Every real batch the descriptor serves: real rows against eager at the graph's padded shape
+    bit for bit, the rest left to ``padded_size``'s float64 reference; where the module cannot run in
+    float64, against eager on the unpadded batch within the measured floor (``checks/floor.py``), or
+    bit for bit with ``batch_invariant``."""
     batches = ctx.checked_batches(desc)
     if not batches:
         return Outcome(
@@ -403,9 +405,12 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             message="the module draws random numbers, which cannot match unpadded eager draw for "
             "draw (the rng check covers them)",
         )
+    reference = ctx.reference if ctx.reference is not None and ctx.reference.ready else None
     rows = ctx.rows_ndim(desc)
     totals: dict[str, Any] = {"batches": len(batches), "max_abs": 0.0, "floor_measured": 0, "floor_max": 0.0}
-    for batch in batches:
+    if reference is not None:
+        totals["reference"] = "padded_size"
+    for i, batch in enumerate(batches):
         # make_inputs first, then the snapshot, as every check does: a make_inputs that updates the
         # module (a weight sync between batches) is part of the state both runs start from.
         inputs = ctx.make(batch)
@@ -414,6 +419,21 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             got = ctx.run(clone_tree(inputs), batch)
             ctx.restore(state0)
             ctx.seed_all(ctx.seed)
+            if reference is not None:
+                # The same program as the graph: eager on the inputs the graph read, padding included,
+                # queued for the reference before eager runs (a forward may write its inputs in place).
+                padded_inputs = ctx.load(desc, clone_tree(inputs), batch)
+                reference.queue(
+                    desc, batch, inputs, padded_inputs, ctx.manager.output_dims(desc), first=i == 0
+                )
+                at_padded = ctx.manager.cut_output(desc, ctx.eager(padded_inputs, desc), batch)
+                diff = first_difference(got, at_padded)
+                verdict = Verdict(
+                    diff is None, diff, "" if diff is None else _not_the_program(ctx, desc, diff)
+                )
+                if verdict.passed:
+                    continue
+                return _real_batch_failure(ctx, desc, batch, inputs, verdict, totals, against_real=False)
             # As users run the module without graphs: a capture-only path
             # (code that asks whether it is captured) is held to eager too.
             expected = ctx.eager_real(clone_tree(inputs), batch, captured_path=False)
@@ -444,32 +464,54 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         _tally(totals, verdict)
         if verdict.passed:
             continue
-        diff = verdict.diff
-        if diff is not None and diff.opaque:
-            return _opaque_output("real_batches", desc, diff, batch)
-        submodule, segment = (
-            locate_divergence(ctx, desc, inputs, batch, against_real=True)
-            if diff is not None and diff.index is not None
-            else (None, None)
-        )
-        finding = (
-            finding_of(diff, batch, submodule, segment)
-            if diff is not None
-            else Finding(real_batch=batch.shape())
-        )
         cause = _capture_path(
             ctx, inputs, batch, state0, got, expected, None if ctx.batch_invariant else padded, rows
         )
-        why = f"{cause}. What the check saw: {verdict.why}" if cause else verdict.why
-        return Outcome(
-            "real_batches",
-            desc,
-            False,
-            f"{why}{_batch_norm_hint(ctx)}{_python_hint(ctx)}",
-            finding,
-            figures={**totals, **verdict.figures},
-        )
+        if cause:
+            verdict.why = f"{cause}. What the check saw: {verdict.why}"
+        return _real_batch_failure(ctx, desc, batch, inputs, verdict, totals, against_real=True)
     return Outcome("real_batches", desc, True, figures=totals)
+
+
+def _not_the_program(ctx: VerifyContext, desc: BatchDescriptor, diff: Difference) -> str:
+    """Why the graph's real rows differ from eager on the very inputs it read (padding included)."""
+    return (
+        f"the graph's real rows differ from eager at its padded shape on the inputs the graph read, padding "
+        f"included ({where_of(diff)}): the same program at the same shape, so they must agree bit for bit. "
+        "Either the graph runs something else than eager on these inputs (state or values frozen at capture: "
+        "fresh_inputs and replay_matches_eager say more), or eager is not reproducible (determinism says so)"
+    )
+
+
+def _real_batch_failure(
+    ctx: VerifyContext,
+    desc: BatchDescriptor,
+    batch: Batch,
+    inputs: dict[str, Any],
+    verdict: Verdict,
+    totals: dict[str, Any],
+    *,
+    against_real: bool,
+) -> Outcome:
+    diff = verdict.diff
+    if diff is not None and diff.opaque:
+        return _opaque_output("real_batches", desc, diff, batch)
+    submodule, segment = (
+        locate_divergence(ctx, desc, inputs, batch, against_real=against_real)
+        if diff is not None and diff.index is not None
+        else (None, None)
+    )
+    finding = (
+        finding_of(diff, batch, submodule, segment) if diff is not None else Finding(real_batch=batch.shape())
+    )
+    return Outcome(
+        "real_batches",
+        desc,
+        False,
+        f"{verdict.why}{batch_norm_hint(ctx)}{python_hint(ctx)}",
+        finding,
+        figures={**totals, **verdict.figures},
+    )
 
 
 def _capture_path(
@@ -518,7 +560,7 @@ def _capture_path(
     )
 
 
-def _python_hint(ctx: VerifyContext) -> str:
+def python_hint(ctx: VerifyContext) -> str:
     """Where forwards change Python state, that is the likelier cause of a difference than the padding."""
     if not ctx.python_written:
         return ""
@@ -683,7 +725,7 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 desc,
                 False,
                 f"real rows change when padded rows of {filled} hold {label} instead of {instead}: padding "
-                f"leaks into real rows ({where_of(diff)}){strict}{_batch_norm_hint(ctx)}",
+                f"leaks into real rows ({where_of(diff)}){strict}{batch_norm_hint(ctx)}",
                 finding_of(diff, batch),
                 figures={"fill": label, "nonfinite": bool(strict)},
             )
@@ -913,15 +955,11 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
     inputs = ctx.make(batch)
 
-    def replayed(_: int) -> Any:
-        ctx.load(desc, inputs, batch)
-        return ctx.replay(desc)
-
-    outs = ctx.from_one_state(replayed)
-    diff = first_difference(outs[1], outs[0])
-    # Again with the graphs' free memory (their intermediates between replays) poisoned just
-    # before each replay: one poison twice, then the other. A graph that reads what nobody wrote
-    # gives one result per poison, where plain replays read whatever the last one left.
+    # Three replays of the same inputs from one state and seed, the graphs' free memory (their
+    # intermediates between replays) poisoned just before each: one poison twice, then the other.
+    # The first two must agree (state outside registered buffers and nondeterministic kernels make
+    # them differ); a graph that reads what nobody wrote gives one result per poison, where plain
+    # replays read whatever the last one left. A backend that cannot poison replays plainly.
     poisons = (0, 0, 1)
     poisonable = True
 
@@ -932,8 +970,9 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         return ctx.replay(desc)
 
     outs = ctx.from_one_state(poisoned, len(poisons))
+    diff = first_difference(outs[1], outs[0])
     graph_diff = None
-    if poisonable and first_difference(outs[1], outs[0]) is None:
+    if poisonable and diff is None:
         graph_diff = first_difference(outs[2], outs[0])
     read_poison = (
         f"with the graph's free memory poisoned one way before each of two replays of the same inputs they agree, "
@@ -953,12 +992,11 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             finding_of(shown, batch) if shown is not None else Finding(real_batch=batch.shape()),
         )
     if graph_diff is not None:
-        left = ". Two plain replays differ too: each reads what the last one left" if diff is not None else ""
         return Outcome(
             "determinism",
             desc,
             False,
-            f"a replay reads graph memory nobody wrote: {read_poison}{left}. No op the dispatcher sees reads "
+            f"a replay reads graph memory nobody wrote: {read_poison}. No op the dispatcher sees reads "
             "unwritten memory, so it happens below it (in a custom op's or an extension's own buffer, say): write "
             "that buffer fully first, or make it with zeros",
             finding_of(graph_diff, batch),
@@ -1122,6 +1160,18 @@ def record_addresses(ctx: VerifyContext) -> None:
 
 
 def address_stability(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> Outcome:
+    if ctx.rebound_outside:
+        # Seen as it happened: the allocator may hand the old address back later, so the addresses
+        # below, read at the end, can agree though every graph read the old memory in between.
+        name = next(iter(ctx.rebound_outside))
+        return Outcome(
+            "address_stability",
+            None,
+            False,
+            f"module tensor '{name}' moved: make_inputs rebound it to new memory (param.data = new, or a new "
+            "tensor assigned), and graphs keep reading the old memory. Update it in place (param.copy_(new))",
+            Finding(output=f"module tensor '{name}'"),
+        )
     before: dict[str, tuple[torch.Tensor, int]] = ctx.prepared["address_stability"]
     after = _addresses(ctx)
     for name, (tensor, ptr) in before.items():

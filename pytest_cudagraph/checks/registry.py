@@ -7,7 +7,7 @@ extra_checks=[...])``, or the ``pytest_cudagraph_checks`` hook in a
 ``conftest.py``): the engine knows no check by name but one, ``capture_safety``,
 under which it reports a descriptor whose capture failed.
 
-A check runs in one of three places of a verification:
+A check runs in one of four places of a verification:
 
 - ``"before_capture"``: ``run(ctx, descriptors) -> list[Outcome]``, on every
   selected descriptor before anything is captured. A descriptor it fails is
@@ -16,6 +16,10 @@ A check runs in one of three places of a verification:
   captured descriptor.
 - ``"module"``: ``run(ctx, descriptors) -> Outcome | None``, once, after the
   descriptor checks, with every captured descriptor.
+- ``"after_release"``: ``run(ctx, descriptors) -> list[Outcome]``, once the
+  graphs are released, with every captured descriptor: questions about eager
+  alone that need memory the graphs held (``padded_size``'s float64
+  reference). Its peak memory is reported apart.
 
 ``prepare(ctx)``, if given, runs before the capture (a check that compares
 what capture and replay did with what was there before records it then).
@@ -46,8 +50,8 @@ __all__ = [
     "skipped",
 ]
 
-Scope = Literal["before_capture", "descriptor", "module"]
-SCOPES: tuple[Scope, ...] = ("before_capture", "descriptor", "module")
+Scope = Literal["before_capture", "descriptor", "module", "after_release"]
+SCOPES: tuple[Scope, ...] = ("before_capture", "descriptor", "module", "after_release")
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -118,6 +122,7 @@ _SIGNATURES = {
     "before_capture": "(ctx, descriptors) -> list[Outcome]",
     "descriptor": "(ctx, descriptor) -> Outcome | None",
     "module": "(ctx, descriptors) -> Outcome | None",
+    "after_release": "(ctx, descriptors) -> list[Outcome]",
 }
 
 
@@ -232,6 +237,7 @@ class CheckRegistry:
             "before_capture": "each descriptor, before capture",
             "descriptor": "each descriptor",
             "module": "once",
+            "after_release": "each descriptor, after the graphs are released",
         }
         for c in self:
             cells = [f"`{c.name}`", runs[c.scope], c.compares, c.catches, c.applies]

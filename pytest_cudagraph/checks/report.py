@@ -48,6 +48,8 @@ class Finding:
     max_abs: float | None = None
     max_ulp: int | None = None
     ops: list[str] = field(default_factory=list)  # capture_safety: every offending op
+    #: What ``got`` and ``expected`` are, where not the graph and eager (padded_size: two eager runs).
+    sides: tuple[str, str] = ("graph", "eager")
 
     def describe(self) -> str:
         parts: list[str] = []
@@ -60,7 +62,7 @@ class Finding:
                 where += f" at index {list(self.index)}"
             parts.append(where)
         if self.got is not None or self.expected is not None:
-            parts.append(f"graph gave {self.got!r}, eager gave {self.expected!r}")
+            parts.append(f"{self.sides[0]} gave {self.got!r}, {self.sides[1]} gave {self.expected!r}")
         if self.max_abs is not None:
             ulp = f", max ULP {self.max_ulp}" if self.max_ulp is not None else ""
             parts.append(f"max abs diff {self.max_abs:.3g}{ulp}")
@@ -155,6 +157,10 @@ class VerifyReport:
     rank_peak_memory: dict[int, int] = field(default_factory=dict)
     memory_at_start: int = 0
     memory_kind: str = ""
+    #: The stage after the graphs were released (``padded_size``'s float64 reference): the memory held
+    #: when it began and at its peak (bytes; 0: no such stage ran).
+    reference_memory_at_start: int = 0
+    reference_peak_memory: int = 0
     #: What the verification could not do as usual, said once (not a failure of the module's graphs).
     notes: list[str] = field(default_factory=list)
 
@@ -219,7 +225,21 @@ class VerifyReport:
     def _peak(self) -> str:
         if not self.peak_memory:
             return ""
-        return f", peak memory {format_bytes(self.peak_memory)} ({format_bytes(self.memory_at_start)} before)"
+        return (
+            f", peak memory {format_bytes(self.peak_memory)} ({format_bytes(self.memory_at_start)} before)"
+            f"{self._reference()}"
+        )
+
+    def _reference(self) -> str:
+        """ "; float64 reference: floor ..., limit ..., peak ..." when padded_size ran its reference."""
+        ran = [o.figures for o in self.outcomes if o.check == "padded_size" and "limit" in o.figures]
+        if not ran:
+            return ""
+        peak = f", peak {format_bytes(self.reference_peak_memory)}" if self.reference_peak_memory else ""
+        return (
+            f"; {ran[0]['reference']} reference: floor {max(f['floor'] for f in ran):.2g}, limit "
+            f"{max(f['limit'] for f in ran):.2g}{peak}"
+        )
 
     def cost_lines(self) -> list[str]:
         """Where the time went: one line per step, the costliest first."""
@@ -289,6 +309,8 @@ class VerifyReport:
             "rank_peak_memory_bytes": {str(rank): n for rank, n in sorted(self.rank_peak_memory.items())},
             "memory_at_start_bytes": self.memory_at_start,
             "memory_kind": self.memory_kind,
+            "reference_peak_memory_bytes": self.reference_peak_memory,
+            "reference_memory_at_start_bytes": self.reference_memory_at_start,
             "notes": list(self.notes),
             "outcomes": [o.to_dict() for o in self.outcomes],
         }

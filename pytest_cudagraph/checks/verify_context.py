@@ -19,6 +19,7 @@ from ..plan import Batch, BatchDescriptor, GraphMode
 from ..plan.properties import exact_batch
 from .compare import Difference, first_difference
 from .floor import across_shapes, given
+from .reference import Reference
 
 __all__ = ["ModuleState", "Snapshot", "VerifyContext", "clone_tree", "python_values"]
 
@@ -97,6 +98,29 @@ class ModuleState:
         #: Plain Python values of the module tree that forwards change (a counter, an offset), by
         #: dotted name: snapshot and put back with the tensors.
         self.python_written: list[str] = []
+        #: Module tensors make_inputs writes in place (a weight sync), by name: the state each run
+        #: starts from, not a forward's write; their fingerprints follow each such write.
+        self.synced: dict[str, None] = {}
+        #: Each tensor's storage address when learn_writes ran: a tensor found elsewhere since was
+        #: rebound (``param.data = new``), which address_stability names, not a write.
+        self._addresses: dict[str, int] = {}
+        self.observer.on_outside_writes.append(self._written_outside)
+        #: Module tensors make_inputs rebound to new memory (``param.data = new``), by name, in the
+        #: order first seen: graphs captured before keep reading the old memory (address_stability).
+        self.rebound_outside: dict[str, None] = {}
+        self.observer.on_outside_rebinds.append(self._rebound_outside)
+
+    def _rebound_outside(self, names: list[str]) -> None:
+        for name in names:
+            self.rebound_outside.setdefault(name, None)
+
+    def _written_outside(self, names: list[str]) -> None:
+        """make_inputs wrote these in place: what forwards start from now, not a forward's write."""
+        items = dict(self._state_items())
+        for name in names:
+            self.synced.setdefault(name, None)
+            if name in self._unwritten and name in items:
+                self._unwritten[name] = fingerprint(items[name])
 
     # -- module state -------------------------------------------------------
     def _state_items(self) -> list[tuple[str, torch.Tensor]]:
@@ -163,7 +187,9 @@ class ModuleState:
             if name in python_before:
                 _set_python_value(self.module, name, python_before[name])
         self._unwritten = {}
+        self._addresses = {}
         for name, t in self._state_items():
+            self._addresses[name] = t.data_ptr()
             if name in self.observer.written:
                 continue
             now = fingerprint(t)
@@ -174,10 +200,25 @@ class ModuleState:
                 self._unwritten[name] = now
 
     def unseen_writes(self) -> list[str]:
-        """Tensors that no forward was seen writing when ``learn_writes`` ran and that hold other values now."""
+        """Tensors that no forward was seen writing when ``learn_writes`` ran and that hold other values
+        now, in the memory they had then (a tensor rebound to new memory is ``rebound()``'s)."""
         items = dict(self._state_items())
         return [
-            name for name, fp in self._unwritten.items() if name in items and fingerprint(items[name]) != fp
+            name
+            for name, fp in self._unwritten.items()
+            if name in items
+            and name not in self.rebound_outside
+            and items[name].data_ptr() == self._addresses.get(name)
+            and fingerprint(items[name]) != fp
+        ]
+
+    def rebound(self) -> list[str]:
+        """Tensors whose storage moved since ``learn_writes`` ran (``param.data = new``, in forward or in
+        make_inputs): graphs captured before keep reading the old memory."""
+        return [
+            name
+            for name, t in self._state_items()
+            if name in self._addresses and t.data_ptr() != self._addresses[name]
         ]
 
     @property
@@ -335,6 +376,9 @@ class VerifyContext(ModuleState):
         #: left them, the state it wrote), for the state check; dropped when the descriptor is done.
         self.exact_eager: dict[BatchDescriptor, tuple[dict[str, Any], Snapshot, Snapshot]] = {}
         self._uninitialized: str | None = None
+        #: The float64 reference of the cross-shape question (``padded_size``): None when that check
+        #: does not run; ``real_batches`` queues its batches there when the module runs in float64.
+        self.reference: Reference | None = None
 
     def uninitialized(self) -> str:
         """Why the module's results are undefined, when a forward reads memory nobody wrote (``""``
@@ -413,10 +457,17 @@ class VerifyContext(ModuleState):
         where a computation that depends on the padded size shows, and a branch on the token
         count is crossed) and its largest. Each costs an eager forward at a shape nothing else
         ran, so a 67-size plan checks 134 batches, not every token count up to 512; a trace's
-        batches (``batches=``) are all run when verification is exhaustive."""
+        batches (``batches=``) are all run when verification is exhaustive.
+
+        With the float64 reference (``padded_size``) the smallest alone: the graph is held there to
+        eager at its own shape, and the largest, a batch of the graph's own size, would be what
+        ``fresh_inputs`` already holds (fresh inputs at that shape), while the question across
+        shapes is the reference's."""
         batches = self.real_batches(desc)
         if self.given_batches is not None and self.exhaustive:
             return batches
+        if self.reference is not None and self.reference.ready:
+            return batches[:1]
         return batches if len(batches) <= 2 else [batches[0], batches[-1]]
 
     def _batch_for(self, desc: BatchDescriptor, n: int, reqs_cap: int) -> Batch | None:

@@ -33,7 +33,7 @@ from ..backends.base import CapturedGraph
 from ..context import running
 from ..errors import CaptureError
 from ..guard import CaptureGuard, Violation, find_violations, host_methods_watched
-from ..observe import MODULE_INTERNALS, restoring
+from ..observe import MODULE_INTERNALS, outside_forward, restoring
 from ..plan import BatchDescriptor, GraphMode
 from . import estimate, tree
 from .layout import CountKind, MakeInputsError, call_make_inputs, forward_probes
@@ -287,7 +287,10 @@ class Capture:
         return self._checked_make_inputs
 
     def _checked_make_inputs(self, num_tokens: int, num_reqs: int) -> dict[str, Any]:
-        inputs = call_make_inputs(self.state.user_make_inputs, num_tokens, num_reqs)
+        # A make_inputs that syncs weights in place (an RL engine's weight sync) writes the module
+        # outside any forward: told to the observer, so that nothing takes it for a forward's write.
+        with outside_forward(self.state.observer):
+            inputs = call_make_inputs(self.state.user_make_inputs, num_tokens, num_reqs)
         if inputs.keys() != self.state.inputs.keys():
             missing = sorted(n for n in self.state.inputs if n not in inputs)
             extra = sorted(n for n in inputs if n not in self.state.inputs)

@@ -31,7 +31,7 @@ from .layout import CountKind, PadValue
 if TYPE_CHECKING:
     from .state import ManagerState
 
-__all__ = ["Entry", "OutCut", "Runtime"]
+__all__ = ["Entry", "OutCut", "Runtime", "cut_to_real"]
 
 # How one output leaf is cut to a real batch: each dimension that follows a
 # count, cut to the batch's real count; () returns the leaf whole.
@@ -71,6 +71,18 @@ def _cut_leaf(leaf: Any, dims: OutCut, batch: Batch) -> Any:
             # Never past the captured size (a slice's clamp, as before).
             leaf = leaf.narrow(d, 0, min(count, leaf.shape[d]))
     return leaf
+
+
+def cut_to_real(output: Any, out_dims: list[OutCut], batch: Batch) -> Any:
+    """``output`` (of a graph's shape) cut to ``batch``'s real rows, each leaf along the dimensions
+    ``out_dims`` gives it: the cut the graph's output gets, usable after the graph is gone."""
+    leaves, structure = tree.flatten(output)
+    cut = [
+        _cut_leaf(leaf, dims, batch) if isinstance(leaf, torch.Tensor) else leaf
+        for leaf, dims in zip(leaves, out_dims, strict=False)
+    ]
+    cut.extend(leaves[len(cut) :])
+    return structure.unflatten(cut)
 
 
 @dataclass
@@ -566,14 +578,7 @@ class Runtime:
     def cut_output(self, desc: BatchDescriptor, output: Any, batch: Batch) -> Any:
         """An output of ``desc``'s shape (an eager run of its program, say) cut to ``batch``'s
         real rows exactly as the graph's output is."""
-        entry = self.state.entries[desc]
-        leaves, structure = tree.flatten(output)
-        cut = [
-            _cut_leaf(leaf, dims, batch) if isinstance(leaf, torch.Tensor) else leaf
-            for leaf, dims in zip(leaves, entry.out_dims, strict=False)
-        ]
-        cut.extend(leaves[len(cut) :])
-        return structure.unflatten(cut)
+        return cut_to_real(output, self.state.entries[desc].out_dims, batch)
 
     @staticmethod
     def _cut_views(entry: Entry, batch: Batch) -> list[Any]:

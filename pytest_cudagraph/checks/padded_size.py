@@ -1,0 +1,322 @@
+"""``padded_size``: does eager compute the real rows the same at the graph's padded size? In float64.
+
+A graph captured at N tokens serves real batches of n < N. That it serves
+them right is two questions. The graph's real rows equal eager at the padded
+shape: the same program, held bit for bit by ``real_batches``. And eager at
+the padded shape, cut to the real rows, equals eager on the real batch: a
+question about eager alone, which this check asks.
+
+In the module's own precision that question drowns: two bf16 batch shapes of
+a Llama-8B differ by several percent (another GEMM tiling, through 32
+layers), and a floor measured by running the module at the padded shape holds
+the very computation under test, so it grows with it. Here both forwards run
+in float64 (``precision.raised``), after the graphs are released, where
+rounding moves the logits by about 1e-13, and the limit is measured with the
+module at one shape (the same forward with noise of one unit roundoff at every
+op), which holds no computation of another shape.
+
+A module that cannot run in float64 (an op with neither a float64 nor a
+float32 kernel, a dtype assertion) is said so in the report; ``real_batches``
+then holds it to eager on the real batch within the bf16 floor, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from .. import faults
+from ..manager import tree
+from ..manager.runtime import cut_to_real
+from ..plan import BatchDescriptor
+from ..precision import NoReference, Record, raised
+from .divergence import recording
+from .functions import batch_norm_hint, python_hint
+from .reference import REFERENCE_CAP, LeafDifference, Queued, Reference, leaf_differences
+from .report import Finding, Outcome
+from .verify_context import VerifyContext
+
+__all__ = ["CHECK", "padded_size", "prepare_reference"]
+
+CHECK = "padded_size"
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    """A fresh copy of queued inputs on ``device``: each run gets its own (a forward may write them)."""
+    return tree.tree_map(lambda t: t.to(device, copy=True) if isinstance(t, torch.Tensor) else t, value)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def prepare_reference(ctx: VerifyContext) -> None:
+    """Before capture: whether the module runs in float64 (one forward at the plan's smallest
+    shape), so that ``real_batches`` knows whether to leave its cross-shape question here."""
+    ref = ctx.reference = Reference()
+    if ctx.batch_invariant:
+        ref.why_not = (
+            "batch_invariant=True: real_batches holds the graph to eager on the unpadded batch bit for bit"
+        )
+        return
+    if ctx.observer.random_ops:
+        ref.why_not = (
+            "the module draws random numbers, which cannot match across shapes draw for draw (the rng check "
+            "covers them)"
+        )
+        return
+    desc = min(ctx.manager.plan.capture_order, key=lambda d: d.num_tokens)
+    batch = ctx.exact_batch(desc)
+    inputs = ctx.make(batch)
+    with ctx.preserved_state():
+        ctx.seed_all(ctx.seed)
+        try:
+            with raised() as record:
+                ctx.eager_real(inputs, batch, captured_path=False)
+        except NoReference as exc:
+            ref.why_not = _no_reference(f"{exc}")
+            return
+        except Exception as exc:  # the module's own refusal (a dtype check, a kernel for one dtype)
+            ref.why_not = _no_reference(f"its forward raises in float64: {_first_line(exc)}")
+            return
+    ref.record.merge(record)
+    ref.ready = True
+
+
+class _Runs:
+    """Eager runs in float64 from one state and seed: on the real batch as users run it, or at the
+    graph's padded shape on the path a capture takes, cut to the real rows."""
+
+    def __init__(self, ctx: VerifyContext, state0: Any, record: Record) -> None:
+        self.ctx, self.state0, self.record = ctx, state0, record
+
+    def _raised(self, run: Callable[[], Any], noise: float = 0.0) -> Any:
+        ctx = self.ctx
+        ctx.restore(self.state0)
+        ctx.seed_all(ctx.seed)
+        with raised(noise=noise, seed=ctx.seed) as record:
+            out = run()
+        self.record.merge(record)
+        return out
+
+    def real(self, q: Queued, *, captured_path: bool = False, noise: float = 0.0) -> Any:
+        ctx = self.ctx
+        inputs = _on(q.inputs, ctx.manager.device)
+        return self._raised(lambda: ctx.eager_real(inputs, q.batch, captured_path=captured_path), noise)
+
+    def padded(self, q: Queued) -> Any:
+        ctx = self.ctx
+        padded = _on(q.padded, ctx.manager.device)
+        return self._raised(lambda: cut_to_real(ctx.eager(padded, q.desc), q.out_dims, q.batch))
+
+
+def _limits(floors: dict[str, float], roundoff: float) -> dict[str, float]:
+    return {path: REFERENCE_CAP * max(floor, roundoff) for path, floor in floors.items()}
+
+
+def _worst(diffs: list[LeafDifference], limits: dict[str, float], roundoff: float) -> LeafDifference | None:
+    """The leaf furthest beyond its limit, or None when every leaf is within it."""
+    over = [d for d in diffs if d.why or d.relative > limits.get(d.path, REFERENCE_CAP * roundoff)]
+    if not over:
+        return None
+    return max(over, key=lambda d: d.relative / limits.get(d.path, REFERENCE_CAP * roundoff))
+
+
+def _fmt(x: float) -> str:
+    return "0" if x == 0 else f"{x:.2g}"
+
+
+def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Outcome]:
+    """Per descriptor: eager at its padded shape, cut to the real rows, against eager on the real
+    batch, both in float64, on the real batches ``real_batches`` ran; held to 64 times the floor
+    of the float64 reference (the same forward with noise of one unit roundoff at every op)."""
+    ref = ctx.reference
+    if ref is None or not ref.ready:
+        why = ref.why_not if ref is not None else "the reference was not prepared"
+        return [_skipped(desc, why) for desc in descs]
+    items = [(desc, q) for desc in descs for q in ref.queued.get(desc, [])]
+    if not items:
+        return [
+            _skipped(
+                desc, "real_batches queued no real batch for it (it did not run, or no batch dispatches here)"
+            )
+            for desc in descs
+        ]
+    outcomes: list[Outcome] = []
+    with ctx.preserved_state() as state0:
+        runs = _Runs(ctx, state0, ref.record)
+        # The floor, at the largest batch eager runs: the same forward with rounding-sized noise at every op.
+        floor_at: Queued | None = None
+        exact: Any = None
+        refused: dict[int, str] = {}  # id(queued) -> why eager cannot run it
+        for q in sorted((q for _, q in items), key=lambda q: (-q.batch.num_tokens, -q.desc.num_tokens)):
+            exact, why = _attempt(partial(runs.real, q), q)
+            if why:
+                refused[id(q)] = why
+                continue
+            floor_at = q
+            break
+        if floor_at is None:
+            return [_skipped(desc, _refused_all(refused)) for desc in descs]
+        roundoff = ref.record.roundoff or 2.0**-53
+        noisy = runs.real(floor_at, noise=roundoff)
+        floors = {d.path: d.relative for d in leaf_differences(noisy, exact)}
+        del noisy
+        limits = _limits(floors, roundoff)
+        figures_all = {
+            "reference": ref.record.precision,
+            "floor": max(floors.values(), default=0.0),
+            "limit": max(limits.values(), default=REFERENCE_CAP * roundoff),
+        }
+        for desc in descs:
+            queued = ref.queued.get(desc, [])
+            if not queued:
+                outcomes.append(_skipped(desc, "real_batches queued no real batch for it"))
+                continue
+            worst_relative, compared = 0.0, 0
+            failed: Outcome | None = None
+            why_not: list[str] = []
+            for q in queued:
+                if id(q) in refused:
+                    why_not.append(refused[id(q)])
+                    continue
+                expected, why = (exact, "") if q is floor_at else _attempt(partial(runs.real, q), q)
+                got, why = (None, why) if why else _attempt(partial(runs.padded, q), q, padded=True)
+                if why:
+                    why_not.append(why)
+                    continue
+                compared += 1
+                diffs = leaf_differences(got, expected)
+                worst_relative = max([worst_relative, *(d.relative for d in diffs if not d.why)])
+                bad = _worst(diffs, limits, roundoff)
+                if bad is not None:
+                    failed = _failure(ctx, runs, q, bad, expected, got, limits, floors, roundoff)
+                    break
+            figures = {**figures_all, "relative_rms": worst_relative, "batches": compared}
+            if failed is not None:
+                failed.figures.update(figures)
+                outcomes.append(failed)
+            elif not compared:
+                outcomes.append(_skipped(desc, _refused_all({i: w for i, w in enumerate(why_not)})))
+            else:
+                outcomes.append(Outcome(CHECK, desc, True, figures=figures))
+    return outcomes
+
+
+def _attempt(run: Callable[[], Any], q: Queued, *, padded: bool = False) -> tuple[Any, str]:
+    """(the run's output, "") or (None, why eager cannot run this batch in float64): a batch eager cannot
+    take alone (a BatchNorm in train mode over one row), an op with no float64 or float32 kernel at
+    this shape. A lost CUDA context is no batch's matter: it goes up."""
+    try:
+        return run(), ""
+    except Exception as exc:
+        if faults.is_sticky(exc):
+            raise
+        where = (
+            f"at the padded shape of {q.desc.num_tokens} tokens"
+            if padded
+            else f"on the real batch of {q.batch.num_tokens} tokens alone"
+        )
+        return None, f"eager cannot run in float64 {where} ({_first_line(exc)})"
+
+
+def _refused_all(refused: dict[int, str]) -> str:
+    reasons = list(dict.fromkeys(refused.values()))
+    return "; ".join(reasons) if reasons else "no real batch could be compared"
+
+
+def _skipped(desc: BatchDescriptor, why: str) -> Outcome:
+    return Outcome(CHECK, desc, True, why, skipped=True)
+
+
+def _no_reference(why: str) -> str:
+    return (
+        f"the module cannot run in float64 ({why}), so no reference holds eager across shapes; real_batches "
+        "held the graph to eager on the unpadded batch within the floor it measured in the module's own "
+        "precision instead, which catches a shape-dependent error only where it is systematic or stands out "
+        "of that precision's rounding across shapes (its figures: floor_max in real_batches' outcomes)"
+    )
+
+
+def _failure(
+    ctx: VerifyContext,
+    runs: _Runs,
+    q: Queued,
+    bad: LeafDifference,
+    expected: Any,
+    got: Any,
+    limits: dict[str, float],
+    floors: dict[str, float],
+    roundoff: float,
+) -> Outcome:
+    where = bad.path or "the output"
+    limit = limits.get(bad.path, REFERENCE_CAP * roundoff)
+    n, big = q.batch.num_tokens, q.desc.num_tokens
+    shape = f"eager at the graph's padded size ({big} tokens), cut to the {n} real rows,"
+    if bad.why:
+        what = f"{shape} differs from eager on those {n} tokens at {where}: {bad.why}"
+    else:
+        what = (
+            f"{shape} differs from eager on those {n} tokens by {_fmt(bad.relative)} (relative rms of {where}), "
+            f"in {ctx.reference.record.precision if ctx.reference else 'float64'}, where rounding moves it by "
+            f"{_fmt(floors.get(bad.path, 0.0))} (the floor: this forward with noise of one unit roundoff at "
+            f"every op, at one shape; the limit is {REFERENCE_CAP:g}x that, {_fmt(limit)})"
+        )
+    # Which path: the capture path on the real batch itself, or the padding?
+    on_path = runs.real(q, captured_path=True)
+    path_diffs = leaf_differences(on_path, expected)
+    path_differs = _worst(path_diffs, limits, roundoff) is not None
+    path_explains = _worst(leaf_differences(got, on_path), limits, roundoff) is None
+    del on_path
+    if path_differs and path_explains:
+        cause = (
+            "the module computes something else when it is captured: on the real batch itself, eager on its "
+            "capture path (torch.cuda.is_current_stream_capturing() answering True) differs from eager as "
+            "users run it, and the padded run agrees with the capture path. Look for a branch on capturing, or "
+            "state kept for captures (metadata planned per request count or per token count)"
+        )
+    else:
+        cause = (
+            "a computation depends on the padded batch size: a Python branch on the token count, a scale, "
+            "table or cache made for that size, statistics over the padded rows"
+        )
+    submodule = _first_divergent(runs, q, limit)
+    finding = Finding(
+        output=bad.path,
+        index=bad.index,
+        got=bad.got,
+        expected=bad.expected,
+        real_batch=q.batch.shape(),
+        submodule=submodule,
+        sides=("eager at the padded shape", "eager on the real batch"),
+    )
+    return Outcome(CHECK, q.desc, False, f"{what}: {cause}{batch_norm_hint(ctx)}{python_hint(ctx)}", finding)
+
+
+def _first_divergent(runs: _Runs, q: Queued, limit: float) -> str | None:
+    """The first submodule (in the order forwards finish) whose output, in float64, differs between
+    the padded run (cut to the real rows) and the real batch beyond ``limit``; None where none does
+    (or the module's structure differs between the two runs from the start)."""
+    ctx = runs.ctx
+    module = ctx.module
+    with recording(module) as expected_records:
+        runs.real(q)
+    with recording(module) as padded_records:
+        runs.padded(q)
+    from .floor import cut_leaf
+
+    for (name_e, outs_e), (name_p, outs_p) in zip(expected_records, padded_records, strict=False):
+        if name_e != name_p:
+            return name_p  # control flow itself differs from here on
+        for p, e in zip(outs_p, outs_e, strict=False):
+            cut = cut_leaf(p, e.shape)
+            if cut is None or not (e.is_floating_point() or e.is_complex()):
+                continue
+            diffs = leaf_differences(cut, e)
+            if diffs and (diffs[0].why or diffs[0].relative > limit):
+                return name_p
+    return None

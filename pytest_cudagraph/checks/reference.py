@@ -1,0 +1,190 @@
+"""The float64 reference's state and arithmetic: what ``real_batches`` leaves to ``padded_size``.
+
+``real_batches`` holds a graph's real rows to eager at its padded shape, bit
+for bit (the same program). Whether eager at the padded shape, cut to the
+real rows, equals eager on the real batch is a question about eager alone;
+``padded_size`` asks it in float64 once the graphs are released, on the
+batches ``real_batches`` queued here (``Reference``). The comparison is a
+relative rms per output leaf (``leaf_differences``), held to the reference's
+own floor: how far rounding at its precision moves the output, measured at
+one shape (``precision.raised(noise=...)``), so a computation that depends on
+the padded size cannot hide in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..manager import tree
+from ..manager.runtime import OutCut
+from ..plan import Batch, BatchDescriptor
+from ..precision import Record
+from .compare import CHUNK, leaves
+
+__all__ = ["REFERENCE_CAP", "LeafDifference", "Queued", "Reference", "leaf_differences", "on_cpu"]
+
+#: Eager across shapes may differ in float64 by this many times the reference's floor (the same
+#: forward with noise of one unit roundoff at every op, at one shape). Measured on an H200
+#: (docs/scale.md): the difference across shapes of a correct Llama of 1B and 8B parameters is at
+#: most 0.6 times its floor (1.9e-13 at 8B), and a shape-dependent error of 1e-6 moves the logits by
+#: 1.7e-7 or more, six orders of magnitude above it.
+REFERENCE_CAP = 64.0
+
+
+def on_cpu(value: Any) -> Any:
+    """``value`` with every tensor copied to the CPU (queued batches hold no device memory)."""
+    return tree.tree_map(
+        lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t, value
+    )
+
+
+@dataclass
+class Queued:
+    """A real batch ``real_batches`` ran, kept for the reference: the real rows and, padding
+    included, the inputs the graph read (both on the CPU), and how the graph's output is cut."""
+
+    desc: BatchDescriptor
+    batch: Batch
+    inputs: dict[str, Any]
+    padded: dict[str, Any]
+    out_dims: list[OutCut]
+
+    @property
+    def padded_rows(self) -> bool:
+        return self.batch.num_tokens < self.desc.num_tokens
+
+
+@dataclass
+class Reference:
+    """One verification's float64 reference: whether the module runs there (``ready``, else
+    ``why_not``), what its runs did (``record``), and the batches queued for it."""
+
+    ready: bool = False
+    why_not: str = ""
+    record: Record = field(default_factory=Record)
+    queued: dict[BatchDescriptor, list[Queued]] = field(default_factory=dict)
+
+    def queue(
+        self,
+        desc: BatchDescriptor,
+        batch: Batch,
+        inputs: Mapping[str, Any],
+        padded: Mapping[str, Any],
+        out_dims: list[OutCut],
+        *,
+        first: bool,
+    ) -> None:
+        """Keep ``batch`` for the reference when it has padded rows, or is the descriptor's first
+        (a descriptor that serves only its own size still has its capture path compared)."""
+        item = Queued(desc, batch, on_cpu(dict(inputs)), on_cpu(dict(padded)), list(out_dims))
+        if item.padded_rows or first:
+            self.queued.setdefault(desc, []).append(item)
+
+
+@dataclass
+class LeafDifference:
+    """One output leaf of eager at the padded shape (cut) against eager on the real batch."""
+
+    path: str
+    relative: float  # rms of the difference over rms of eager on the real batch (finite elements)
+    why: str = ""  # a difference no tolerance excuses (shape, non-finite places, integer values); "" if none
+    index: tuple[int, ...] | None = None  # the largest difference
+    got: Any = None
+    expected: Any = None
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, tuple[int, ...] | None, str]:
+    """(relative rms, index of the largest difference, why) over finite elements, in pieces of rows
+    whose sums stay on the device: one synchronization for the whole leaf."""
+    g = got.detach().reshape(-1)
+    e = expected.detach().reshape(-1).to(g.device)
+    sums = torch.zeros(2, dtype=torch.float64, device=g.device)  # sum of d*d, sum of e*e
+    worst = torch.full((2,), -1.0, dtype=torch.float64, device=g.device)  # largest |d|, its index
+    mismatch = torch.full((1,), -1, dtype=torch.int64, device=g.device)  # first non-finite mismatch
+    for start in range(0, g.numel(), CHUNK):
+        gd = g[start : start + CHUNK].to(torch.float64)
+        ed = e[start : start + CHUNK].to(torch.float64)
+        fg, fe = torch.isfinite(gd), torch.isfinite(ed)
+        # Non-finite where the other is finite, or another non-finite value (NaN equals NaN).
+        bad = (fg != fe) | (~fg & ~fe & (gd != ed) & ~(torch.isnan(gd) & torch.isnan(ed)))
+        first_bad = torch.where(bad, torch.arange(start, start + gd.numel(), device=g.device), g.numel())
+        mismatch = torch.where((mismatch < 0) & bad.any(), first_bad.min().reshape(1), mismatch)
+        d = torch.where(fg & fe, gd - ed, 0.0)
+        ez = torch.where(fe, ed, 0.0)
+        sums += torch.stack(((d * d).sum(), (ez * ez).sum()))
+        if d.numel():
+            m, i = d.abs().max(0)
+            better = m > worst[0]
+            worst = torch.where(better, torch.stack((m, (i + start).double())), worst)
+    dd, ee, largest, where, first = (*sums.tolist(), *worst.tolist(), int(mismatch.item()))
+    shape = got.shape
+    index: tuple[int, ...] | None
+    if first >= 0:
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), shape))
+        finite = bool(torch.isfinite(g[first])) or bool(torch.isfinite(e[first]))
+        return (
+            float("inf"),
+            index,
+            "non-finite where the other is finite" if finite else "another non-finite value",
+        )
+    index = (
+        tuple(int(i) for i in torch.unravel_index(torch.tensor(int(where)), shape)) if largest >= 0 else None
+    )
+    if ee == 0.0:
+        return (0.0 if dd == 0.0 else float("inf")), index, ""
+    return (dd / ee) ** 0.5, index, ""
+
+
+def leaf_differences(got: Any, expected: Any) -> list[LeafDifference]:
+    """Per tensor leaf of ``expected``, how far ``got`` is from it (floating leaves: the relative
+    rms; integer and bool leaves: equal or not)."""
+    found: list[LeafDifference] = []
+    got_leaves = dict(leaves(got))
+    for path, e in leaves(expected):
+        if not isinstance(e, torch.Tensor):
+            continue
+        g = got_leaves.get(path)
+        if not isinstance(g, torch.Tensor):
+            found.append(
+                LeafDifference(path, float("inf"), "missing where eager on the real batch has a tensor")
+            )
+            continue
+        if tuple(g.shape) != tuple(e.shape):
+            found.append(
+                LeafDifference(
+                    path,
+                    float("inf"),
+                    f"shape {list(g.shape)} where eager on the real batch has {list(e.shape)}: the output is "
+                    "cut to the real rows wrongly",
+                )
+            )
+            continue
+        if not (e.is_floating_point() or e.is_complex()):
+            off = g.to(e.device) != e
+            if bool(off.any()):
+                at = tuple(int(i) for i in torch.unravel_index(off.reshape(-1).nonzero()[0, 0], e.shape))
+                found.append(
+                    LeafDifference(
+                        path,
+                        float("inf"),
+                        f"{int(off.sum())} of {e.numel()} integer values differ",
+                        at,
+                        g[at].item(),
+                        e[at].item(),
+                    )
+                )
+            else:
+                found.append(LeafDifference(path, 0.0))
+            continue
+        if e.is_complex():
+            g, e = torch.view_as_real(g), torch.view_as_real(e)
+        relative, index, why = _relative(g, e)
+        diff = LeafDifference(path, relative, why, index)
+        if index is not None:
+            diff.got, diff.expected = g[index].item(), e.to(g.device)[index].item()
+        found.append(diff)
+    return found
