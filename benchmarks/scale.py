@@ -13,13 +13,21 @@ by 8), in one process:
 - **bug**: quick verification of the same model with a small systematic bug
   (logits scaled by 3 % for batches of the largest capture size: a Python
   branch on the token count, which the graph padded to 512 takes for 505
-  real tokens and eager on 505 tokens does not), which ``real_batches``
-  must catch.
+  real tokens and eager on 505 tokens does not), which must be caught;
+- **errors**: quick verification with a 1 % error inside the stack (the last
+  layer's MLP output times 1.01) and a 0.1 % logit scale, each on the padded
+  sizes only (``Planted``: a token count that is a multiple of 8);
+- **limits**: the detection-limit table: for each kind of error of
+  ``ERROR_KINDS`` (on the padded sizes only), the smallest caught when the
+  graph is held to the floor of bf16 (``real_batches`` alone) and to the
+  float64 reference (``padded_size``), verifying the largest descriptor; and
+  the correct model's verdict in both.
 
-Each prints its verdict, wall time, peak reserved memory (the allocator's,
-reset before each) and the ratios against the hand loop; ``--out`` writes
-them as JSON, with where each verification's time went. On the CPU (no CUDA)
-only the emulator's verification of ``tiny`` runs, with small sizes.
+Each prints its verdict, wall time, the graph stages' peak reserved memory
+(the allocator's, reset before each), the float64 reference's floor, limit
+and stage peak, and the ratios against the hand loop; ``--out`` writes them
+as JSON, with where each verification's time went. On the CPU (no CUDA) only
+the emulator's verification of ``tiny`` runs, with small sizes.
 
     python benchmarks/scale.py --shapes tiny,1B,8B --out scale.json
     python benchmarks/scale.py --shapes tiny --resnet      # also torchvision's resnet18 in fp32 (TF32 on)
@@ -297,6 +305,16 @@ def verified(
     }
 
 
+def verified_planted(model: nn.Module, kind: str, e: float, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``verified`` of ``model`` with the error ``kind`` of size ``e`` planted, the hooks removed after
+    (nothing here outlives the call: a wrapper left in a caller's variable keeps the model alive)."""
+    planted = Planted(model, kind, e)
+    try:
+        return verified(planted, *args, **kwargs)
+    finally:
+        planted.remove()
+
+
 #: The two ways of holding a graph across shapes: the module's own precision (real_batches' floor,
 #: padded_size deselected) and the float64 reference; and the errors each is tried with, largest
 #: first (the sweep stops at the first one missed).
@@ -320,13 +338,9 @@ def detection_limits(model: nn.Module, sizes: list[int], vocab: int, device: str
         for mode, checks in MODES.items():
             caught, missed, message = None, None, ""
             for e in SWEEP[mode]:
-                planted = Planted(model, kind, e)
-                try:
-                    r = verified(
-                        planted, sizes, vocab, device, exhaustive=False, checks=checks, descriptors=largest
-                    )
-                finally:
-                    planted.remove()
+                r = verified_planted(
+                    model, kind, e, sizes, vocab, device, exhaustive=False, checks=checks, descriptors=largest
+                )
                 if r["ok"]:
                     missed = e
                     break
@@ -431,11 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         if "errors" in parts:
             # The issue's two errors, each on the padded sizes only, in quick verification.
             for kind, e in (("mlp_scale", 0.01), ("logit_scale", 0.001)):
-                planted = Planted(model, kind, e)
-                try:
-                    row[f"{kind} {e:g}"] = verified(planted, sizes, vocab, device, exhaustive=False)
-                finally:
-                    planted.remove()
+                row[f"{kind} {e:g}"] = verified_planted(
+                    model, kind, e, sizes, vocab, device, exhaustive=False
+                )
                 _print(f"{kind} {e:g}", row[f"{kind} {e:g}"], row.get("hand"))
         if "limits" in parts:
             print("  detection limits (the largest descriptor; smallest error caught):", flush=True)

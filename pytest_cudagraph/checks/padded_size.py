@@ -50,8 +50,8 @@ def _on(value: Any, device: torch.device) -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    """The error's type and first line (an out-of-memory error: what it asked for and found free)."""
+    return faults.described(exc).strip().splitlines()[0]
 
 
 def prepare_reference(ctx: VerifyContext) -> None:
