@@ -938,8 +938,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "reference-limit-never-exceeded",
         PS,
-        "        if d.why or d.relative > limits.get(d.path, REFERENCE_CAP * roundoff)",
-        "        if d.why",
+        "if d.why or d.relative > limits.get(d.path, REFERENCE_CAP * roundoff)]",
+        "if d.why]",
         (*REFERENCE_TESTS, pair("DynamicNTKRotary")),
         "a difference across shapes of any size passes the float64 reference",
     ),
