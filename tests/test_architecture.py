@@ -7,7 +7,10 @@ each other in a circle.
 
 Every import counts: at module level and inside functions (a lazy import is
 still a dependency, and a circle held together by one is still a circle).
-Imports under ``if TYPE_CHECKING:`` are ignored for both rules: they never run.
+Imports under ``if TYPE_CHECKING:`` never run, so the layer rule ignores them
+(a type named for a lower layer's hints is no dependency); the circle rule
+counts them: two modules that name each other's types are one subject split
+badly, and the types they share belong below both.
 Only imports of ``pytest_cudagraph`` modules are read. ``from . import x``
 counts as importing the module or subpackage ``x`` when there is one, and the
 package's ``__init__.py`` otherwise; ``from .plan import Batch`` imports
@@ -128,21 +131,22 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth, except the bodies of ``if TYPE_CHECKING:``."""
+def _import_nodes(tree: ast.AST, *, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth; the bodies of ``if TYPE_CHECKING:`` only with ``type_checking``."""
     stack = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_checking:
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
 
 
-def _edges(module: str, source: str, modules: set[str]) -> set[str]:
-    """The package modules ``module`` (a path relative to pytest_cudagraph/) imports in ``source``."""
+def _edges(module: str, source: str, modules: set[str], *, type_checking: bool = False) -> set[str]:
+    """The package modules ``module`` (a path relative to pytest_cudagraph/) imports in ``source``
+    (with ``type_checking``, those imported only for type hints too)."""
     by_dotted = {_dotted(m): m for m in modules}
 
     def known(dotted: str) -> str | None:
@@ -155,7 +159,7 @@ def _edges(module: str, source: str, modules: set[str]) -> set[str]:
     own = _dotted(module)
     package = own if module.endswith("__init__.py") else own.rpartition(".")[0]
     edges: set[str] = set()
-    for node in _import_nodes(ast.parse(source, filename=module)):
+    for node in _import_nodes(ast.parse(source, filename=module), type_checking=type_checking):
         if isinstance(node, ast.Import):
             targets = [known(a.name) for a in node.names if a.name.split(".")[0] == "pytest_cudagraph"]
         else:
@@ -173,10 +177,13 @@ def _edges(module: str, source: str, modules: set[str]) -> set[str]:
     return edges
 
 
-def _imports() -> dict[str, set[str]]:
+def _imports(*, type_checking: bool = False) -> dict[str, set[str]]:
     """module -> the package modules it imports (paths relative to pytest_cudagraph/)."""
     modules = _modules()
-    return {m: _edges(m, path.read_text(), set(modules)) for m, path in modules.items()}
+    return {
+        m: _edges(m, path.read_text(), set(modules), type_checking=type_checking)
+        for m, path in modules.items()
+    }
 
 
 def _cycles(graph: dict[str, set[str]], limit: int = 50) -> list[list[str]]:
@@ -220,8 +227,9 @@ def test_imports_run_up_the_layer_table() -> None:
 
 
 def test_no_import_circles() -> None:
-    """No circle of imports among the package's modules, counting imports inside functions."""
-    circles = _cycles(_imports())
+    """No circle of imports among the package's modules, counting imports inside functions and those
+    for type hints alone."""
+    circles = _cycles(_imports(type_checking=True))
     assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
 
 
@@ -255,6 +263,7 @@ def test_the_reader_sees_lazy_and_relative_imports() -> None:
         "plan/config.py",
         "manager/layout.py",
     }
+    assert "checks/__init__.py" in _edges("manager/capture.py", source, modules, type_checking=True)
     assert _edges("manager/__init__.py", "from . import capture\nfrom .capture import X\n", modules) == {
         "manager/capture.py"
     }

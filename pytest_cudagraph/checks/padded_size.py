@@ -30,7 +30,7 @@ import torch
 
 from .. import faults
 from ..manager import tree
-from ..manager.runtime import cut_to_real
+from ..manager.types import cut_to_real
 from ..plan import BatchDescriptor
 from ..precision import NoReference, Record, raised
 from .divergence import recording

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..manager import tree
-from ..manager.runtime import OutCut
+from ..manager.types import OutCut
 from ..plan import Batch, BatchDescriptor
 from ..precision import Record
 from .compare import CHUNK, leaves

@@ -38,7 +38,8 @@ from ..plan import BatchDescriptor, GraphMode
 from . import estimate, tree
 from .layout import CountKind, MakeInputsError, call_make_inputs, forward_probes
 from .pieces import EagerPieceError, capture_in_pieces, piece_of, resolve_eager_submodules
-from .runtime import Entry, OutCut, Runtime
+from .runtime import Runtime
+from .types import Entry, OutCut
 
 if TYPE_CHECKING:
     from .state import ManagerState

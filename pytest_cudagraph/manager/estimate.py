@@ -37,29 +37,41 @@ import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..backends.base import Backend
 from ..context import running
 from ..errors import CaptureError
-from ..plan import BatchDescriptor, GraphMode
+from ..plan import BatchDescriptor, CaptureConfig, GraphMode
 from ..units import format_bytes
 from .inputs import call_make_inputs
 
-if TYPE_CHECKING:
-    from .state import ManagerState
+
+class SizedState(Protocol):
+    """What an estimate reads of the manager's shared state (``ManagerState`` has it): the module,
+    its configuration, the backend and its device. A protocol here, so that the estimate, which
+    the layout below the state calls, never names the state's own module."""
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+    @property
+    def config(self) -> CaptureConfig: ...
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def device(self) -> torch.device: ...
 
 
 class Sizing(Protocol):
     """What an estimate reads of a manager: ``GraphManager``, or its capture part mid-sequence:
-    the state they share (the module, its configuration, the backend and its device) and three
-    calls."""
+    the state they share and three calls."""
 
     @property
-    def state(self) -> ManagerState: ...
+    def state(self) -> SizedState: ...
     @property
     def make_inputs(self) -> Callable[[int, int], Mapping[str, Any]]: ...
     def capture_reqs(self, desc: BatchDescriptor) -> int: ...
@@ -70,6 +82,7 @@ __all__ = [
     "DIRECT_TOKENS",
     "CaptureEstimate",
     "Footprint",
+    "SizedState",
     "WarmupMeter",
     "available_memory",
     "check_capture_memory",

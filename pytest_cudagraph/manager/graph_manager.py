@@ -27,8 +27,9 @@ from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan
 from .capture import Capture
 from .layout import InputSpec, PadValue, infer_layout, not_a_module
 from .pieces import EagerSpec, resolve_eager_submodules
-from .runtime import OutCut, Runtime
+from .runtime import Runtime
 from .state import ManagerState
+from .types import OutCut
 
 __all__ = ["Batch", "GraphManager"]
 

@@ -17,130 +17,20 @@ It reads the graphs the capture part made (``_entries``: descriptor ->
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..backends.base import CapturedGraph
 from ..context import running
 from ..plan import Batch, BatchDescriptor, GraphMode
-from . import tree
-from .layout import CountKind, PadValue
+from .layout import PadValue
+from .state import ManagerState
+from .types import BlockLoadPlan, Entry, HotPath, LoadPlan, OutCut, cut_leaf, cut_to_real
 
-if TYPE_CHECKING:
-    from .state import ManagerState
-
-__all__ = ["Entry", "OutCut", "Runtime", "cut_to_real"]
-
-# How one output leaf is cut to a real batch: each dimension that follows a
-# count, cut to the batch's real count; () returns the leaf whole.
-OutCut = tuple[tuple[int, CountKind], ...]
+__all__ = ["Runtime"]
 
 # run_batch's keyword defaults; its hot path keys other values apart.
 _DEFAULT_BATCH_ARGS = (None, None, 0, None, 1)
-
-
-@dataclass
-class Entry:
-    """A captured descriptor as the runtime replays it: its graph, inputs and
-    how to cut its outputs. Made by the capture part."""
-
-    graph: CapturedGraph
-    num_reqs: int  # request rows the graph was captured with
-    out_dims: list[OutCut]  # per output leaf (tree.flatten's order)
-    sample: (
-        dict[str, Any] | None
-    )  # the make_inputs batch the graph was captured on; kept by the checked capture only
-    dropped: bool = False  # the sample was let go (drop_sample)
-
-    def __post_init__(self) -> None:
-        # The output tensors never change (replay rewrites them in place), so
-        # their structure is taken apart once, not on every run().
-        self.leaves, self.structure = tree.flatten(self.graph.output)
-        self.single = isinstance(self.graph.output, torch.Tensor)
-        # (real tokens, real requests) -> the output leaves cut to them (views)
-        self.cuts: dict[tuple[int, int], list[Any]] = {}
-
-
-def _cut_leaf(leaf: Any, dims: OutCut, batch: Batch) -> Any:
-    """One output leaf cut to ``batch``'s real rows along each dimension that follows a count."""
-    for d, kind in dims:
-        if isinstance(leaf, torch.Tensor) and d < leaf.dim():
-            count = batch.num_tokens if kind == "tokens" else batch.num_reqs
-            # Never past the captured size (a slice's clamp, as before).
-            leaf = leaf.narrow(d, 0, min(count, leaf.shape[d]))
-    return leaf
-
-
-def cut_to_real(output: Any, out_dims: list[OutCut], batch: Batch) -> Any:
-    """``output`` (of a graph's shape) cut to ``batch``'s real rows, each leaf along the dimensions
-    ``out_dims`` gives it: the cut the graph's output gets, usable after the graph is gone."""
-    leaves, structure = tree.flatten(output)
-    cut = [
-        _cut_leaf(leaf, dims, batch) if isinstance(leaf, torch.Tensor) else leaf
-        for leaf, dims in zip(leaves, out_dims, strict=False)
-    ]
-    cut.extend(leaves[len(cut) :])
-    return structure.unflatten(cut)
-
-
-@dataclass
-class _LoadPlan:
-    """Where a batch of one shape goes for one descriptor: views of the static
-    buffers, made once (on the replay path a slice costs as much as a copy's
-    launch)."""
-
-    # (input name, its real rows in the static buffer, the padded rows or None, pad value)
-    loads: list[tuple[str, torch.Tensor, torch.Tensor | None, PadValue]]
-    masks: list[tuple[torch.Tensor, bool]]  # is_padding views and the value they get
-
-    def apply(self, inputs: Mapping[str, Any]) -> None:
-        """Copy the real rows in and pad the rest."""
-        for name, head, tail, pad in self.loads:
-            value = inputs[name]
-            head.copy_(value)
-            if tail is not None:
-                if pad == "edge":
-                    tail.copy_(value[-1:].expand_as(tail))
-                else:
-                    tail.fill_(pad)
-        for mask, flag in self.masks:
-            mask.fill_(flag)
-
-
-@dataclass
-class _BlockLoadPlan(_LoadPlan):
-    """A load plan with inputs the row plan cannot take: its own class, so
-    that batches of the usual inputs pay nothing for them on the replay path."""
-
-    # (input name, its real block, its descriptor's whole window or None, pad
-    # value): several dimensions follow the batch (a square mask), so the
-    # window is filled and the real block written over it.
-    blocks: list[tuple[str, torch.Tensor, torch.Tensor | None, int | float | bool]]
-    # (input name, real part, padded part, dimension): "edge" padding along a
-    # dimension other than the first.
-    edges: list[tuple[str, torch.Tensor, torch.Tensor, int]]
-
-    def apply(self, inputs: Mapping[str, Any]) -> None:
-        for name, real, window, pad in self.blocks:
-            if window is not None:
-                window.fill_(pad)
-            real.copy_(inputs[name])
-        for name, head, tail, dim in self.edges:
-            value = inputs[name]
-            head.copy_(value)
-            tail.copy_(value.narrow(dim, value.shape[dim] - 1, 1).expand_as(tail))
-        super().apply(inputs)
-
-
-@dataclass
-class _Hot:
-    """What run() decided for a batch shape: the graph, and the views it copies into and cuts."""
-
-    entry: Entry
-    load: _LoadPlan
-    cut: list[Any]
 
 
 class Runtime:
@@ -318,11 +208,11 @@ class Runtime:
                 return False
         return True
 
-    def _make_hot(self, desc: BatchDescriptor, batch: Batch) -> _Hot:
+    def _make_hot(self, desc: BatchDescriptor, batch: Batch) -> HotPath:
         entry = self.state.entries[desc]
-        return _Hot(entry, self._load_plan(desc, batch), self._cut_views(entry, batch))
+        return HotPath(entry, self._load_plan(desc, batch), self._cut_views(entry, batch))
 
-    def _replay_hot(self, hot: _Hot, inputs: Mapping[str, Any]) -> Any:
+    def _replay_hot(self, hot: HotPath, inputs: Mapping[str, Any]) -> Any:
         # Static buffers and graph outputs never require grad, so autograd has
         # nothing to record unless an input does; entering no_grad costs as
         # much as a kernel launch on this path, so only then.
@@ -485,7 +375,7 @@ class Runtime:
         with torch.no_grad():
             self._load_plan(desc, batch).apply(inputs)
 
-    def _load_plan(self, desc: BatchDescriptor, batch: Batch) -> _LoadPlan:
+    def _load_plan(self, desc: BatchDescriptor, batch: Batch) -> LoadPlan:
         reqs = self.capture_reqs(desc)
         key = (desc.num_tokens, reqs, batch.num_tokens, batch.num_reqs)
         plan = self.state.plans.get(key)
@@ -493,7 +383,7 @@ class Runtime:
             plan = self.state.plans[key] = self._new_load_plan(desc.num_tokens, reqs, batch)
         return plan
 
-    def _new_load_plan(self, tokens: int, reqs: int, batch: Batch) -> _LoadPlan:
+    def _new_load_plan(self, tokens: int, reqs: int, batch: Batch) -> LoadPlan:
         """The views a batch is copied into for a graph of ``tokens`` tokens and ``reqs`` request rows."""
         loads: list[tuple[str, torch.Tensor, torch.Tensor | None, PadValue]] = []
         blocks: list[tuple[str, torch.Tensor, torch.Tensor | None, int | float | bool]] = []
@@ -529,7 +419,7 @@ class Runtime:
             masks.append((self.state.is_padding[: batch.num_tokens], False))
             if tokens > batch.num_tokens:
                 masks.append((self.state.is_padding[batch.num_tokens : tokens], True))
-        return _BlockLoadPlan(loads, masks, blocks, edges) if blocks or edges else _LoadPlan(loads, masks)
+        return BlockLoadPlan(loads, masks, blocks, edges) if blocks or edges else LoadPlan(loads, masks)
 
     def padding_views(self, desc: BatchDescriptor, batch: Batch) -> list[tuple[str, torch.Tensor]]:
         """(input name, the view of its static buffer that holds padding) when
@@ -587,7 +477,7 @@ class Runtime:
         cut = entry.cuts.get(key)
         if cut is None:
             cut = [
-                _cut_leaf(leaf, dims, batch) for leaf, dims in zip(entry.leaves, entry.out_dims, strict=False)
+                cut_leaf(leaf, dims, batch) for leaf, dims in zip(entry.leaves, entry.out_dims, strict=False)
             ]
             entry.cuts[key] = cut
         return cut

@@ -11,20 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..backends.base import Backend
+from ..errors import CaptureError
 from ..guard import ModuleTracker
 from ..observe import ForwardObserver
 from ..plan import BatchDescriptor, CaptureConfig, CapturePlan
 from .layout import InputSpec, PadValue
 from .pieces import EagerSpec
-
-if TYPE_CHECKING:
-    from ..errors import CaptureError
-    from .runtime import Entry, OutCut, _Hot, _LoadPlan
+from .types import Entry, HotPath, LoadPlan, OutCut
 
 __all__ = ["ManagerState"]
 
@@ -77,10 +75,10 @@ class ManagerState:
     capture_seconds: float = 0.0
     # -- written by the runtime part ----------------------------------------------
     #: (descriptor tokens, its request rows, real tokens, real requests) -> views to load.
-    plans: dict[tuple[int, int, int, int], _LoadPlan] = field(default_factory=dict)
+    plans: dict[tuple[int, int, int, int], LoadPlan] = field(default_factory=dict)
     #: run()'s hot path: the input shapes of a batch seen before -> what was decided for it.
     #: Cleared in place (by the capture part when the graphs change), never rebound.
-    hot: dict[tuple[Any, ...], _Hot] = field(default_factory=dict)
+    hot: dict[tuple[Any, ...], HotPath] = field(default_factory=dict)
     #: Graph replays so far (what a verification's cost report counts).
     replays: int = 0
 
