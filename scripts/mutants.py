@@ -18,7 +18,7 @@ mutant that breaks the import proves nothing about the tests). A snippet that
 is not found exactly once is a **stale** mutant, an error: the code moved or
 changed and the mutant must be rewritten. A snippet not found in the file
 named is looked for in every file of the package, so mutants of code that is
-moved between files (``manager/*``, ``checks/functions.py``, ``checks/engine.py``:
+moved between files (``manager/*``, ``checks/builtin/*``, ``checks/engine.py``:
 marked ``*`` in the table) follow it.
 
 Before the mutants, the unmutated copy must import and pass every selected
@@ -61,7 +61,7 @@ PACKAGE = "pytest_cudagraph"
 # checks): a mutant's snippet there is looked for in the whole package (the table marks it).
 MOVING = (
     "pytest_cudagraph/manager/",
-    "pytest_cudagraph/checks/functions.py",
+    "pytest_cudagraph/checks/builtin/",
     "pytest_cudagraph/checks/engine.py",
 )
 PYTEST = ("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE")
@@ -109,7 +109,7 @@ class Mutant:
 
 
 C = "pytest_cudagraph/checks/compare.py"
-S = "pytest_cudagraph/checks/functions.py"
+S = "pytest_cudagraph/checks/builtin/"  # the built-in checks: each snippet found in its family's module
 X = "pytest_cudagraph/checks/verify_context.py"
 GM = "pytest_cudagraph/manager/runtime.py"
 L = "pytest_cudagraph/manager/layout.py"
@@ -137,10 +137,10 @@ FL = "pytest_cudagraph/checks/floor.py"
 OB = "pytest_cudagraph/observe.py"
 CO = "pytest_cudagraph/checks/cost.py"
 FLOOR_TESTS = ("tests/test_floor.py",)
-PS = "pytest_cudagraph/checks/padded_size.py"
+PS = "pytest_cudagraph/checks/builtin/padded_size.py"
 RF = "pytest_cudagraph/checks/reference.py"
 PR = "pytest_cudagraph/precision.py"
-FN = "pytest_cudagraph/checks/functions.py"
+FN = S
 REFERENCE_TESTS = ("tests/test_reference.py",)
 PRECISION_TESTS = ("tests/test_precision.py",)
 SCALE_TESTS = "tests/test_scale.py"
@@ -301,7 +301,7 @@ MUTANTS: list[Mutant] = [
         COMPARE_TESTS,
         "the smallest ULP difference reported",
     ),
-    # -- checks/functions.py: the checks ----------------------------------------------------------------------
+    # -- checks/builtin/: the checks ----------------------------------------------------------------------
     Mutant(
         "suite-replay-compare",
         S,
@@ -1844,7 +1844,7 @@ def summary(results: Sequence[Result]) -> str:
         text += "\nsurvived: " + ", ".join(survivors)
     return (
         text
-        + "\n(* = snippet looked for in the whole package if it moved: manager/*, checks/functions.py, checks/engine.py)"
+        + "\n(* = snippet looked for in the whole package if it moved: manager/*, checks/builtin/*, checks/engine.py)"
     )
 
 

@@ -22,8 +22,9 @@ from ..options import VerifyOptions
 from ..plan import BatchDescriptor, CaptureConfig
 from ..plan.selection import select_descriptors
 from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
+from .builtin.capture_safety import capture_safety
+from .builtin.side_outputs import attributes_restored, tensor_attributes
 from .cost import Meter, peak_memory, start_peak
-from .functions import attributes_restored, capture_safety, tensor_attributes
 from .registry import Check, CheckRegistry, check_list
 from .report import Finding, Outcome, VerifyReport
 from .verify_context import VerifyContext

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from ..checks.builtin.common import finding_of, where_of
+from ..checks.builtin.replay import drawn_value
 from ..checks.compare import first_difference
 from ..checks.floor import Verdict, across_shapes
-from ..checks.functions import drawn_value, finding_of, where_of
 from ..checks.registry import Check, CheckRegistry, failed, passed, skipped
 from ..checks.report import Finding, Outcome
 from ..checks.verify_context import clone_tree

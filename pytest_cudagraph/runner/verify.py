@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from ..checks.builtin.common import finding_of
 from ..checks.engine import capture_config, could_not_run, guarded
-from ..checks.functions import finding_of
 from ..checks.registry import Check, check_list
 from ..checks.report import Finding, Outcome, VerifyReport
 from ..manager.layout import not_a_module

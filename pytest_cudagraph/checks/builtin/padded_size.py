@@ -28,18 +28,19 @@ from typing import Any
 
 import torch
 
-from .. import faults
-from ..manager import tree
-from ..manager.types import cut_to_real
-from ..plan import BatchDescriptor
-from ..precision import NoReference, Record, raised
-from .divergence import recording
-from .functions import batch_norm_hint, python_hint
-from .reference import REFERENCE_CAP, LeafDifference, Queued, Reference, leaf_differences
-from .report import Finding, Outcome
-from .verify_context import VerifyContext
+from ... import faults
+from ...manager import tree
+from ...manager.types import cut_to_real
+from ...plan import BatchDescriptor
+from ...precision import NoReference, Record, raised
+from ..divergence import recording
+from ..reference import REFERENCE_CAP, LeafDifference, Queued, Reference, leaf_differences
+from ..registry import Check
+from ..report import Finding, Outcome
+from ..verify_context import VerifyContext
+from .common import batch_norm_hint, python_hint
 
-__all__ = ["CHECK", "padded_size", "prepare_reference"]
+__all__ = ["CHECK", "PADDED_SIZE", "padded_size", "prepare_reference"]
 
 CHECK = "padded_size"
 
@@ -307,7 +308,7 @@ def _first_divergent(runs: _Runs, q: Queued, limit: float) -> str | None:
         runs.real(q)
     with recording(module) as padded_records:
         runs.padded(q)
-    from .floor import cut_leaf
+    from ..floor import cut_leaf
 
     for (name_e, outs_e), (name_p, outs_p) in zip(expected_records, padded_records, strict=False):
         if name_e != name_p:
@@ -320,3 +321,25 @@ def _first_divergent(runs: _Runs, q: Queued, limit: float) -> str | None:
             if diffs and (diffs[0].why or diffs[0].relative > limit):
                 return name_p
     return None
+
+
+PADDED_SIZE = Check(
+    CHECK,
+    padded_size,
+    scope="after_release",
+    prepare=prepare_reference,
+    compares="after the graphs are released, eager at each descriptor's padded shape, cut to the real "
+    "rows, against eager on the real batch (the most padded batch `real_batches` ran), both in float64: "
+    "every float16, bfloat16 and float32 op of the forward raised as it runs, weights converted as "
+    "they are read (no copy of the model), float32 with TF32 off for an op with no float64 kernel. "
+    "Held to 64 times the reference's floor, measured with the module at one shape (the same forward "
+    "with noise of one unit roundoff at every op), so a computation of another shape cannot hide in "
+    "it; the report gives the precision, the floor, the limit and the stage's peak memory apart",
+    catches="computations that depend on the padded batch size at any size above float64's rounding: a "
+    "scale, table or cache made for the padded size (a rotary table of another length), a branch on the "
+    "token count inside the stack, statistics over padded rows, an output cut wrongly; a module that "
+    "computes something else when it is captured; named with the first divergent submodule",
+    applies="the module cannot run in float64 (an op with neither a float64 nor a float32 kernel, a "
+    "dtype check of its own: said so, and `real_batches` keeps the floor of the module's own "
+    "precision); it draws random numbers; `batch_invariant=True`",
+)

@@ -1,0 +1,87 @@
+"""What the built-in checks share: where a difference is, the hints a failure adds, outcomes that
+say why nothing could be compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...plan import Batch, BatchDescriptor
+from ..compare import Difference
+from ..report import Finding, Outcome
+from ..verify_context import VerifyContext
+
+
+# The seams other layers build their checks with (runner/'s checks): where a difference is
+# (``finding_of``, ``where_of``) and fresh values for an input (``drawn_value``).
+def finding_of(
+    diff: Difference, batch: Batch | None = None, submodule: str | None = None, segment: str | None = None
+) -> Finding:
+    return Finding(
+        output=diff.path,
+        index=diff.index,
+        got=diff.got,
+        expected=diff.expected,
+        real_batch=batch.shape() if batch is not None else None,
+        submodule=submodule,
+        segment=segment,
+        max_abs=diff.max_abs,
+        max_ulp=diff.max_ulp,
+    )
+
+
+def where_of(diff: Difference) -> str:
+    path = diff.path or "the output"
+    return f"{path}: {diff.reason}"
+
+
+def batch_norm_hint(ctx: VerifyContext) -> str:
+    """Why padded rows reach real ones when a BatchNorm is in train mode (the module is verified as it is)."""
+    names = [
+        name
+        for name, m in ctx.module.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+    ]
+    if not names:
+        return ""
+    return (
+        f". '{names[0] or type(ctx.module).__name__}' is a BatchNorm in train mode: it normalises with the "
+        "statistics of the whole batch, padded rows included (call module.eval() to verify inference)"
+    )
+
+
+def nothing_to_compare(check: str, desc: BatchDescriptor, output: Any, batch: Batch) -> Outcome:
+    what = "None" if output is None else f"a {type(output).__name__} with no tensor in it"
+    return Outcome(
+        check,
+        desc,
+        False,
+        f"forward returned {what}: there is nothing to compare between replay and eager, so no check can "
+        "tell whether the graph is right. Return the output tensor(s) from forward (a module that writes "
+        "its result into a buffer: return that buffer)",
+        Finding(output="the output", real_batch=batch.shape()),
+    )
+
+
+def opaque_output(check: str, desc: BatchDescriptor, diff: Difference, batch: Batch) -> Outcome:
+    return Outcome(
+        check,
+        desc,
+        False,
+        f"forward returns {diff.reason} at {diff.path or 'the output'}: a graph runs Python only at capture, so "
+        "every replay hands back the object made then, holding graph memory of the capture's shape. Return "
+        "tensors instead (a transformers model: use_cache=False, or a static cache passed in)",
+        Finding(output=diff.path, real_batch=batch.shape()),
+    )
+
+
+def python_hint(ctx: VerifyContext) -> str:
+    """Where forwards change Python state, that is the likelier cause of a difference than the padding."""
+    if not ctx.python_written:
+        return ""
+    return (
+        f". Forward changes Python state ({', '.join(ctx.python_written[:3])}) on every call, which a graph "
+        "freezes at capture: replay_matches_eager names it"
+    )

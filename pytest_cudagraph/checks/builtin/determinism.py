@@ -1,0 +1,191 @@
+"""``determinism`` and ``rng``: replays that agree with themselves, and random draws that follow
+the generator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...plan import BatchDescriptor
+from ..compare import first_difference
+from ..registry import Check
+from ..report import Finding, Outcome
+from ..verify_context import VerifyContext
+from .common import finding_of, where_of
+
+
+def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
+    inputs = ctx.make(batch)
+
+    # Three replays of the same inputs from one state and seed, the graphs' free memory (their
+    # intermediates between replays) poisoned just before each: one poison twice, then the other.
+    # The first two must agree (state outside registered buffers and nondeterministic kernels make
+    # them differ); a graph that reads what nobody wrote gives one result per poison, where plain
+    # replays read whatever the last one left. A backend that cannot poison replays plainly.
+    poisons = (0, 0, 1)
+    poisonable = True
+
+    def poisoned(i: int) -> Any:
+        nonlocal poisonable
+        ctx.load(desc, inputs, batch)
+        poisonable = ctx.manager.poison_free(poisons[i]) and poisonable
+        return ctx.replay(desc)
+
+    outs = ctx.from_one_state(poisoned, len(poisons))
+    diff = first_difference(outs[1], outs[0])
+    graph_diff = None
+    if poisonable and diff is None:
+        graph_diff = first_difference(outs[2], outs[0])
+    read_poison = (
+        f"with the graph's free memory poisoned one way before each of two replays of the same inputs they agree, "
+        f"and poisoned the other way they differ ({where_of(graph_diff)})"
+        if graph_diff is not None
+        else ""
+    )
+    uninitialized = ctx.uninitialized()
+    if uninitialized:
+        # Undefined whether the two replays happened to agree: the memory they read is anybody's.
+        shown = diff or graph_diff
+        return Outcome(
+            "determinism",
+            desc,
+            False,
+            f"{uninitialized}; a replay reads it too: {read_poison}" if read_poison else uninitialized,
+            finding_of(shown, batch) if shown is not None else Finding(real_batch=batch.shape()),
+        )
+    if graph_diff is not None:
+        return Outcome(
+            "determinism",
+            desc,
+            False,
+            f"a replay reads graph memory nobody wrote: {read_poison}. No op the dispatcher sees reads "
+            "unwritten memory, so it happens below it (in a custom op's or an extension's own buffer, say): write "
+            "that buffer fully first, or make it with zeros",
+            finding_of(graph_diff, batch),
+        )
+    if diff is None:
+        return Outcome("determinism", desc, True)
+    return Outcome(
+        "determinism",
+        desc,
+        False,
+        f"two replays of the same inputs, from the same module state and seed, differ ({where_of(diff)}): "
+        "the module keeps state outside its registered buffers, or uses nondeterministic kernels",
+        finding_of(diff, batch),
+    )
+
+
+def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    if ctx.uninitialized():
+        # What a replay and an eager run read from unwritten memory is the allocator's, so their
+        # agreement, and eager's with itself, would be chance: the verdict would change run to run.
+        return Outcome(
+            "rng",
+            desc,
+            True,
+            skipped=True,
+            message="the forward reads memory nobody wrote, so draws cannot be compared (determinism reports it)",
+        )
+    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
+    inputs = ctx.make(batch)
+    if not ctx.module_is_random(desc):
+        # Eager draws nothing: the graph must not either. Replays alone say so;
+        # where they disagree the full comparison below tells why.
+        def replayed() -> Any:
+            ctx.load(desc, inputs, batch)
+            return ctx.replay(desc)
+
+        with ctx.preserved_state() as state0:
+            replays = []
+            for seed in (ctx.seed, ctx.seed + 1):
+                ctx.restore(state0)
+                ctx.seed_all(seed)
+                replays.append(replayed())
+        if first_difference(replays[0], replays[1]) is None:
+            return Outcome(
+                "rng", desc, True, message="the module draws no random numbers", figures={"random": False}
+            )
+    draws: dict[tuple[str, int], Any] = {}
+    with ctx.preserved_state() as state0:
+        padded = ctx.load(desc, inputs, batch)
+        for seed in (ctx.seed, ctx.seed + 1):
+            ctx.restore(state0)
+            ctx.seed_all(seed)
+            draws["eager", seed] = ctx.eager(padded, desc)
+            ctx.restore(state0)
+            ctx.load(desc, inputs, batch)
+            ctx.seed_all(seed)
+            draws["graph", seed] = ctx.replay(desc)
+        ctx.restore(state0)
+        again = ctx.replay(desc)  # no reseed: the generator has moved on
+        ctx.restore(state0)
+        ctx.seed_all(ctx.seed)
+        repeat = ctx.eager(padded, desc)
+    s0, s1 = ctx.seed, ctx.seed + 1
+    if first_difference(repeat, draws["eager", s0]) is not None:
+        return Outcome(
+            "rng",
+            desc,
+            True,
+            skipped=True,
+            message="eager is not reproducible under the same seed and state, so draws cannot be "
+            "compared (the determinism and replay checks report why)",
+        )
+    # Random if either side's output depends on the seed.
+    random = any(
+        first_difference(draws[side, s0], draws[side, s1]) is not None for side in ("eager", "graph")
+    )
+    if not random:
+        return Outcome(
+            "rng", desc, True, message="the module draws no random numbers", figures={"random": False}
+        )
+    diff = first_difference(draws["graph", s0], draws["eager", s0])
+    if diff is not None:
+        return Outcome(
+            "rng",
+            desc,
+            False,
+            f"under the same seed, replay draws differ from eager draws ({where_of(diff)}): the graph does "
+            "not read the seeded generator the way eager does (a seed set inside forward, or a private "
+            "generator)",
+            finding_of(diff, batch),
+        )
+    # ``again`` follows the seed-s1 replay without reseeding: the generator
+    # must have moved on since.
+    if first_difference(again, draws["graph", s1]) is None:
+        return Outcome(
+            "rng",
+            desc,
+            False,
+            "two successive replays drew the same random values: the graph does not advance the generator",
+            Finding(output=""),
+        )
+    return Outcome("rng", desc, True, figures={"random": True})
+
+
+DETERMINISM = Check(
+    "determinism",
+    determinism,
+    compares="two replays of the same inputs, from the same state and seed, are bit-identical; and no "
+    "forward reads memory nobody wrote: an op seen reading what `torch.empty` (or kin) handed back "
+    "before anything wrote it, confirmed by two eager runs with that memory poisoned two ways, is "
+    "named with the op that made it (and every other failure of the module says so first); and "
+    "replays with the graphs' free pool memory (their intermediates between replays) poisoned one "
+    "way, twice, then the other way, all agree: which finds a replay reading what "
+    "nobody wrote where no op the dispatcher sees does (an extension's own buffer)",
+    catches="state kept outside registered buffers, nondeterministic kernels, a split-K sum into "
+    "`torch.empty`, in eager or only in the graph",
+    applies="never",
+)
+
+
+RNG = Check(
+    "rng",
+    rng,
+    compares="with a seeded generator, replay draws equal eager draws, and successive replays draw fresh "
+    "values; a module is random when its forwards use a generator (seen op by op), never because "
+    "two runs differ (Python state, put back between runs, and unwritten memory do that)",
+    catches="seeding inside `forward`, generators a graph does not advance",
+    applies="eager itself is not reproducible under one seed (the `determinism` and replay checks say why)",
+)

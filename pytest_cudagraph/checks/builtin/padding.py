@@ -1,0 +1,205 @@
+"""``padding_isolation``: real rows and state unchanged whatever padded rows hold."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...plan import Batch, BatchDescriptor
+from ..compare import first_difference
+from ..registry import Check
+from ..report import Outcome
+from ..verify_context import VerifyContext, clone_tree
+from .common import batch_norm_hint, finding_of, where_of
+
+# Finite fills are what padded rows hold in an engine: zeros, stale rows of an
+# earlier batch, hidden states of pad tokens. NaN and inf are a strictness on
+# top (nonfinite_padding=True): a causal attention block, correct under every
+# finite padding, still turns 0 * NaN into NaN in P @ V.
+_LARGE = 1.0e4  # a stale activation far from the real rows' scale, finite in fp16 and its squares in fp32
+
+
+_FINITE_FILLS: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
+    ("zeros", lambda t: t.zero_()),
+    ("random values", lambda t: t.normal_()),
+    ("large finite values", lambda t: t.fill_(_LARGE)),
+]
+
+
+_NONFINITE_FILLS: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
+    ("NaN", lambda t: t.fill_(float("nan"))),
+    ("inf", lambda t: t.fill_(float("inf"))),
+]
+
+
+# Integer rows (ids, positions, indices) of padding hold other valid values: the largest make_inputs
+# gives at the descriptor's shape, or values drawn in its range there. A padded row a module counts,
+# routes or indexes by shows.
+_INT_FILLS: list[tuple[str, Callable[[torch.Tensor, int, int, torch.Generator], Any]]] = [
+    ("the largest value make_inputs gives", lambda t, lo, hi, gen: t.fill_(hi)),
+    (
+        "other values within make_inputs' range",
+        lambda t, lo, hi, gen: t.copy_(torch.randint(lo, hi + 1, t.shape, generator=gen)),
+    ),
+]
+
+
+def _fill_plans(
+    ctx: VerifyContext, desc: BatchDescriptor, batch: Batch
+) -> tuple[list[tuple[str, str, Callable[[], None]]], list[str], list[str]]:
+    """How padded rows are filled, one plan a run: (label, the inputs it fills, fill). The first is
+    the base (floats zeroed, integers at their pad value); then each finite (and, when asked, each
+    non-finite) floating fill, then each integer fill, integers with a declared pad value (whose
+    padding is the module's semantics, a slot the engine reserves) left alone."""
+    manager = ctx.manager
+    views = manager.padding_views(desc, batch)
+    floats = [(name, v) for name, v in views if v.is_floating_point()]
+    declared = manager.declared_pads
+    ranges = ctx.integer_ranges(desc)
+    ints = [
+        (name, v)
+        for name, v in views
+        if not v.is_floating_point()
+        and v.dtype != torch.bool
+        and name not in declared
+        and ranges.get(name, (0, 0))[0] < ranges.get(name, (0, 0))[1]
+    ]
+
+    def zero_floats() -> None:
+        for _, view in floats:
+            view.zero_()
+
+    plans: list[tuple[str, str, Callable[[], None]]] = [
+        ("zeros" if floats else "their pad value", "", zero_floats)
+    ]
+    float_names = ", ".join(f"'{name}'" for name, _ in floats)
+    for label, fill in _FINITE_FILLS[1:] + (_NONFINITE_FILLS if ctx.nonfinite_padding else []):
+        if floats:
+            plans.append((label, float_names, functools.partial(_fill_all, floats, fill)))
+    gen = torch.Generator().manual_seed(ctx.seed + 104729)
+    for label, int_fill in _INT_FILLS:
+        for name, view in ints:
+            lo, hi = ranges[name]
+            plans.append(
+                (label, f"'{name}'", functools.partial(_fill_int, zero_floats, view, int_fill, lo, hi, gen))
+            )
+    return plans, [name for name, _ in floats], [name for name, _ in ints]
+
+
+def _fill_all(views: list[tuple[str, torch.Tensor]], fill: Callable[[torch.Tensor], Any]) -> None:
+    for _, view in views:
+        fill(view)
+
+
+def _fill_int(
+    zero_floats: Callable[[], None],
+    view: torch.Tensor,
+    fill: Callable[[torch.Tensor, int, int, torch.Generator], Any],
+    lo: int,
+    hi: int,
+    gen: torch.Generator,
+) -> None:
+    zero_floats()
+    drawn = torch.empty(view.shape, dtype=torch.int64)
+    fill(drawn, lo, hi, gen)
+    view.copy_(drawn.to(device=view.device, dtype=view.dtype))
+
+
+def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    batch = ctx.padded_batch(desc)
+    manager = ctx.manager
+    if batch is None or (
+        batch.num_tokens == desc.num_tokens and batch.num_reqs == manager.capture_reqs(desc)
+    ):
+        return Outcome(
+            "padding_isolation",
+            desc,
+            True,
+            skipped=True,
+            message="no real batch of this descriptor leaves padded rows",
+        )
+    plans, floats, ints = _fill_plans(ctx, desc, batch)
+    if len(plans) == 1:
+        return Outcome(
+            "padding_isolation",
+            desc,
+            True,
+            skipped=True,
+            message="no input has padded rows that can hold other values (no floating input; integer "
+            "inputs hold one value each, or their pad value is declared in pad_values)",
+        )
+    inputs = ctx.make(batch)
+    results: list[tuple[str, str, Any, dict[str, torch.Tensor]]] = []
+    with ctx.preserved_state() as state0:
+        for label, filled, fill in plans:
+            ctx.restore(state0)
+            manager.load_inputs(desc, inputs, batch)
+            with torch.no_grad():
+                fill()
+            ctx.seed_all(ctx.seed)
+            manager.replay(desc)
+            manager.synchronize()
+            out = clone_tree(manager.real_rows(desc, batch))
+            results.append((label, filled, out, ctx.snapshot()))
+    base_label, _, base_out, base_state = results[0]
+    for label, filled, out, state in results[1:]:
+        strict = (
+            ""
+            if label not in dict(_NONFINITE_FILLS)
+            else (
+                " (found by nonfinite_padding=True, a strictness beyond engines, which pad with finite values: "
+                "every finite padding tried left the real rows unchanged; typically 0 * NaN where a weight is 0)"
+            )
+        )
+        instead = "their pad value" if label in dict(_INT_FILLS) else base_label
+        diff = first_difference(out, base_out)
+        if diff is not None:
+            return Outcome(
+                "padding_isolation",
+                desc,
+                False,
+                f"real rows change when padded rows of {filled} hold {label} instead of {instead}: padding "
+                f"leaks into real rows ({where_of(diff)}){strict}{batch_norm_hint(ctx)}",
+                finding_of(diff, batch),
+                figures={"fill": label, "nonfinite": bool(strict)},
+            )
+        diff = ctx.state_difference(state, base_state, use_scratch=True)
+        if diff is not None:
+            return Outcome(
+                "padding_isolation",
+                desc,
+                False,
+                f"module state '{diff.path}' changes when padded rows of {filled} hold {label} instead of "
+                f"{instead}: padded rows write into state (mask them out through is_padding, or route them to a "
+                f"scratch slot and name it in scratch_state){strict}",
+                finding_of(diff, batch),
+                figures={"fill": label, "nonfinite": bool(strict)},
+            )
+    return Outcome(
+        "padding_isolation",
+        desc,
+        True,
+        figures={"fills": [label for label, _, _, _ in results], "floating": floats, "integer": ints},
+    )
+
+
+PADDING_ISOLATION = Check(
+    "padding_isolation",
+    padding_isolation,
+    compares="real-row outputs and module state are identical whether padded rows of floating inputs hold "
+    "zeros, random values or large finite values, as padded rows of an engine do (stale rows, "
+    "hidden states of pad tokens); with `nonfinite_padding=True` (marker keyword, "
+    "`--cudagraph-nonfinite-padding`, ini `cudagraph_nonfinite_padding`) also NaN and inf, a "
+    "strictness whose failures say so. Padded rows of integer inputs (ids, positions, indices) hold "
+    "the largest value `make_inputs` gives, then other values in its range; inputs whose padding "
+    "is declared semantics in `pad_values` (a reserved slot, a square mask) are not filled",
+    catches="attention that reads padded keys (bidirectional over the padded sequence), pooling over padded "
+    "rows, batch statistics (a BatchNorm in train mode is named), padded rows writing into state "
+    "(an expert load counted by the pad id; allow a scratch region with `scratch_state`); strict: "
+    "masking by multiplication (`0 * NaN = NaN`)",
+    applies="no real batch of the descriptor leaves padded rows; no input has padded rows that can hold "
+    "other values",
+)

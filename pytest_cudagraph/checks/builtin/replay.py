@@ -1,0 +1,250 @@
+"""``replay_matches_eager`` and ``fresh_inputs``: replay against eager at the captured shape, bit
+for bit, on the capture's inputs and on fresh ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...plan import Batch, BatchDescriptor
+from ..compare import first_difference, leaves
+from ..divergence import locate_divergence
+from ..registry import Check
+from ..report import Finding, Outcome
+from ..verify_context import VerifyContext, python_values
+from .common import finding_of, nothing_to_compare, opaque_output, where_of
+
+
+def _compare_padded(
+    ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: dict[str, Any], check: str, fresh: bool
+) -> Outcome:
+    with ctx.preserved_state() as state0:
+        padded = ctx.load(desc, inputs, batch)
+        ctx.seed_all(ctx.seed)
+        graph = ctx.replay(desc)
+        ctx.restore(state0)
+        before = python_values(ctx.module)
+        ctx.seed_all(ctx.seed)
+        eager = ctx.eager(padded, desc)
+        after = python_values(ctx.module)
+        if not fresh:
+            # The state check compares run() with this very eager run at the captured shape: kept
+            # for it (the inputs as eager left them, the state it started from and the state it
+            # left) until the descriptor is done.
+            ctx.exact_eager[desc] = (padded, state0, ctx.snapshot())
+        diff = first_difference(graph, eager, check_strides=True)
+        if (
+            diff is None
+            and not fresh
+            and not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves(eager))
+        ):
+            return nothing_to_compare(check, desc, eager, batch)  # told once, by replay_matches_eager
+        if diff is None:
+            return Outcome(check, desc, True, figures={"real_batch": batch.shape()})
+        if diff.opaque:
+            return opaque_output(check, desc, diff, batch)
+        changed = [k for k in after if before.get(k, object()) != after[k]]
+        if changed:
+            name = changed[0]
+            return Outcome(
+                check,
+                desc,
+                False,
+                f"Python state changes on every forward ({name}: {before.get(name)!r} -> {after[name]!r}), "
+                f"but a graph runs Python only at capture, so replay keeps the capture-time value "
+                f"({where_of(diff)}); keep such state in a registered buffer updated in place",
+                finding_of(diff, batch),
+            )
+        uninitialized = ctx.uninitialized()
+        if uninitialized:
+            return Outcome(check, desc, False, f"{uninitialized} ({where_of(diff)})", finding_of(diff, batch))
+        ctx.restore(state0)
+        ctx.seed_all(ctx.seed)
+        again = ctx.eager(padded, desc)
+        if first_difference(again, eager) is not None:
+            return Outcome(
+                check,
+                desc,
+                False,
+                "eager differs from itself on the same inputs, state and seed: the module is nondeterministic "
+                "(state outside registered buffers, or nondeterministic kernels), so replay cannot be compared "
+                "bit for bit",
+                finding_of(diff, batch),
+            )
+    submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=False)
+    what = (
+        "with fresh inputs after capture, replay differs from eager: values or tensors computed at capture "
+        "were frozen into the graph"
+        if fresh
+        else "replay differs from eager on the inputs the graph was captured with"
+    )
+    return Outcome(
+        check, desc, False, f"{what} ({where_of(diff)})", finding_of(diff, batch, submodule, segment)
+    )
+
+
+def replay_matches_eager(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    # Exactly the inputs the graph was captured on: the graph must reproduce
+    # eager there before anything else can be trusted.
+    batch = ctx.exact_batch(desc)
+    return _compare_padded(
+        ctx, desc, batch, ctx.manager.capture_sample(desc), "replay_matches_eager", fresh=False
+    )
+
+
+def drawn_value(value: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Fresh floating values in ``value``'s observed range (around it, when it holds one value)."""
+    finite = value[torch.isfinite(value)].float()
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
+    if lo == hi:
+        half = max(abs(lo), 1.0) / 2
+        lo, hi = lo - half, lo + half
+    drawn = torch.rand(value.shape, generator=gen, dtype=torch.float32) * (hi - lo) + lo
+    return drawn.to(dtype=value.dtype, device=value.device)
+
+
+def _permuted_rows(
+    value: torch.Tensor, dim: int, gen: torch.Generator, observed: tuple[int, int]
+) -> tuple[torch.Tensor, str]:
+    """``value``'s rows along ``dim`` in another order; if that changes nothing, integers drawn in the
+    ``observed`` range (what make_inputs gives at the largest shape, so an index stays a valid index).
+    With what was done ("" when nothing could change)."""
+    n = value.shape[dim]
+    if n > 1:
+        perm = torch.randperm(n, generator=gen)
+        if torch.equal(perm, torch.arange(n)):  # never the identity
+            perm = perm.roll(1)
+        permuted = value.index_select(dim, perm.to(value.device))
+        if not torch.equal(permuted, value):
+            return permuted, "rows permuted"
+    lo, hi = observed
+    if value.dtype == torch.bool or lo == hi:
+        return value, ""  # one value: any other may be out of range
+    drawn = torch.randint(lo, hi + 1, value.shape, generator=gen, dtype=torch.int64)
+    if torch.equal(drawn.to(value.device), value.long()):
+        drawn = torch.where(drawn == lo, hi, lo)
+    return drawn.to(dtype=value.dtype, device=value.device), f"drawn in [{lo}, {hi}]"
+
+
+def _observed_ranges(ctx: VerifyContext, names: list[str]) -> dict[str, tuple[int, int]]:
+    """(min, max) of each integer input at the largest shape make_inputs is asked for."""
+    manager = ctx.manager
+    largest = ctx.make(Batch(num_tokens=manager.max_tokens, num_reqs=manager.max_reqs))
+    ranges = {}
+    for name in names:
+        value = largest.get(name)
+        if isinstance(value, torch.Tensor) and value.numel() and value.dtype != torch.bool:
+            ranges[name] = (int(value.min()), int(value.max()))
+        else:
+            ranges[name] = (0, 0)
+    return ranges
+
+
+def drawn_inputs(ctx: VerifyContext, inputs: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Inputs the harness draws where ``make_inputs`` gives the same values every call, and what it changed.
+
+    Floating inputs get fresh values in their observed range. Only where there
+    are none are integer inputs changed, and only within what make_inputs
+    gives: rows permuted along the batch, else integers drawn in the range
+    make_inputs gives at the largest shape, so an index stays a valid index.
+    ("", unchanged) when nothing can change.
+    """
+    gen = torch.Generator().manual_seed(ctx.seed + 7919)
+    specs = ctx.manager.input_specs
+    tensors = {
+        name: v
+        for name, v in inputs.items()
+        if isinstance(v, torch.Tensor) and v.numel() and getattr(specs.get(name), "kind", "") != "const"
+    }
+    drawn = dict(inputs)
+    floats = [name for name, v in tensors.items() if v.is_floating_point()]
+    for name in floats:
+        drawn[name] = drawn_value(tensors[name], gen)
+    if floats:
+        return drawn, f"fresh floating values in {', '.join(repr(n) for n in floats)}"
+    changed = []
+    observed = _observed_ranges(ctx, list(tensors))
+    for name, value in tensors.items():
+        spec = specs.get(name)
+        dims = getattr(spec, "dims", ())
+        new, how = _permuted_rows(value, dims[0][0] if dims else 0, gen, observed[name])
+        if how:
+            drawn[name] = new
+            changed.append(f"integers of {name!r} {how}")
+    return drawn, ", ".join(changed)
+
+
+_RETURN_FRESH = "Return fresh values from make_inputs (draw them from torch's generator)"
+
+
+def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
+    """After capture, new inputs give replay equal to eager (values frozen at capture show here)."""
+    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
+    first = ctx.make(batch)
+    second = ctx.make(batch)
+    made = ""
+    if first_difference(first, second) is None:
+        # make_inputs is deterministic (torch.ones, arange): the harness draws
+        # the fresh inputs itself rather than leave the check undone.
+        second, made = drawn_inputs(ctx, second)
+        if not made:
+            return Outcome(
+                "fresh_inputs",
+                desc,
+                False,
+                "the check could not run: make_inputs returns the same values on every call, and no input "
+                "can be given other values by the harness (no floating input; integer inputs hold one value "
+                f"each). {_RETURN_FRESH}",
+                Finding(real_batch=batch.shape()),
+            )
+    # Replay once on one new set, then check a second one.
+    with ctx.preserved_state():
+        ctx.load(desc, first, batch)
+        ctx.replay(desc)
+    try:
+        outcome = _compare_padded(ctx, desc, batch, second, "fresh_inputs", fresh=True)
+    except Exception as exc:
+        if not made:
+            raise
+        return Outcome(
+            "fresh_inputs",
+            desc,
+            False,
+            f"the check could not run: make_inputs returns the same values on every call, and on the inputs "
+            f"the harness drew instead ({made}) the module raised {type(exc).__name__}: {exc}. {_RETURN_FRESH}",
+            Finding(real_batch=batch.shape()),
+        )
+    if made:
+        outcome.figures["harness_inputs"] = made
+        if not outcome.passed:
+            outcome.message += (
+                f" [make_inputs returns the same values on every call, so the harness drew "
+                f"these inputs: {made}]"
+            )
+    return outcome
+
+
+REPLAY_MATCHES_EAGER = Check(
+    "replay_matches_eager",
+    replay_matches_eager,
+    compares="on the very inputs a graph was captured with, replay equals eager bit for bit (NaN equals NaN, "
+    "-0.0 differs from 0.0; shape, dtype and strides too)",
+    catches="Python state changed by every forward (named: `inner.calls: 3 -> 4`), nondeterministic eager "
+    "(said so instead)",
+    applies="never",
+)
+
+
+FRESH_INPUTS = Check(
+    "fresh_inputs",
+    fresh_inputs,
+    compares="after capture, new inputs give replay equal to eager. Where `make_inputs` returns the same "
+    "values on every call (`torch.ones`, `arange`), the harness makes its own: fresh floating "
+    "values in the observed range, or integer rows permuted (then drawn) within it",
+    catches="tensors computed at warm-up and memoised (by identity, say), stale buffers, values frozen at "
+    "capture",
+    applies="never: where no input can be changed (no tensor input, or only integers of one value), the "
+    "check fails saying it could not run",
+)
