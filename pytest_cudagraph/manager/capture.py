@@ -24,7 +24,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,13 +33,13 @@ from ..backends.base import CapturedGraph
 from ..context import running
 from ..errors import CaptureError
 from ..guard import CaptureGuard, Violation, find_violations, host_methods_watched
-from ..observe import MODULE_INTERNALS, outside_forward, restoring
+from ..observe import MODULE_INTERNALS, outside_forward
 from ..plan import BatchDescriptor, GraphMode
-from . import estimate, tree
-from .layout import CountKind, MakeInputsError, call_make_inputs, forward_probes
+from . import estimate, output_rows
+from .layout import MakeInputsError, call_make_inputs
 from .pieces import EagerPieceError, capture_in_pieces, piece_of, resolve_eager_submodules
 from .runtime import Runtime
-from .types import Entry, OutCut
+from .types import Entry
 
 if TYPE_CHECKING:
     from .state import ManagerState
@@ -219,7 +219,9 @@ class Capture:
             if self.state.probed_rows is None:
                 # On the warm-up stream, after begin(): the blocks its forwards
                 # free stay cached there for the warm-ups to reuse.
-                self.state.probed_rows = self.state.backend.warmup(self._probe_output_rows)
+                self.state.probed_rows = self.state.backend.warmup(
+                    lambda: output_rows.probe(self.state, self.runtime.eager_kwargs)
+                )
             with host_methods_watched():  # once for the sequence: see its docstring
                 # The fast capture warms every shape up first, then captures
                 # them all; the checked capture (verification) warms each up
@@ -257,7 +259,7 @@ class Capture:
             if collecting:
                 gc.enable()
         if self.state.probed_rows is None:
-            self._settle_row_kinds()
+            output_rows.settle(self.state.entries)
         self.state.capture_seconds = time.perf_counter() - started
 
     def release(self) -> None:
@@ -520,7 +522,7 @@ class Capture:
         self.state.entries[desc] = Entry(
             graph,
             reqs,
-            self._out_dims(graph.output, desc.num_tokens, reqs),
+            output_rows.out_dims(graph.output, desc.num_tokens, reqs, self.state.probed_rows),
             sample if self.state.backend.checked else None,
         )
 
@@ -589,147 +591,3 @@ class Capture:
                 f"(no FULL graphs)"
             )
         return ""
-
-    # -- output rows ----------------------------------------------------
-    def _out_dims(self, output: Any, num_tokens: int, num_reqs: int) -> list[OutCut]:
-        """How each leaf of one graph's output is cut: what the probes learned,
-        where the leaf has those dimensions, else what this descriptor alone shows."""
-        leaves = tree.leaves(output)
-        own = self._row_kinds(leaves, num_tokens, num_reqs)
-        probed = self.state.probed_rows
-        if probed is None or len(probed) != len(own):
-            return own
-        return [
-            p if isinstance(leaf, torch.Tensor) and all(d < leaf.dim() for d, _ in p) else mine
-            for p, mine, leaf in zip(probed, own, leaves, strict=True)
-        ]
-
-    @staticmethod
-    def _row_kinds(leaves: list[Any], num_tokens: int, num_reqs: int) -> list[OutCut]:
-        # From one descriptor alone, per output leaf: cut its leading dimension
-        # to the real tokens, the real requests, or return it whole. When tokens
-        # and requests are the same count, rows follow tokens, as hidden states
-        # do in inference engines. A later dimension of the same size may be a
-        # coincidence (a hidden size of 8 at 8 tokens): only several
-        # descriptors tell (_settle_row_kinds).
-        kinds: list[OutCut] = []
-        for leaf in leaves:
-            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
-                kinds.append(())
-            elif leaf.shape[0] == num_tokens:
-                kinds.append(((0, "tokens"),))
-            elif leaf.shape[0] == num_reqs:
-                kinds.append(((0, "reqs"),))
-            else:
-                kinds.append(())
-        return kinds
-
-    def _probe_output_rows(self) -> list[OutCut] | None:
-        """Which dimensions of each output leaf follow the token or request
-        count, learned as the inputs' are: by running the module eagerly at the
-        two probe shapes (state restored after).
-
-        A descriptor alone cannot tell a per-request output from a per-token
-        one when it holds as many tokens as requests. None if the module cannot
-        run at the probe shapes; then each descriptor's own shapes decide. A
-        leaf that changes with the batch in a way that follows neither count
-        (a flattened ``2 * T``) cannot be cut to the real batch: ValueError.
-        """
-        outputs = []
-        probes = forward_probes(
-            self.state.plan.config.largest_capture_size, self.state.plan.config.max_num_reqs
-        )
-        if probes is None:
-            return None
-        try:
-            # make_inputs outside the observed forwards: what it draws is not the module's randomness.
-            made = [
-                self.runtime.eager_kwargs(call_make_inputs(self.state.user_make_inputs, t, r), t)
-                for t, r in probes
-            ]
-            with restoring(self.state.observer):
-                for (num_tokens, num_reqs), kwargs in zip(probes, made, strict=True):
-                    marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
-                    with torch.no_grad(), running(marker):
-                        outputs.append(tree.flatten_with_paths(self.state.module(**kwargs)))
-        except Exception:
-            return None
-        first, second = outputs
-        if [p for p, _ in first] != [p for p, _ in second]:
-            return None
-        (t1, r1), (t2, r2) = probes
-        kinds: list[OutCut] = []
-        for (path, a), (_, b) in zip(first, second, strict=True):
-            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or (
-                a.dim() == 0 and b.dim() == 0
-            ):
-                kinds.append(())
-                continue
-            dims: list[tuple[int, CountKind]] = []
-            unrelated = a.dim() != b.dim()
-            for d, (n1, n2) in enumerate(zip(a.shape, b.shape, strict=False)):
-                if n1 == n2:
-                    continue
-                if (n1, n2) == (t1, t2):
-                    dims.append((d, "tokens"))
-                elif (n1, n2) == (r1, r2):
-                    dims.append((d, "reqs"))
-                else:
-                    unrelated = True
-            if unrelated:
-                where = f"output {path}" if path else "the output"
-                raise ValueError(
-                    f"{where} has shape {tuple(a.shape)} at (num_tokens={t1}, num_reqs={r1}) and "
-                    f"{tuple(b.shape)} at (num_tokens={t2}, num_reqs={r2}): it changes with the batch, but "
-                    "not as num_tokens or num_reqs. The manager can only cut dimensions that follow "
-                    "num_tokens or num_reqs (exactly that many) to a real batch's rows, and return the "
-                    "others whole; return it unflattened (say (num_tokens, 2, ...) rather than "
-                    "(2 * num_tokens, ...)), or compute it outside the captured module"
-                )
-            kinds.append(tuple(dims))
-        return kinds
-
-    def _settle_row_kinds(self) -> None:
-        # One descriptor alone cannot tell an output of fixed size from one
-        # that follows the batch when the sizes coincide. Across descriptors
-        # it can: a leading dimension whose size never changes is returned
-        # whole, and one that tracks the request count is cut by requests; a
-        # later dimension is cut only when its size changes across
-        # descriptors, each time as the token (or request) count.
-        shapes: dict[int, list[tuple[tuple[int, ...], int, int]]] = {}
-        for desc, entry in self.state.entries.items():
-            for i, leaf in enumerate(entry.leaves):
-                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-                    shapes.setdefault(i, []).append((tuple(leaf.shape), desc.num_tokens, entry.num_reqs))
-        for i, seen in shapes.items():
-            ndim = len(seen[0][0])
-            if any(len(shape) != ndim for shape, _, _ in seen):
-                continue  # no one layout across descriptors: each keeps its own
-            lead: CountKind | Literal["whole"] | None = None  # None: each descriptor's own
-            later: list[tuple[int, CountKind]] = []
-            for d in range(ndim):
-                sizes = [(shape[d], t, r) for shape, t, r in seen]
-                follows_tokens = all(n == t for n, t, _ in sizes)
-                follows_reqs = all(n == r for n, _, r in sizes)
-                constant = len({n for n, _, _ in sizes}) == 1
-                if d == 0:
-                    if constant and not follows_tokens and not follows_reqs:
-                        lead = "whole"
-                    elif follows_reqs and not follows_tokens:
-                        lead = "reqs"
-                elif not constant and (follows_tokens or follows_reqs):
-                    later.append((d, "tokens" if follows_tokens else "reqs"))
-            for entry in self.state.entries.values():
-                if (
-                    i >= len(entry.leaves)
-                    or not isinstance(entry.leaves[i], torch.Tensor)
-                    or entry.leaves[i].dim() != ndim
-                ):
-                    continue
-                own = [(d, k) for d, k in entry.out_dims[i] if d == 0]
-                if lead == "whole":
-                    own = []
-                elif lead == "reqs":
-                    own = [(0, "reqs")]
-                entry.out_dims[i] = (*own, *later)
-                entry.cuts.clear()
