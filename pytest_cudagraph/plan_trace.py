@@ -235,25 +235,20 @@ def _compare(before: Analysis, after: Analysis, memory: tuple[str, str] | None) 
 def _load(spec: str, what: str) -> Callable[..., Any]:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise SystemExit(f"cudagraph-plan: error: {what} must be PKG.MOD:NAME; got {spec!r}")
+        raise _UsageError(f"{what} must be PKG.MOD:NAME; got {spec!r}")
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise SystemExit(
-            f"cudagraph-plan: error: cannot load {what} {spec!r}: {type(exc).__name__}: {exc}"
-        ) from None
+        raise _UsageError(f"cannot load {what} {spec!r}: {type(exc).__name__}: {exc}") from None
     if not callable(obj):
-        raise SystemExit(f"cudagraph-plan: error: {what} {spec!r} is not callable")
+        raise _UsageError(f"{what} {spec!r} is not callable")
     return obj  # type: ignore[no-any-return]
 
 
 def _estimates(args: argparse.Namespace, configs: Sequence[CaptureConfig]) -> tuple[list[int | None], str]:
     """The graph memory of each config's plan for --module, and where it was estimated."""
     if not (args.module and args.make_inputs):
-        raise SystemExit(
-            "cudagraph-plan: error: --estimate-memory needs --module PKG.MOD:FACTORY and "
-            "--make-inputs PKG.MOD:FN"
-        )
+        raise _UsageError("--estimate-memory needs --module PKG.MOD:FACTORY and --make-inputs PKG.MOD:FN")
     sys.path.insert(0, str(Path.cwd()))
     factory = _load(args.module, "--module")
     make_inputs = _load(args.make_inputs, "--make-inputs")
@@ -288,7 +283,7 @@ def _plot(path: Path, before: Analysis, after: Analysis | None, title: str) -> N
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("cudagraph-plan: error: --plot needs matplotlib: pip install matplotlib") from None
+        raise _UsageError("--plot needs matplotlib: pip install matplotlib") from None
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for analysis, label in ((before, "current"), (after, "suggested")):
         if analysis is None:
@@ -453,6 +448,11 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
     return doc
 
 
+class _UsageError(Exception):
+    """A command line that cannot run as given (a missing companion option, an extra that is not
+    installed): told in one line, exit status 2, as argparse's own usage errors are."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -465,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Printed once everything is done: the JSON and the plot are written
         # even when the reader of the output stops early (``| head``).
         run(args, out=lines.append)
-    except (TraceError, ValueError) as exc:  # ValueError: a configuration CaptureConfig refuses, in its words
+    except (TraceError, ValueError, _UsageError) as exc:  # ValueError: a configuration CaptureConfig refuses
         if lines:  # what was found before the error still helps
             print("\n".join(lines), flush=True)
         print(f"cudagraph-plan: error: {exc}", file=sys.stderr)

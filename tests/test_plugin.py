@@ -111,10 +111,32 @@ def _verified(data: dict[str, Any], test: str) -> list[int]:
 def test_importing_the_plugin_does_not_import_torch() -> None:
     code = (
         "import sys, pytest_cudagraph.plugin, pytest_cudagraph.plugin.settings, pytest_cudagraph.plugin.report; "
-        "sys.exit(1 if 'torch' in sys.modules else 0)"
+        "sys.exit(1 if 'torch' in sys.modules or 'hypothesis' in sys.modules else 0)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, "importing the plugin imported torch" + done.stderr
+    assert done.returncode == 0, "importing the plugin imported torch or hypothesis" + done.stderr
+
+
+def test_the_profiles_load_by_name_and_the_plugin_knows_them_without_hypothesis(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_cudagraph.plugin import HYPOTHESIS_PROFILES
+    from pytest_cudagraph.plugin.profiles import CI_PROFILE, THOROUGH_PROFILE
+
+    assert HYPOTHESIS_PROFILES == (CI_PROFILE, THOROUGH_PROFILE)
+    isolate_plugins(monkeypatch)
+    pytester.makepyfile(
+        test_profile="""
+        from hypothesis import settings
+
+        def test_loaded():
+            assert settings.get_current_profile_name() == "cudagraph-thorough"
+    """
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "_hypothesis_pytestplugin", "--hypothesis-profile=cudagraph-thorough"
+    )
+    assert result.ret == 0, result.stdout.str()[-2000:]
 
 
 def test_help_shows_every_option_and_ini_twin(pytester: pytest.Pytester) -> None:
@@ -535,7 +557,9 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
     result = inner.runpytest("--cudagraph-report=sub/dir/report.json")
     result.assert_outcomes(passed=2, failed=1)
     path = inner.path / "sub" / "dir" / "report.json"
-    result.stdout.fnmatch_lines([f"cudagraph: JSON report written to {path}"])
+    result.stdout.fnmatch_lines(
+        [f"cudagraph: backend=auto ran {AUTO_BACKEND}", f"cudagraph: JSON report written to {path}"]
+    )
     data = json.loads(path.read_text())
     assert data["version"] == 3
     assert (data["complete"], data["exitstatus"], data["passed"]) == (True, 1, False)
@@ -618,9 +642,9 @@ def test_no_report_file_unless_asked(inner: pytest.Pytester) -> None:
 def test_header_line(inner: pytest.Pytester) -> None:
     inner.makepyfile("def test_x():\n    pass\n")
     inner.runpytest().stdout.fnmatch_lines(
+        # The setting as given, torch imported or not; the summary says what "auto" became.
         [
-            f"cudagraph: backend={AUTO_BACKEND} (auto), verify=quick (smallest and largest descriptor per mode), "
-            "sizes=per test, report=none*"
+            "cudagraph: backend=auto, verify=quick (smallest and largest descriptor per mode), sizes=per test, report=none*"
         ]
     )
     inner.runpytest(
@@ -879,6 +903,7 @@ def test_a_suite_that_does_not_use_the_plugin_never_imports_torch(
 
         def test_torch_is_not_loaded():
             assert "torch" not in sys.modules
+            assert "hypothesis" not in sys.modules
     """
     )
     assert pytester.runpytest_subprocess("-p", "no:cacheprovider").ret == 0

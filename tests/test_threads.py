@@ -67,3 +67,32 @@ def test_apply_sets_torchs_threads_and_says_so(monkeypatch):
 
 def test_available_cores_is_at_least_one():
     assert threads.available_cores() >= 1
+
+
+@pytest.mark.parametrize(
+    ("env", "workers", "want"),
+    [
+        ({}, 2, "threads=1 (2 cores, 2 workers)"),
+        ({"OMP_NUM_THREADS": "1"}, 1, "threads=1 (OMP_NUM_THREADS)"),
+        ({"MKL_NUM_THREADS": "2"}, 1, "threads=2 (MKL_NUM_THREADS)"),
+        (
+            {"PYTEST_CUDAGRAPH_THREADS": "1", "OMP_NUM_THREADS": "8"},
+            2,
+            "threads=1 (PYTEST_CUDAGRAPH_THREADS)",
+        ),
+    ],
+)
+def test_the_header_always_names_the_threads_and_where_the_number_came_from(env, workers, want):
+    assert threads.describe_threads(cores=2, workers=workers, env=env) == want
+
+
+def test_the_header_warns_when_the_threads_exceed_the_cores():
+    line = threads.describe_threads(cores=2, workers=1, env={"OMP_NUM_THREADS": "8"})
+    assert line.startswith("threads=8 (OMP_NUM_THREADS) WARNING: 8 threads in all on 2 cores"), line
+    assert "unset OMP_NUM_THREADS or set it to 2" in line
+    # Per process: two xdist workers of 2 threads each are 4 threads on 2 cores.
+    assert "WARNING: 4 threads in all" in threads.describe_threads(
+        cores=2, workers=2, env={"OMP_NUM_THREADS": "2"}
+    )
+    zero = threads.describe_threads(cores=2, workers=2, env={"PYTEST_CUDAGRAPH_THREADS": "0"})
+    assert zero.startswith("threads=torch's default, 2 a process (PYTEST_CUDAGRAPH_THREADS=0) WARNING"), zero

@@ -581,3 +581,32 @@ def test_an_output_into_a_missing_folder_is_a_message_with_exit_2(
     assert main([str(SPEC_TRACE), "--json", str(tmp_path / "nope" / "p.json")]) == 2
     err = capsys.readouterr().err
     assert f"--json {tmp_path / 'nope' / 'p.json'}: the folder {tmp_path / 'nope'} does not exist" in err
+
+
+def test_every_usage_error_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    """Usage errors exit 2 everywhere, argparse's and the command's own alike."""
+    import builtins
+
+    trace = _jsonl(tmp_path / "t.jsonl", LINES)
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args: object, **kwargs: object) -> object:
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(builtins, "__import__", no_matplotlib)
+        assert main([str(trace), "--max-graphs", "2", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "cudagraph-plan: error: --plot needs matplotlib" in capsys.readouterr().err
+    assert main([str(trace), "--max-graphs", "2", "--estimate-memory"]) == 2
+    assert "--estimate-memory needs --module" in capsys.readouterr().err
+    assert (
+        main(
+            [str(trace), "--max-graphs", "2", "--estimate-memory", "--module", "nope", "--make-inputs", "x:y"]
+        )
+        == 2
+    )
+    assert "--module must be PKG.MOD:NAME" in capsys.readouterr().err

@@ -293,10 +293,14 @@ def _uses_plugin(item: pytest.Item) -> bool:
     return item.get_closest_marker("cudagraph") is not None or any(f in _PLUGIN_FIXTURES for f in fixtures)
 
 
+@pytest.hookimpl(tryfirst=True)  # before hypothesis' own plugin loads the profile it is asked for
 def pytest_configure(config: pytest.Config) -> None:
-    from .profiles import register
+    if config.getoption("--hypothesis-profile", default=None) in HYPOTHESIS_PROFILES:
+        # Only where asked for: importing hypothesis costs half a second, which a suite that never
+        # draws an example should not pay. The dispatch-properties fixture registers them too.
+        from .profiles import register
 
-    register()  # hypothesis profiles cudagraph-ci and cudagraph-thorough
+        register()
     config.addinivalue_line("markers", _CUDA_MARKER)
     config.addinivalue_line("markers", _CUDAGRAPH_MARKER)
     if config.getoption("help", default=False):
@@ -318,6 +322,9 @@ _state = pytest_report.run_state
 
 
 _THREADS_KEY = pytest.StashKey["str | None"]()
+#: The hypothesis profiles of ``profiles.py``, by name (kept equal to theirs by a test): named here so
+#: that the plugin knows them without importing hypothesis.
+HYPOTHESIS_PROFILES = ("cudagraph-ci", "cudagraph-thorough")
 
 #: The environment variables the plugin reads, shown in --help (their homes import torch; these
 #: names are held equal to theirs by a test).
@@ -335,13 +342,12 @@ ENVIRONMENT = (
 
 def pytest_report_header(config: pytest.Config) -> str:
     run = _state(config).settings
-    # "auto" is resolved (torch.cuda.is_available()) only where torch is wanted anyway: a run
-    # that verifies, names its devices, or has imported torch; a suite that never uses the plugin
-    # pays no torch import for its header.
-    wanted = "torch" in sys.modules or run.verify or run.devices is not None
-    line = pytest_report.header_line(run, settings.concrete_backend(run.backend) if wanted else None)
+    # The settings as given: "auto" is not resolved here, where torch may not be imported yet (from
+    # a wheel it is not; from a checkout a conftest may have imported it), so the header would say
+    # one thing or the other by chance. The terminal summary says what "auto" became.
+    line = pytest_report.header_line(run)
     threads = config.stash.get(_THREADS_KEY, None)
-    return f"{line}, {threads}" if threads else line
+    return f"{line}, {threads}" if threads else line  # None only before the session starts
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -535,6 +541,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     state = _state(config)
     if state.results:
         terminalreporter.section("cudagraph")
+        resolved = pytest_report.backends_line(state.settings, state.results)
+        if resolved:
+            terminalreporter.line(resolved)
         for nodeid, records in state.results.items():
             terminalreporter.line(pytest_report.summary_line(nodeid, records, state.outcomes.get(nodeid)))
     unverified = [
@@ -716,7 +725,9 @@ def cudagraph_dispatch_properties() -> DispatchProperties:
     ``@given`` tests can use it.
     """
     from ..plan.properties import DispatchProperties
+    from .profiles import register
 
+    register()  # a suite that draws examples can load cudagraph-ci or cudagraph-thorough
     return DispatchProperties()
 
 

@@ -4,7 +4,9 @@
 ``cudagraph-thorough``: many examples, for a nightly or pre-release run
 (``pytest --hypothesis-profile=cudagraph-thorough``). Registering them loads
 nothing; a suite chooses (this repository's root conftest loads
-``cudagraph-ci`` when ``CI=true``).
+``cudagraph-ci`` when ``CI=true``). The plugin registers them where
+``--hypothesis-profile`` names one and when the dispatch-properties fixture
+runs, never at load: importing hypothesis costs a suite half a second.
 """
 
 from __future__ import annotations

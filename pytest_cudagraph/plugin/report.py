@@ -243,6 +243,15 @@ def header_line(settings: Settings, resolved_backend: str | None = None) -> str:
     return line
 
 
+def backends_line(settings: Settings, results: Mapping[str, Iterable[Mapping[str, Any]]]) -> str:
+    """``cudagraph: backend=auto ran emulate`` (what "auto" became in the verifications), or ``""``
+    where the backend was named."""
+    if settings.backend != "auto":
+        return ""
+    ran = sorted({str(r["report"].get("backend")) for records in results.values() for r in records})
+    return f"cudagraph: backend=auto ran {' and '.join(ran)}" if ran else ""
+
+
 def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str | None = None) -> str:
     """One test's line: descriptors captured/planned, checks passed/failed, failures, capture time, graph
     memory, peak memory."""

@@ -25,6 +25,7 @@ __all__ = [
     "USER_THREAD_ENVS",
     "apply_threads",
     "available_cores",
+    "describe_threads",
     "plan_threads",
     "worker_count",
 ]
@@ -83,17 +84,59 @@ def worker_count(config: Any = None, env: Mapping[str, str] | None = None) -> in
     return 1
 
 
-def thread_plan(config: Any = None) -> tuple[int | None, str | None]:
-    """The threads ``plan_threads`` gives this process, and a line for the header
-    (``"threads=1 (2 cores, 2 workers)"``); (None, None) when the user chose. No torch."""
+def _chosen(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """(the variable, its value) of the thread count the user chose, or None: the plugin's own
+    variable first (torch is left alone only at 0), then the ones torch reads at start-up."""
+    own = env.get(THREADS_ENV, "").strip()
+    if own:
+        return THREADS_ENV, own
+    for name in USER_THREAD_ENVS:
+        value = env.get(name, "").strip()
+        if value:
+            return name, value
+    return None
+
+
+def describe_threads(*, cores: int, workers: int, env: Mapping[str, str]) -> str:
+    """The header's words for the threads a test process runs with and where the number came from
+    (``"threads=1 (2 cores, 2 workers)"``, ``"threads=4 (OMP_NUM_THREADS)"``), with a warning
+    when a count the user chose exceeds the cores: threads then wait on each other at every
+    barrier, and the emulator's many small ops run several times slower."""
+    threads = plan_threads(cores=cores, workers=workers, env=env)
+    chosen = _chosen(env)
+    plural = f"{cores} core{'s' if cores != 1 else ''}"
+    if chosen is None or (chosen[0] == THREADS_ENV and threads is not None):
+        source = (
+            f"{THREADS_ENV}"
+            if chosen is not None
+            else f"{plural}, {workers} worker{'s' if workers != 1 else ''}"
+        )
+        line = f"threads={threads} ({source})"
+        count: int | None = threads
+    elif chosen[0] == THREADS_ENV:  # 0: torch's own choice, which is every core in each process
+        line = f"threads=torch's default, {cores} a process ({THREADS_ENV}=0)"
+        count = cores * max(1, workers)
+    else:
+        name, value = chosen
+        count = int(value) if value.isdigit() else None
+        line = f"threads={value} ({name})"
+        if count is not None:
+            count *= max(1, workers)
+    if count is not None and count > cores:
+        line += (
+            f" WARNING: {count} threads in all on {plural}: they wait on each other, and the emulator "
+            f"runs several times slower; unset {chosen[0] if chosen else THREADS_ENV} or set it to "
+            f"{max(1, cores // max(1, workers))}"
+        )
+    return line
+
+
+def thread_plan(config: Any = None) -> tuple[int | None, str]:
+    """The threads ``plan_threads`` gives this process (None: the user chose, torch is left alone)
+    and the header's words for them (``describe_threads``). No torch."""
     cores, workers = available_cores(), worker_count(config)
     threads = plan_threads(cores=cores, workers=workers, env=os.environ)
-    if threads is None:
-        return None, None
-    return (
-        threads,
-        f"threads={threads} ({cores} core{'s' if cores != 1 else ''}, {workers} worker{'s' if workers != 1 else ''})",
-    )
+    return threads, describe_threads(cores=cores, workers=workers, env=os.environ)
 
 
 def apply_threads(config: Any = None) -> str | None:
@@ -101,7 +144,7 @@ def apply_threads(config: Any = None) -> str | None:
     user chose. Imports torch: the plugin calls it once torch is there anyway (a suite that never
     imports torch never pays for it)."""
     threads, line = thread_plan(config)
-    if threads is None:
+    if threads is None:  # the user chose: torch keeps it
         return None
     import torch
 

@@ -108,6 +108,25 @@ def _fill_int(
     view.copy_(drawn.to(device=view.device, dtype=view.dtype))
 
 
+def _why_none(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: dict[str, Any]) -> str:
+    """Why no fill applies at this descriptor's most padded real batch, in the words that are true:
+    its floating inputs have no padded rows there (the padding is of a count they do not follow), or
+    there is no floating input; integer inputs hold one value each or have a declared pad value."""
+    floating = [
+        name
+        for name, v in inputs.items()
+        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+    ]
+    padded = f"num_tokens={batch.num_tokens} of {desc.num_tokens}, num_reqs={batch.num_reqs} of {ctx.manager.capture_reqs(desc)}"
+    floats = (
+        f"the floating input(s) {', '.join(repr(n) for n in floating)} have no padded rows in this descriptor's most "
+        f"padded real batch ({padded}): they do not follow the count that is padded there"
+        if floating
+        else "no floating input"
+    )
+    return f"{floats}; integer inputs hold one value each, or their pad value is declared in pad_values"
+
+
 def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     batch = ctx.padded_batch(desc)
     manager = ctx.manager
@@ -122,16 +141,15 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             message="no real batch of this descriptor leaves padded rows",
         )
     plans, floats, ints = _fill_plans(ctx, desc, batch)
+    inputs = ctx.make(batch)
     if len(plans) == 1:
         return Outcome(
             "padding_isolation",
             desc,
             True,
             skipped=True,
-            message="no input has padded rows that can hold other values (no floating input; integer "
-            "inputs hold one value each, or their pad value is declared in pad_values)",
+            message=f"no input has padded rows that can hold other values ({_why_none(ctx, desc, batch, inputs)})",
         )
-    inputs = ctx.make(batch)
     results: list[tuple[str, str, Any, dict[str, torch.Tensor]]] = []
     with ctx.preserved_state() as state0:
         for label, filled, fill in plans:
@@ -157,13 +175,19 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         instead = "their pad value" if label in dict(_INT_FILLS) else base_label
         diff = first_difference(out, base_out)
         if diff is not None:
+            finding = finding_of(diff, batch)
+            # Both values are the graph's: with padded rows holding this fill, and holding the base's.
+            finding.sides = (
+                f"the graph with padded rows of {label}",
+                f"the graph with padded rows of {instead}",
+            )
             return Outcome(
                 "padding_isolation",
                 desc,
                 False,
                 f"real rows change when padded rows of {filled} hold {label} instead of {instead}: padding "
                 f"leaks into real rows ({where_of(diff)}){strict}{batch_norm_hint(ctx)}",
-                finding_of(diff, batch),
+                finding,
                 figures={"fill": label, "nonfinite": bool(strict)},
             )
         diff = ctx.state_difference(state, base_state, use_scratch=True)
