@@ -399,8 +399,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "suite-determinism",
         S,
-        "diff = first_difference(outs[1], outs[0])",
-        "diff = None",
+        "outs = ctx.from_one_state(poisoned, len(poisons))\n    diff = first_difference(outs[1], outs[0])",
+        "outs = ctx.from_one_state(poisoned, len(poisons))\n    diff = None",
         (*sensitivity("test_determinism_catches_a_difference_in_one_column"), pair("UnregisteredState")),
         "two replays never compared",
     ),

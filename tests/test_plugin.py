@@ -219,18 +219,21 @@ def test_parse_sizes_rejects_with_what_was_expected(text: str, why: str) -> None
 def test_parse_backend() -> None:
     assert parse_backend(" Emulate ", "x") == "emulate"
     with pytest.raises(
-        pytest.UsageError, match=r"--cudagraph-backend: expected one of auto, cuda, emulate; got 'gpu'"
+        pytest.UsageError, match=r"--cudagraph-backend: backend must be one of auto, cuda, emulate; got 'gpu'"
     ):
         parse_backend("gpu", "--cudagraph-backend")
 
 
 def test_resolve_precedence_call_marker_run() -> None:
-    run = Settings(verify=False, backend="auto", sizes=(1, 2))
+    run = Settings(options={"exhaustive": False, "backend": "auto", "nonfinite_padding": False}, sizes=(1, 2))
     assert resolve(run) == run
     marker = {"capture_sizes": (1, 2, 4), "backend": "emulate"}
-    assert resolve(run, marker) == Settings(verify=False, backend="emulate", sizes=(1, 2, 4))
+    assert resolve(run, marker) == Settings(
+        options={"exhaustive": False, "backend": "emulate", "nonfinite_padding": False}, sizes=(1, 2, 4)
+    )
     call = {"capture_sizes": [8], "exhaustive": True, "backend": None}  # None: not given
-    assert resolve(run, marker, call) == Settings(verify=True, backend="emulate", sizes=(8,))
+    test = resolve(run, marker, call)
+    assert (test.verify, test.backend, test.sizes) == (True, "emulate", (8,))
     keywords = verify_keywords(run, {**marker, "seed": 3}, {"seed": 5, "rtol": None})
     assert keywords == {
         "capture_sizes": (1, 2, 4),
@@ -239,6 +242,12 @@ def test_resolve_precedence_call_marker_run() -> None:
         "seed": 5,
         "nonfinite_padding": False,
     }
+    # A run's checks reach every call that gives none, as VerifyOptions normalises them.
+    checked = Settings(options={**run.options, "checks": ("-determinism",)})
+    assert verify_keywords(checked)["checks"] == ("-determinism",)
+    assert verify_keywords(checked, None, {"checks": "real_batches"})["checks"] == ("real_batches",)
+    with pytest.raises(ValueError, match="checks: checks must be check names"):
+        resolve(run, None, {"checks": "Not A Check"})
 
 
 # -- usage errors -------------------------------------------------------------
@@ -260,7 +269,7 @@ def test_bad_ini_backend_is_a_usage_error(inner: pytest.Pytester) -> None:
     result = inner.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
-        ["ERROR: ini option cudagraph_backend: expected one of auto, cuda, emulate; got 'gpu'"]
+        ["ERROR: ini option cudagraph_backend: backend must be one of auto, cuda, emulate; got 'gpu'"]
     )
 
 
@@ -409,7 +418,7 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
         [
             f"cudagraph: backend=emulate, verify=every descriptor and every check, sizes=1,2,4, report={path}, "
             # (then ", threads ..." where the plugin set torch's threads: a machine without OMP_NUM_THREADS)
-            f"devices=0, trace={inner.path / 'traces' / 't.csv'} (3 batch shapes)*"
+            f"devices=0, checks=-rng, trace={inner.path / 'traces' / 't.csv'} (3 batch shapes)*"
         ]
     )
     data = json.loads(path.read_text())
@@ -428,6 +437,7 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
         "checks": ["-rng"],
         "compare": None,
         "compare_fail": False,
+        "bench_report": None,
     }
     # the options beat their ini twins
     result = inner.runpytest("--cudagraph-sizes=1,2", "--cudagraph-report=other.json")
@@ -470,7 +480,7 @@ def test_nonfinite_padding_option_ini_and_marker(inner: pytest.Pytester) -> None
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(
         [
-            "cudagraph: *padding=finite and non-finite*",
+            "cudagraph: *, nonfinite_padding*",
             "*FAIL padding_isolation*",
             "*found by nonfinite_padding=True*",
         ]
@@ -494,7 +504,7 @@ def test_nonfinite_padding_marker_value_is_checked(inner: pytest.Pytester) -> No
     )
     result = inner.runpytest()
     result.assert_outcomes(errors=1)  # the bad marker fails its own test
-    result.stdout.fnmatch_lines(["*nonfinite_padding: expected True or False; got 'yes'*"])
+    result.stdout.fnmatch_lines(["*nonfinite_padding must be True or False; got 'yes'*"])
 
 
 QUICK_TESTS = """
@@ -579,6 +589,7 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
         "checks": None,
         "compare": None,
         "compare_fail": False,
+        "bench_report": None,
     }
     # every test that used the plugin: test_not_verifying made a manager, and verified nothing
     assert set(data["tests"]) == {
@@ -1002,7 +1013,9 @@ def test_bad_checks_option_is_a_usage_error_and_an_unknown_check_fails_its_test(
     inner.makepyfile(test_chosen=CHOSEN_CHECKS)
     result = inner.runpytest("--cudagraph-checks=real batches!")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: --cudagraph-checks: expected check names separated by commas*"])
+    result.stderr.fnmatch_lines(
+        ["ERROR: --cudagraph-checks: checks must be check names separated by commas*"]
+    )
     result = inner.runpytest("--cudagraph-checks=real_batchez", "-k", "by_option")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*unknown check(s) ?'real_batchez'?; the checks are capture_safety, *"])

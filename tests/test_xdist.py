@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from pytest_cudagraph.plugin.settings import parse_devices, parse_split, worker_device_index
+from pytest_cudagraph.plugin.option_table import parse_devices, parse_split
+from pytest_cudagraph.plugin.settings import worker_device_index
 from tests.test_plugin import CONFTEST, MODULES, inner  # noqa: F401  (the pytester fixture)
 
 SPLIT_TESTS = """

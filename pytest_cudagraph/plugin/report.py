@@ -32,9 +32,10 @@ from typing import Any
 import pytest
 
 from ..files import atomic_write_text
+from ..options import VerifyOptions
 from ..units import format_bytes, format_seconds
 from .run_info import commit_info, machine_info, now_utc
-from .settings import Settings, session_settings
+from .settings import Settings, option_name, session_settings
 
 __all__ = [
     "BENCH_ATTR",
@@ -233,8 +234,17 @@ def header_line(settings: Settings, resolved_backend: str | None = None) -> str:
         line += f", split={settings.split}"
     if settings.devices is not None:
         line += f", devices={','.join(map(str, settings.devices))}"
-    if settings.nonfinite_padding:
-        line += ", padding=finite and non-finite"
+    # Every other verify() keyword the run sets, as it was set ("nonfinite_padding", "checks=-determinism").
+    for name, option, default in VerifyOptions.run_options():
+        value = settings.options.get(name)
+        if name in ("backend", "exhaustive") or value is None or value == default or value is False:
+            continue
+        shown = option_name(name, option)
+        line += (
+            f", {shown}"
+            if value is True
+            else f", {shown}={','.join(value) if isinstance(value, tuple) else value}"
+        )
     if settings.isolate:
         line += ", isolate=a child process a test"
     if settings.trace is not None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,24 +24,39 @@ from ..options import BACKENDS, RUN_SETTINGS, VerifyOptions, concrete_backend
 from ..plan.batch import Batch
 from ..plan.config import CaptureConfig
 from ..plan.modes import GraphMode
+from .option_table import (
+    OWN_OPTIONS,
+    OwnOption,
+    add_options,
+    option_name,
+    parse_backend,
+    parse_sizes,
+    run_default,
+    verify_option,
+)
 
 __all__ = [
     "BACKENDS",
     "MARKER_ERROR_KEY",
     "MARKER_KEYWORDS",
     "MARKER_SIGNATURE",
+    "OWN_OPTIONS",
     "VERIFY_KEYWORDS",
+    "OwnOption",
     "Settings",
+    "add_options",
     "check_keywords",
     "check_report_path",
     "check_session",
     "concrete_backend",
     "marker_keywords",
+    "option_name",
     "parse_backend",
     "parse_sizes",
     "resolve",
     "session_settings",
     "verify_keywords",
+    "verify_option",
 ]
 
 
@@ -74,6 +90,8 @@ VERIFY_KEYWORDS: tuple[str, ...] = (*MARKER_KEYWORDS, *RUN_SETTINGS)
 #: On an xdist worker, a malformed marker's message: the test errors with it at
 #: set-up (a UsageError raised while a worker collects crashes the worker).
 MARKER_ERROR_KEY = pytest.StashKey[str]()
+#: The ``VerifyOptions`` fields a marker may give (validated by ``VerifyOptions`` itself).
+_VERIFY_FIELDS = frozenset(VerifyOptions.field_names())
 MARKER_SIGNATURE = "cudagraph(*, " + ", ".join(f"{n}={d}" for n, d in _MARKER_DEFAULTS) + ")"
 
 
@@ -81,14 +99,13 @@ MARKER_SIGNATURE = "cudagraph(*, " + ", ".join(f"{n}={d}" for n, d in _MARKER_DE
 class Settings:
     """Run settings (option > ini > default), or one test's (see ``resolve``).
 
-    ``verify``: exhaustive mode (every descriptor and every check) instead of
-    quick mode (smallest and largest descriptor of each mode). ``backend``:
-    'auto', 'cuda' or 'emulate'. ``sizes``: capture sizes that replace the
-    tests' own (None: each test's). ``report``: where the JSON report goes.
+    ``options``: the ``VerifyOptions`` fields a whole run sets (``VerifyOptions.run_options()``:
+    ``exhaustive`` from ``--cudagraph-verify``, ``backend``, ``checks``, ``nonfinite_padding``), by
+    field name, each holding its value; the rest are the plugin's own. ``sizes``: capture sizes
+    that replace the tests' own (None: each test's). ``report``: where the JSON report goes.
     """
 
-    verify: bool = False
-    backend: str = "auto"
+    options: Mapping[str, Any] = field(default_factory=dict)
     sizes: tuple[int, ...] | None = None
     report: Path | None = None
     bench_report: Path | None = None
@@ -96,8 +113,6 @@ class Settings:
     devices: tuple[int, ...] | None = None
     #: "test": one item per verification; "descriptor": one per descriptor.
     split: str = "test"
-    #: padding_isolation also fills padded rows with NaN and inf (a strictness).
-    nonfinite_padding: bool = False
     #: Ranks of distributed verifications that do not set world_size (None: they must).
     world_size: int | None = None
     #: A trace of real batches (--cudagraph-trace): verifications run its shapes.
@@ -108,120 +123,39 @@ class Settings:
     isolate: bool = False
     #: Seconds an isolated child may run (None: pytest-timeout's, if any, else no limit).
     isolate_timeout: float | None = None
-    #: ``checks=`` for verifications whose marker and call give none (names; ``-name`` deselects).
-    checks: tuple[str, ...] | None = None
     #: A JSON report of an earlier run to compare this one with (--cudagraph-compare).
     compare: Path | None = None
     #: Fail the run when the comparison finds a new failure.
     compare_fail: bool = False
 
+    @property
+    def verify(self) -> bool:
+        """Exhaustive mode (every descriptor and every check) instead of quick mode."""
+        return bool(self.options.get("exhaustive", False))
+
+    @property
+    def backend(self) -> str:
+        """'auto', 'cuda' or 'emulate'."""
+        return str(self.options.get("backend", "auto"))
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "verify": self.verify,
-            "backend": self.backend,
-            "sizes": list(self.sizes) if self.sizes is not None else None,
-            "report": str(self.report) if self.report is not None else None,
-            "devices": list(self.devices) if self.devices is not None else None,
-            "split": self.split,
-            "nonfinite_padding": self.nonfinite_padding,
-            "world_size": self.world_size,
-            "trace": str(self.trace) if self.trace is not None else None,
-            "isolate": self.isolate,
-            "isolate_timeout": self.isolate_timeout,
-            "checks": list(self.checks) if self.checks is not None else None,
-            "compare": str(self.compare) if self.compare is not None else None,
-            "compare_fail": self.compare_fail,
+        """The JSON report's record: each run option under its option's name, then the plugin's own."""
+        record: dict[str, Any] = {
+            option_name(name, option): _plain(self.options.get(name, run_default(name, default)))
+            for name, option, default in VerifyOptions.run_options()
         }
+        for own in OWN_OPTIONS:
+            record[own.name] = _plain(getattr(self, own.name))
+        return record
 
 
-# -- parsing ---------------------------------------------------------------
-def parse_backend(value: object, source: str) -> str:
-    """'auto', 'cuda' or 'emulate' (case-insensitive); UsageError naming ``source`` otherwise."""
-    text = value.strip().lower() if isinstance(value, str) else value
-    if text not in BACKENDS:
-        raise pytest.UsageError(f"{source}: expected one of {', '.join(BACKENDS)}; got {value!r}")
-    return str(text)
-
-
-def parse_sizes(value: object, source: str) -> tuple[int, ...]:
-    """Capture sizes from '1,2,4' (commas and/or spaces) or an iterable of ints.
-
-    Returns them sorted and without repeats; UsageError naming ``source`` when
-    a size is not a whole number >= 1 or none is given.
-    """
-    expected = "expected a comma-separated list of token counts >= 1, such as 1,2,4,8"
-    if isinstance(value, str):
-        items: list[object] = [p for p in re.split(r"[,\s]+", value.strip()) if p]
-    elif isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
-        items = list(value)
-    else:
-        raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
-    sizes: list[int] = []
-    for item in items:
-        if isinstance(item, str) and re.fullmatch(r"\+?\d+", item):
-            size = int(item)
-        elif isinstance(item, int) and not isinstance(item, bool):
-            size = item
-        else:
-            raise pytest.UsageError(f"{source}: {expected}; got {value!r} ({item!r} is not a whole number)")
-        if size < 1:
-            raise pytest.UsageError(f"{source}: {expected}; got {value!r} ({size} is less than 1)")
-        sizes.append(size)
-    if not sizes:
-        raise pytest.UsageError(f"{source}: {expected}; got {value!r} (no size)")
-    return tuple(sorted(set(sizes)))
-
-
-SPLITS = ("test", "descriptor")
-
-_CHECK_NAME = re.compile(r"-?[a-z][a-z0-9_]*")
-
-
-def parse_checks(value: object, source: str) -> tuple[str, ...]:
-    """Check names from 'real_batches,-determinism' (commas and/or spaces); UsageError naming
-    ``source`` otherwise. Whether each names a check is known once torch is loaded: ``verify``
-    says so, with the list of checks."""
-    expected = (
-        "expected check names separated by commas, a leading '-' to deselect one, such as "
-        "capture_safety,real_batches or -determinism"
-    )
-    items = [p for p in re.split(r"[,\s]+", value.strip()) if p] if isinstance(value, str) else None
-    if not items or not all(_CHECK_NAME.fullmatch(p) for p in items):
-        raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
-    return tuple(items)
-
-
-def parse_seconds(value: object, source: str) -> float:
-    """A positive number of seconds; UsageError naming ``source`` otherwise."""
-    try:
-        seconds = float(str(value).strip())
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise pytest.UsageError(
-            f"{source}: expected a positive number of seconds, such as 600; got {value!r}"
-        )
-    return seconds
-
-
-def parse_devices(value: object, source: str) -> tuple[int, ...]:
-    """CUDA device indices from '0,1' (commas and/or spaces); UsageError naming ``source`` otherwise."""
-    expected = "expected a comma-separated list of CUDA device indices, such as 0,1"
-    items = [p for p in re.split(r"[,\s]+", str(value).strip()) if p] if isinstance(value, str) else None
-    if not items or not all(re.fullmatch(r"\d+", p) for p in items):
-        raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
-    devices = tuple(int(p) for p in items)
-    if len(set(devices)) != len(devices):
-        raise pytest.UsageError(f"{source}: {expected}, each once; got {value!r}")
-    return devices
-
-
-def parse_world_size(value: object, source: str) -> int:
-    """A positive number of ranks; UsageError naming ``source`` otherwise."""
-    text = str(value).strip()
-    if not re.fullmatch(r"\d+", text) or int(text) < 1:
-        raise pytest.UsageError(f"{source}: expected a positive number of ranks, such as 2; got {value!r}")
-    return int(text)
+def _plain(value: Any) -> Any:
+    """A setting as JSON holds it: paths as strings, tuples as lists."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
 
 
 def rank_devices(
@@ -235,13 +169,6 @@ def rank_devices(
     match = re.fullmatch(r"gw(\d+)", worker or "")
     block = (int(match.group(1)) if match else 0) % blocks
     return list(pool[block * world_size : (block + 1) * world_size])
-
-
-def parse_split(value: object, source: str) -> str:
-    text = value.strip().lower() if isinstance(value, str) else value
-    if text not in SPLITS:
-        raise pytest.UsageError(f"{source}: expected one of {', '.join(SPLITS)}; got {value!r}")
-    return str(text)
 
 
 def worker_device_index(worker: str | None, devices: tuple[int, ...] | None, count: int) -> int | None:
@@ -286,38 +213,36 @@ def _option_or_ini(config: pytest.Config, name: str, parse: Callable[[object, st
 
 
 def session_settings(config: pytest.Config) -> Settings:
-    """The run's settings: command-line option > ini value > default.
+    """The run's settings: command-line option > ini value > default, each read as its table
+    entry says (``VerifyOptions.run_options()``, then ``OWN_OPTIONS``).
 
     Relative report paths are taken from the invocation directory (option) or
     the ini file's directory (ini), as pytest does for its own paths.
     """
-    verify = _flag(config, "cudagraph_verify")
-
-    backend = _option_or_ini(config, "backend", parse_backend) or "auto"
-    sizes = _option_or_ini(config, "sizes", parse_sizes)
-    devices = _option_or_ini(config, "devices", parse_devices)
-    split = _option_or_ini(config, "split", parse_split) or "test"
-    nonfinite = _flag(config, "cudagraph_nonfinite_padding")
-    world_size = _option_or_ini(config, "world_size", parse_world_size)
-    trace = _path(config, "cudagraph_trace")
-    isolate = _flag(config, "cudagraph_isolate")
+    options: dict[str, Any] = {}
+    for name, option, default in VerifyOptions.run_options():
+        flag = option_name(name, option)
+        if option.metavar is None:
+            options[name] = _flag(config, f"cudagraph_{flag}")
+        else:
+            given = _option_or_ini(config, flag, partial(verify_option, name))
+            options[name] = run_default(name, default) if given is None else given
+    own: dict[str, Any] = {}
+    for entry in OWN_OPTIONS:
+        if entry.kind == "flag":
+            own[entry.name] = _flag(config, f"cudagraph_{entry.name}")
+        elif entry.kind == "path":
+            own[entry.name] = _path(config, f"cudagraph_{entry.name}")
+        else:
+            assert entry.parse is not None
+            value = _option_or_ini(config, entry.name, entry.parse)
+            if value is not None:
+                own[entry.name] = value
+    trace = own.get("trace")
     return Settings(
-        verify=verify,
-        backend=backend,
-        sizes=sizes,
-        report=_path(config, "cudagraph_report"),
-        bench_report=_path(config, "cudagraph_bench_report"),
-        devices=devices,
-        split=split,
-        nonfinite_padding=nonfinite,
-        world_size=world_size,
-        trace=trace,
-        isolate=isolate,
-        isolate_timeout=_option_or_ini(config, "isolate_timeout", parse_seconds),
-        checks=_option_or_ini(config, "checks", parse_checks),
-        compare=_path(config, "cudagraph_compare"),
-        compare_fail=_flag(config, "cudagraph_compare_fail"),
+        options=options,
         trace_shapes=read_trace_shapes(trace, config) if trace is not None else None,
+        **own,
     )
 
 
@@ -457,17 +382,16 @@ def _check_marker(mark: pytest.Mark, nodeid: str) -> None:
             continue
         if name == "capture_sizes":
             parse_sizes(value, f"{where}: capture_sizes")
-        elif name == "backend":
-            parse_backend(value, f"{where}: backend")
-        elif name == "nonfinite_padding" and not isinstance(value, bool):
-            raise pytest.UsageError(f"{where}: nonfinite_padding: expected True or False; got {value!r}")
+        elif name in _VERIFY_FIELDS:
+            # VerifyOptions' own validation, the one place a verify() keyword is checked.
+            verify_option(name, value, where)
 
 
 def marker_keywords(item: pytest.Item) -> dict[str, Any]:
     """The ``cudagraph`` markers' keywords on ``item``, the closest marker winning per keyword.
 
-    Raises ``pytest.UsageError`` on positional arguments, an unknown keyword or
-    a malformed ``capture_sizes`` / ``backend``.
+    Raises ``pytest.UsageError`` on positional arguments, an unknown keyword, a
+    malformed ``capture_sizes`` or a value ``VerifyOptions`` refuses.
     """
     merged: dict[str, Any] = {}
     for mark in reversed(list(item.iter_markers("cudagraph"))):  # farthest first
@@ -494,26 +418,20 @@ def resolve(
 ) -> Settings:
     """One test's settings: ``call`` keywords > ``marker`` keywords > ``run`` (option > ini > default).
 
-    ``capture_sizes`` sets ``sizes``, ``backend`` sets ``backend``,
-    ``nonfinite_padding`` sets ``nonfinite_padding`` and (call only: the
-    marker does not take it) ``exhaustive`` sets ``verify``.
+    ``capture_sizes`` sets ``sizes``; each ``VerifyOptions`` field a run sets (``backend``,
+    ``checks``, ``nonfinite_padding``, and, from a call only, ``exhaustive``) sets its own, checked
+    by ``VerifyOptions``. A bad value is the test's error (ValueError), not the session's.
     """
     chosen = {**_given(marker), **_given(call)}
-    verify = run.verify
-    if "exhaustive" in chosen:
-        verify = bool(chosen["exhaustive"])
-    # A bad keyword value is the test's error (ValueError), not the session's.
-    backend = run.backend
-    if "backend" in chosen:
-        backend = _for_test(parse_backend, chosen["backend"], "backend")
+    options = dict(run.options)
+    for name, _option, _default in VerifyOptions.run_options():
+        if name in chosen:
+            options[name] = _for_test(partial(verify_option, name), chosen[name], name)
     sizes = run.sizes
     if "capture_sizes" in chosen:
         # A list, a tuple or a string "1,2,4" alike (never character by character).
         sizes = _for_test(parse_sizes, chosen["capture_sizes"], "capture_sizes")
-    nonfinite = run.nonfinite_padding
-    if "nonfinite_padding" in chosen:
-        nonfinite = bool(chosen["nonfinite_padding"])
-    return replace(run, verify=verify, backend=backend, sizes=sizes, nonfinite_padding=nonfinite)
+    return replace(run, options=options, sizes=sizes)
 
 
 def verify_keywords(
@@ -526,11 +444,7 @@ def verify_keywords(
     """
     test = resolve(run, marker, call)
     keywords = {**_given(marker), **_given(call)}
-    keywords["backend"] = test.backend
-    keywords["exhaustive"] = test.verify
-    keywords["nonfinite_padding"] = test.nonfinite_padding
-    if run.checks is not None and "checks" not in keywords:
-        keywords["checks"] = list(run.checks)
+    keywords.update({name: value for name, value in test.options.items() if value is not None})
     if run.trace_shapes is not None and "batches" not in keywords:
         keywords["batches"] = run.trace_shapes
     if test.sizes is not None:

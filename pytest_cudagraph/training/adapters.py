@@ -24,7 +24,7 @@ import torch
 
 from ..plan.validate import check_int
 from ..runner.adapters import _require_cuda, skips_recorded
-from .verify import LossFn, TrainingStep, _forward_parameters, _taken
+from .replicas import LossFn, TrainingStep, _forward_parameters, _taken
 
 __all__ = ["compiled_training", "graphed_training"]
 

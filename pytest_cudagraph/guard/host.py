@@ -1,0 +1,200 @@
+"""The host methods the guard watches, and the capturing query it answers.
+
+The eight ``torch.Tensor`` methods that hand device data to the host
+(``.item()``, ``bool(tensor)``, ...) are replaced by wrappers that report to
+the innermost active guard, and ``torch.cuda.is_current_stream_capturing``
+answers True while a guard (or an ``as_captured`` block) is active. Both are
+process-wide replacements, so their state (the guards active, the depth of
+the replacement, the functions replaced) has its one home here; the guard
+reaches it through this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.cuda.graphs
+from torch.overrides import TorchFunctionMode
+
+# Python-level tensor methods that hand device data to the host.
+_HOST_METHODS: dict[Any, tuple[str, str]] = {
+    torch.Tensor.item: ("host sync", "Tensor.item()"),
+    torch.Tensor.tolist: ("device-to-host copy", "Tensor.tolist()"),
+    torch.Tensor.numpy: ("device-to-host copy", "Tensor.numpy()"),
+    torch.Tensor.cpu: ("device-to-host copy", "Tensor.cpu()"),
+    torch.Tensor.__bool__: ("host sync", "bool(tensor)"),
+    torch.Tensor.__int__: ("host sync", "int(tensor)"),
+    torch.Tensor.__float__: ("host sync", "float(tensor)"),
+    torch.Tensor.__index__: ("host sync", "tensor used as an index"),
+}
+
+
+class ActiveGuard(Protocol):
+    """What the wrappers and the capturing query ask of an active guard (``CaptureGuard`` has it).
+    A protocol here, so that this module, below the guard, never names the guard's own module."""
+
+    #: Above zero while an exempt submodule (an eager piece) runs.
+    suspended: int
+    #: Above zero while a host method runs: the ops beneath it are the same event.
+    _in_host_method: int
+
+    def report(self, op: str, reason: str) -> None: ...
+
+
+@contextlib.contextmanager
+def host_methods_watched() -> Iterator[None]:
+    """Keep the eight host methods replaced by reporting wrappers for the duration.
+
+    Nested uses share one replacement. A capture sequence holds it from its
+    first graph to its last: replacing an attribute of ``torch.Tensor``
+    invalidates the interpreter's attribute caches for every tensor, which
+    costs more than the replacement itself, so it is done once a sequence,
+    not once a graph. With no guard active the wrappers call straight through.
+
+    ``torch.cuda.is_current_stream_capturing`` is replaced alongside (under
+    both names code reaches it by), to answer True while a guard is active:
+    code that asks (transformers skips a ``bool(tensor)`` check that way)
+    must take the path it takes under a real capture, also on the emulator
+    and in the guarded eager runs, where no stream is capturing.
+    """
+    global _PATCH_DEPTH
+    wrappers = _host_wrappers()
+    _PATCH_DEPTH += 1
+    try:
+        if _PATCH_DEPTH == 1:
+            for name, (_original, wrapper) in wrappers.items():
+                setattr(torch.Tensor, name, wrapper)
+            for home in _CAPTURE_QUERY_HOMES:
+                original = getattr(home, _CAPTURE_QUERY)
+                _SAVED_QUERIES.append((home, original))
+                setattr(home, _CAPTURE_QUERY, _answering_capturing(original))
+        yield
+    finally:
+        _PATCH_DEPTH -= 1
+        if _PATCH_DEPTH == 0:
+            for name, (original, _wrapper) in wrappers.items():
+                setattr(torch.Tensor, name, original)
+            while _SAVED_QUERIES:
+                home, original = _SAVED_QUERIES.pop()
+                setattr(home, _CAPTURE_QUERY, original)
+
+
+_PATCH_DEPTH = 0
+#: Guards whose function_mode is active, innermost last.
+_ACTIVE: list[ActiveGuard] = []
+_WRAPPERS: dict[str, tuple[Any, Any]] = {}
+_CAPTURE_QUERY = "is_current_stream_capturing"
+# torch.cuda re-exports it from torch.cuda.graphs, whose own functions read the
+# module global: both names are replaced.
+_CAPTURE_QUERY_HOMES = (torch.cuda, torch.cuda.graphs)
+#: (module, the function replaced there) while the replacement holds.
+_SAVED_QUERIES: list[tuple[Any, Any]] = []
+
+
+#: One entry per active ``as_captured`` block: how many of its exempt modules are running.
+_AS_CAPTURED: list[list[int]] = []
+
+
+class _InertFunctionMode(TorchFunctionMode):
+    """A function mode that changes nothing but being there.
+
+    torch takes other paths while any function mode is active
+    (``has_torch_function`` is then true: ``nn.MultiheadAttention`` and
+    ``nn.TransformerEncoderLayer`` leave their fused fast paths). The
+    emulated capture runs under ``_HostValueMode``; a reference run meant to
+    be the same program runs under this one.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def as_captured(exempt: list[torch.nn.Module] | tuple[()] = (), *, emulated: bool = False) -> Iterator[None]:
+    """Run a forward eagerly on the path a capture takes: ``is_current_stream_capturing()`` answers True.
+
+    The checks compare a graph with eager runs of the same program. Code that
+    asks whether it is captured (transformers builds its attention mask
+    another way then, and on a GPU another kernel runs) would otherwise run
+    one program in the graph and another in the reference, and a bit-for-bit
+    comparison would fail a correct graph. ``exempt`` modules (a PIECEWISE
+    graph's eager pieces) get the plain answer, as they do on replay.
+    ``emulated``: the graph was recorded under the emulator's function mode,
+    so the run is made under an inert one (see ``_InertFunctionMode``).
+    """
+    running = [0]
+
+    def count(step: int) -> None:
+        running[0] += step
+
+    with (
+        _while_running(exempt, count),
+        host_methods_watched(),
+        _InertFunctionMode() if emulated else contextlib.nullcontext(),
+    ):
+        _AS_CAPTURED.append(running)
+        try:
+            yield
+        finally:
+            _AS_CAPTURED.pop()
+
+
+@contextlib.contextmanager
+def _while_running(modules: Iterable[torch.nn.Module], count: Callable[[int], None]) -> Iterator[None]:
+    """``count(+1)`` when any of ``modules`` starts its forward, ``count(-1)`` when it ends
+    (also on an exception), for the duration of the block."""
+    handles = []
+    for m in modules:
+        handles.append(m.register_forward_pre_hook(lambda *_: count(1)))
+        handles.append(m.register_forward_hook(lambda *_: count(-1), always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _answering_capturing(original: Any) -> Any:
+    @functools.wraps(original)
+    def is_current_stream_capturing() -> Any:
+        if _ACTIVE:
+            if not _ACTIVE[-1].suspended:
+                # A guard's forward is a capture, emulated, real or rehearsed
+                # (the guarded eager runs); an exempt eager piece runs outside it.
+                return True
+        elif _AS_CAPTURED and not _AS_CAPTURED[-1][0]:
+            return True  # a reference run of the captured program (as_captured)
+        # Outside, exactly what it did before (on a CPU-only build it raises).
+        return original()
+
+    return is_current_stream_capturing
+
+
+def _host_wrappers() -> dict[str, tuple[Any, Any]]:
+    """Method name -> (the original, a wrapper that reports it to the active guard)."""
+    if not _WRAPPERS:
+        for func, (reason, label) in _HOST_METHODS.items():
+            original = getattr(torch.Tensor, func.__name__)
+            _WRAPPERS[func.__name__] = (original, _reporting(original, reason, label))
+    return _WRAPPERS
+
+
+def _reporting(method: Any, reason: str, name: str) -> Any:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not _ACTIVE:
+            return method(*args, **kwargs)
+        guard = _ACTIVE[-1]
+        guard.report(name, reason)
+        # The aten op beneath (``_local_scalar_dense``) is the same event.
+        guard._in_host_method += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            guard._in_host_method -= 1
+
+    return wrapper

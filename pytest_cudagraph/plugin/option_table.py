@@ -1,0 +1,274 @@
+"""The plugin's options: what each one is, how its value is read and checked, and how pytest
+is told of it (``add_options``: ``--cudagraph-<name>`` and the ini key ``cudagraph_<name>``, from
+one table). The ``verify()`` keywords a whole run sets come from ``VerifyOptions.run_options()``,
+with their help and their validation (``verify_option``); the plugin's own settings from
+``OWN_OPTIONS``. Pure Python: importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pytest
+
+from ..options import RunOption, VerifyOptions
+
+__all__ = [
+    "OWN_OPTIONS",
+    "SPLITS",
+    "OwnOption",
+    "add_options",
+    "option_name",
+    "parse_backend",
+    "parse_devices",
+    "parse_seconds",
+    "parse_sizes",
+    "parse_split",
+    "parse_world_size",
+    "run_default",
+    "verify_option",
+]
+
+
+def option_name(name: str, option: RunOption) -> str:
+    """A run option's name, ``verify`` for the field ``exhaustive``: ``--cudagraph-verify``."""
+    return option.name or name
+
+
+def run_default(name: str, default: Any) -> Any:
+    """What a run option is when neither the command line nor the ini file gives it: a flag is off
+    (``exhaustive``: quick mode), anything else the field's default."""
+    return False if isinstance(default, bool) else default
+
+
+def parse_backend(value: object, source: str) -> str:
+    """'auto', 'cuda' or 'emulate' (case-insensitive), by ``VerifyOptions``' own validation;
+    UsageError naming ``source`` otherwise."""
+    return str(verify_option("backend", value, source))
+
+
+def parse_sizes(value: object, source: str) -> tuple[int, ...]:
+    """Capture sizes from '1,2,4' (commas and/or spaces) or an iterable of ints.
+
+    Returns them sorted and without repeats; UsageError naming ``source`` when
+    a size is not a whole number >= 1 or none is given.
+    """
+    expected = "expected a comma-separated list of token counts >= 1, such as 1,2,4,8"
+    if isinstance(value, str):
+        items: list[object] = [p for p in re.split(r"[,\s]+", value.strip()) if p]
+    elif isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
+        items = list(value)
+    else:
+        raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
+    sizes: list[int] = []
+    for item in items:
+        if isinstance(item, str) and re.fullmatch(r"\+?\d+", item):
+            size = int(item)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            size = item
+        else:
+            raise pytest.UsageError(f"{source}: {expected}; got {value!r} ({item!r} is not a whole number)")
+        if size < 1:
+            raise pytest.UsageError(f"{source}: {expected}; got {value!r} ({size} is less than 1)")
+        sizes.append(size)
+    if not sizes:
+        raise pytest.UsageError(f"{source}: {expected}; got {value!r} (no size)")
+    return tuple(sorted(set(sizes)))
+
+
+SPLITS = ("test", "descriptor")
+
+
+def verify_option(name: str, value: object, source: str) -> Any:
+    """``value`` for the ``VerifyOptions`` field ``name``, as its own validation takes it and
+    normalises it ('Emulate ' -> 'emulate', 'a,-b' -> ('a', '-b')); UsageError naming ``source``
+    with its words otherwise."""
+    given: dict[str, Any] = {name: value}
+    try:
+        return getattr(VerifyOptions(**given), name)
+    except ValueError as exc:
+        raise pytest.UsageError(f"{source}: {exc}") from None
+
+
+def parse_seconds(value: object, source: str) -> float:
+    """A positive number of seconds; UsageError naming ``source`` otherwise."""
+    try:
+        seconds = float(str(value).strip())
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise pytest.UsageError(
+            f"{source}: expected a positive number of seconds, such as 600; got {value!r}"
+        )
+    return seconds
+
+
+def parse_devices(value: object, source: str) -> tuple[int, ...]:
+    """CUDA device indices from '0,1' (commas and/or spaces); UsageError naming ``source`` otherwise."""
+    expected = "expected a comma-separated list of CUDA device indices, such as 0,1"
+    items = [p for p in re.split(r"[,\s]+", str(value).strip()) if p] if isinstance(value, str) else None
+    if not items or not all(re.fullmatch(r"\d+", p) for p in items):
+        raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
+    devices = tuple(int(p) for p in items)
+    if len(set(devices)) != len(devices):
+        raise pytest.UsageError(f"{source}: {expected}, each once; got {value!r}")
+    return devices
+
+
+def parse_world_size(value: object, source: str) -> int:
+    """A positive number of ranks; UsageError naming ``source`` otherwise."""
+    text = str(value).strip()
+    if not re.fullmatch(r"\d+", text) or int(text) < 1:
+        raise pytest.UsageError(f"{source}: expected a positive number of ranks, such as 2; got {value!r}")
+    return int(text)
+
+
+def parse_split(value: object, source: str) -> str:
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text not in SPLITS:
+        raise pytest.UsageError(f"{source}: expected one of {', '.join(SPLITS)}; got {value!r}")
+    return str(text)
+
+
+@dataclass(frozen=True)
+class OwnOption:
+    """A setting of the plugin's own (not a ``verify()`` keyword): ``--cudagraph-<name>`` (``-`` for
+    ``_``) and the ini key ``cudagraph_<name>``, read into ``Settings.<name>``."""
+
+    name: str
+    #: "flag" (store_true; a bool ini), "path" (relative to where it was given), or "value" (``parse``).
+    kind: Literal["flag", "path", "value"]
+    help: str
+    #: What the ini key holds, for ``--help``.
+    ini_help: str
+    metavar: str | None = None
+    parse: Callable[[object, str], Any] | None = None
+
+
+OWN_OPTIONS: tuple[OwnOption, ...] = (
+    OwnOption(
+        "sizes",
+        "value",
+        "capture sizes (token counts) for every test that does not set its own capture_sizes (marker or fixture "
+        "keyword)",
+        "capture sizes, such as 1,2,4,8",
+        "1,2,4,...",
+        parse_sizes,
+    ),
+    OwnOption(
+        "report",
+        "path",
+        "write a JSON report of every test that used the plugin (descriptors, check outcomes, figures) keyed by "
+        "test nodeid, with the settings",
+        "path of the JSON report, relative to the ini file",
+        "PATH",
+    ),
+    OwnOption(
+        "bench_report",
+        "path",
+        "write the cudagraph_benchmark results as a Markdown table fit for a CI job summary (and PATH.png, "
+        "speedup against tokens, when matplotlib is installed)",
+        "path of the Markdown benchmark report",
+        "PATH.md",
+    ),
+    OwnOption(
+        "devices",
+        "value",
+        "CUDA devices for pytest-xdist workers: worker gw<N> uses the N-th (round robin); default every visible "
+        "device. Without xdist the first is used",
+        "CUDA devices for xdist workers, such as 0,1",
+        "0,1,...",
+        parse_devices,
+    ),
+    OwnOption(
+        "world_size",
+        "value",
+        "ranks of cudagraph_verify_distributed calls that do not set world_size (one process a rank; on CUDA one "
+        "GPU a rank: under pytest-xdist worker gw<K> takes N consecutive devices of --cudagraph-devices)",
+        "ranks of distributed verifications",
+        "N",
+        parse_world_size,
+    ),
+    OwnOption(
+        "split",
+        "value",
+        "test: one item per cudagraph_verify test (default); descriptor: one item per descriptor of tests whose "
+        "marker (or --cudagraph-sizes) sets the capture sizes, so that pytest-xdist spreads one model's "
+        "descriptors over workers",
+        "test or descriptor",
+        "test|descriptor",
+        parse_split,
+    ),
+    OwnOption(
+        "trace",
+        "path",
+        "a trace of real batches (JSON Lines or CSV, one batch a line: num_tokens, num_reqs, ...; see "
+        "cudagraph-plan): verifications run its distinct shapes as their real batches, and the dispatch check "
+        "holds each to the dispatch properties",
+        "trace of real batches, relative to the ini file",
+        "PATH",
+    ),
+    OwnOption(
+        "isolate",
+        "flag",
+        "run each test that uses the plugin in a child process of its own, so that a fault that takes the CUDA "
+        "context down (a device-side assert, an illegal address) costs that test only",
+        "each plugin test in a child process",
+    ),
+    OwnOption(
+        "isolate_timeout",
+        "value",
+        "with --cudagraph-isolate: a child still running after SECONDS is killed (with its process group) and its "
+        "test fails, naming the phase it hung in. Default: pytest-timeout's timeout for the test (its marker, "
+        "--timeout or ini timeout) plus 30 s, where pytest-timeout is installed; else none",
+        "seconds before an isolated child is killed",
+        "SECONDS",
+        parse_seconds,
+    ),
+    OwnOption(
+        "compare",
+        "path",
+        "compare this run with the JSON report of an earlier one (--cudagraph-report): the terminal summary lists "
+        "what newly fails, what newly passes and which figures (capture time, peak and graph memory, check time) "
+        "moved by 10 %% or more",
+        "a JSON report to compare the run with, relative to the ini file",
+        "BASELINE.json",
+    ),
+    OwnOption(
+        "compare_fail",
+        "flag",
+        "with --cudagraph-compare: fail the run (exit status 1) when a check or a test fails that did not fail in "
+        "the baseline",
+        "fail on a new failure",
+    ),
+)
+
+
+def add_options(group: Any, parser: pytest.Parser) -> None:
+    """Every ``--cudagraph-`` option and its ini twin, from the two tables: the ``verify()`` keywords a
+    run sets (help and validation from ``VerifyOptions``), then the plugin's own."""
+    entries: list[tuple[str, str | None, str, str]] = [  # (name, metavar or None for a flag, help, ini help)
+        (option_name(name, option), option.metavar, option.help, option.help)
+        # --cudagraph-verify first: the one a run is most often started with.
+        for name, option, _ in sorted(VerifyOptions.run_options(), key=lambda o: o[0] != "exhaustive")
+    ]
+    entries += [
+        (o.name, None if o.kind == "flag" else (o.metavar or o.name.upper()), o.help, o.ini_help)
+        for o in OWN_OPTIONS
+    ]
+    for name, metavar, help_text, ini_help in entries:
+        flag = "--cudagraph-" + name.replace("_", "-")
+        key = f"cudagraph_{name}"
+        if metavar is None:
+            group.addoption(
+                flag, action="store_true", default=None, dest=key, help=f"{help_text}. ini: {key}"
+            )
+            parser.addini(key, f"{ini_help} (as {flag})", type="bool", default=False)
+        else:
+            group.addoption(
+                flag, action="store", default=None, dest=key, metavar=metavar, help=f"{help_text}. ini: {key}"
+            )
+            parser.addini(key, f"{ini_help} (as {flag})", default="")

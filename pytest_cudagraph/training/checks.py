@@ -1,0 +1,459 @@
+"""The training checks, after the capture: each holds the captured step's replays to eager.
+
+``optimizer_capturable`` (the optimizer keeps its step count on the device),
+``training_replay_matches_eager`` (replays on fresh inputs against as many eager steps),
+``training_padding`` (padded rows change nothing) and ``training_real_batches`` (a padded real
+batch against eager on the real batch alone, within the floor across shapes). ``TRAINING_CHECKS``
+names them with ``training_capture``, in the order they run; the capture itself, and the order
+the checks run in at each size, are the entry point's (``verify.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..checks.compare import first_difference
+from ..checks.floor import across_shapes
+from ..checks.report import Finding, Outcome
+from ..manager.layout import padded_inputs
+from ..observe import MODULE_INTERNALS, ForwardObserver, observing, unit_roundoff
+from ..plan import BatchDescriptor
+from .compare import _difference, _held, _up_to_gradients
+from .replicas import LossFn, _inputs, _Replica, _Sides, _step
+
+#: The checks of a training verification, in the order they run.
+TRAINING_CHECKS = (
+    "optimizer_capturable",
+    "training_capture",
+    "training_replay_matches_eager",
+    "training_padding",
+    "training_real_batches",
+)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """``verify_training``'s keywords, checked (``verify.py``'s ``_options``). Here, below the
+    entry point, because the checks read them too (``steps``, ``seed``, ``autocast``)."""
+
+    autocast: torch.dtype | None
+    steps: int
+    capture_sizes: tuple[int, ...]
+    max_num_reqs: int
+    warmup_steps: int
+    seed: int
+
+
+# -- outcomes (the entry point's training_capture says its own with these too) ----------------
+def _fail(check: str, desc: BatchDescriptor | None, message: str, finding: Finding | None = None) -> Outcome:
+    return Outcome(check, desc, passed=False, message=message, finding=finding)
+
+
+def _skip(check: str, desc: BatchDescriptor | None, message: str) -> Outcome:
+    return Outcome(check, desc, passed=True, message=message, skipped=True)
+
+
+# -- optimizer_capturable ---------------------------------------------------------------------
+def _optimizer_capturable(replica: _Replica, own: bool) -> Outcome:
+    check = "optimizer_capturable"
+    opt = replica.optimizer
+    if opt is None:
+        return _skip(
+            check, None, "no optimizer: forward and backward are captured, as make_graphed_callables does"
+        )
+    if own:
+        return _skip(check, None, "the optimizer steps between the runner's graphs, outside them")
+    # A fused optimizer keeps its step count on the device as a capturable one does.
+    held = [bool(g.get("capturable")) or bool(g.get("fused")) for g in opt.param_groups]
+    if not all(held) and all("capturable" in g for g in opt.param_groups):
+        return _fail(
+            check,
+            None,
+            f"{type(opt).__name__} keeps its step count on the host (capturable=False): a captured step reads "
+            "it once, so every replay applies the first step's bias correction and learning-rate schedule "
+            "(CUDA refuses the capture); build it with capturable=True (or fused=True)",
+        )
+    return Outcome(check, None, passed=True)
+
+
+# -- training_replay_matches_eager ------------------------------------------------------------
+def _replay_matches_eager(
+    graph: Any,
+    sides: _Sides,
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    loss_fn: LossFn,
+    load: Callable[[Mapping[str, Any]], None],
+    desc: BatchDescriptor,
+    opts: _Options,
+) -> Outcome:
+    check = "training_replay_matches_eager"
+    tokens, reqs = desc.num_tokens, desc.num_reqs or desc.num_tokens
+    batches = [_inputs(make_inputs, tokens, reqs, opts.seed + 1 + k) for k in range(opts.steps)]
+    got = []
+    torch.manual_seed(opts.seed + 1000)
+    for k, batch in enumerate(batches):
+        load(batch)
+        graph.replay()
+        loss = graph.output.detach().clone()
+        sides.graphed.between()
+        let_go = _let_go(sides, k + 1)
+        if let_go is not None:
+            return _fail(check, desc, *let_go)
+        got.append({"loss": loss, **sides.graphed.snapshot()})
+    skipped = sides.graphed.not_graphed()
+    if skipped:
+        return _fail(check, desc, f"the replayed steps ran without their CUDA graphs: {skipped}")
+    # The same eager steps twice from the same start: where they differ, eager is not
+    # reproducible and the floor is measured (see _held). With the default step each eager step
+    # is held to the graph's in two parts. Up to the gradients, a GPU may run another program
+    # under capture than in eager (an embedding's backward has a capture path of its own, which
+    # rounds otherwise): bit for bit, else within the dtype's tolerance, said in a note. Then the
+    # optimizer's step, given the graph's very gradients, is the same program on both sides, held
+    # bit for bit; so a difference of the last bit in a gradient, which Adam turns into a step of
+    # the learning rate's size, is not taken for a bug. A step the caller wrote cannot be cut
+    # there, and is held whole.
+    runs = [_eager_steps(copy_, got, batches, loss_fn, opts) for copy_ in (sides.eager, sides.twin)]
+    once, again = runs[0][0][0]["loss"], runs[1][0][0]["loss"]
+    if first_difference(again, once, rtol=0.0, atol=0.0) is not None:
+        # Step 1 starts from one state: only the forward and the loss made its loss, and those are
+        # held to reproduce themselves bit for bit, as verify's determinism check holds a forward.
+        return _fail(
+            check,
+            desc,
+            f"eager differs from itself from the same start and seed: step 1's loss is {once.item()!r} once "
+            f"and {again.item()!r} again; the step draws from something torch's seed does not set (Python's "
+            "random, numpy, a clock, a host counter), which a graph reads once, at capture, so every replay "
+            "repeats one draw (a dropout mask the same on every step): draw with torch's generator "
+            "(torch.rand, F.dropout), which each replay advances; or its forward runs a nondeterministic "
+            "kernel (torch.use_deterministic_algorithms(True) names it)",
+            Finding(output="loss", got=again.item(), expected=once.item()),
+        )
+    notes = []
+    for k in range(opts.steps):
+        (want, want_after), (again_, again_after) = runs[0][k], runs[1][k]
+        part = {key: v for key, v in got[k].items() if key in want}
+        diff = _held(part, want, again_)
+        if diff is not None and want_after:
+            loose = _difference(part, want, tolerance=True)
+            if loose is None:
+                notes.append(f"step {k + 1}: {diff[0]}")
+                diff = None
+        if diff is None and want_after:
+            after = {
+                key: v for key, v in got[k].items() if key in want_after and not key.startswith("grad of ")
+            }
+            diff = _held(
+                after,
+                {key: want_after[key] for key in after},
+                {key: again_after[key] for key in after},
+            )
+            if diff is not None:
+                diff = (f"{diff[0]} after the optimizer's step, given the graph's own gradients", diff[1])
+        if diff is not None:
+            return _fail(
+                check,
+                desc,
+                f"step {k + 1} of {opts.steps} replayed on fresh inputs differs from eager "
+                f"from the same start: {diff[0]}{_python_state_differs(sides.graphed.module, sides.eager.module)}",
+                diff[1],
+            )
+    if notes:
+        return Outcome(
+            check,
+            desc,
+            passed=True,
+            message=f"not bit for bit up to the gradients, within the dtype's tolerance (the device runs "
+            f"another kernel under capture): {notes[0]}",
+        )
+    return Outcome(check, desc, passed=True)
+
+
+def _eager_steps(
+    replica: _Replica,
+    got: Sequence[Mapping[str, Any]],
+    batches: Sequence[Mapping[str, Any]],
+    loss_fn: LossFn,
+    opts: _Options,
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Eager's steps on ``batches``: per step what it made up to the gradients and what it left
+    after the optimizer, given the graph's own gradients (see _replay_matches_eager). A step the
+    caller wrote is run whole: the first part is everything, the second empty."""
+    torch.manual_seed(opts.seed + 1000)
+    steps: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    for k, batch in enumerate(batches):
+        if replica.custom is not None:
+            loss = replica.run(loss_fn, batch, opts.autocast)
+            replica.between()
+            steps.append(({"loss": loss, **replica.snapshot()}, {}))
+            continue
+        loss = _step(replica, loss_fn, batch, opts.autocast, optimize=False)
+        made = {"loss": loss, **replica.snapshot()}
+        before = {key: v for key, v in made.items() if _up_to_gradients(key)}
+        with torch.no_grad():
+            for name, p in replica.params():
+                grad = got[k].get(f"grad of {name}")
+                if p.grad is not None and isinstance(grad, torch.Tensor):
+                    p.grad.copy_(grad)
+        if replica.optimizer is not None:
+            replica.optimizer.step()
+        steps.append((before, replica.snapshot()))
+    return steps
+
+
+def _let_go(sides: _Sides, replay: int) -> tuple[str, Finding] | None:
+    """Where the code between replays let go of a gradient the graph writes."""
+    for name, p in sides.graphed.params():
+        held = sides.written.get(name)
+        if held is None or p.grad is held:
+            continue
+        now, effect = (
+            ("None", "finds None and skips the parameter")
+            if p.grad is None
+            else ("another tensor", "reads a tensor no replay writes")
+        )
+        return (
+            f"after replay {replay}, the gradient of {name!r} is {now}, not the tensor the graph writes: the "
+            "code between replays let go of it (optimizer.zero_grad(set_to_none=True), or p.grad assigned), "
+            f"so what reads p.grad after the next replay (an optimizer step outside the graph, clipping, "
+            f"logging) {effect}; zero the gradients in place between replays (zero_grad(set_to_none=False))",
+            Finding(output=f"grad of {name}"),
+        )
+    return None
+
+
+def _python_state(module: torch.nn.Module) -> dict[str, Any]:
+    """The plain Python values the module keeps on itself (counters, flags), by dotted name."""
+    return {
+        f"{prefix}.{key}" if prefix else key: value
+        for prefix, sub in module.named_modules()
+        for key, value in vars(sub).items()
+        if key not in MODULE_INTERNALS and isinstance(value, (bool, int, float, str))
+    }
+
+
+def _python_state_differs(graphed: torch.nn.Module, eager: torch.nn.Module) -> str:
+    """Why, where a Python value of the module differs: the step changed it, and a graph runs no Python."""
+    got, want = _python_state(graphed), _python_state(eager)
+    changed = [k for k in want if got.get(k) != want[k]]
+    if not changed:
+        return ""
+    name = changed[0]
+    return (
+        f"; the module's Python state differs too: {name!r} is {got.get(name)!r} after the replays and "
+        f"{want[name]!r} in eager (Python runs at capture only: a value the step changes belongs in a buffer "
+        "it updates in place, and a branch on it, such as an optimizer step every k micro-steps of gradient "
+        "accumulation, in the loop's code between replays)"
+    )
+
+
+# -- training_padding and training_real_batches: padded rows ----------------------------------
+def _real_size(desc: BatchDescriptor) -> tuple[int, int]:
+    """The real batch the padding checks pad to ``desc``: a quarter of its rows padded (at least one)."""
+    tokens, reqs = desc.num_tokens, desc.num_reqs or desc.num_tokens
+    real = max(1, tokens - max(1, tokens // 4))
+    return real, min(real, reqs)
+
+
+def _padding(
+    graph: Any,
+    graphed: _Replica,
+    specs: Mapping[str, Any],
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    load: Callable[[Mapping[str, Any]], None],
+    start: Mapping[str, Any],
+    desc: BatchDescriptor,
+    opts: _Options,
+    declared: set[str],
+) -> Outcome:
+    check = "training_padding"
+    tokens, reqs = desc.num_tokens, desc.num_reqs or desc.num_tokens
+    real, real_reqs = _real_size(desc)
+    if real >= tokens:
+        return _skip(check, desc, "no real batch of this size leaves padded rows")
+    padded = padded_inputs(specs, _inputs(make_inputs, real, real_reqs, opts.seed + 7), tokens, reqs)
+    # Padded rows an engine leaves stale are those of the forward's own inputs (hidden states);
+    # an input only the loss reads (a per-token weight, labels) holds its pad value by design, as
+    # does one declared in pad_values.
+    # An input that only reaches forward through **kwargs (a loss weight passed along to a
+    # transformers model) is the loss's, as far as padding goes.
+    named = graphed.forward_parameters[0]
+    # Each input's other fill: 1e4 for a floating one; for an integer one (ids, positions) the
+    # largest value its real rows hold, where that is not its pad value.
+    fills: dict[str, float | int] = {}
+    for name, spec in specs.items():
+        value = padded[name]
+        if spec.kind not in ("tokens", "reqs") or name not in named or name in declared:
+            continue
+        if not isinstance(value, torch.Tensor) or value.dtype == torch.bool:
+            continue
+        if value.is_floating_point():
+            fills[name] = 1e4
+            continue
+        rows = spec.rows(real, real_reqs)
+        top = int(value.narrow(spec.dim, 0, rows).max()) if rows else 0
+        if top != spec.pad:
+            fills[name] = top
+    if not fills:
+        return _skip(
+            check,
+            desc,
+            "no input that forward names has padded rows that can hold other values (inputs only the loss "
+            "reads, those reaching forward through **kwargs, and those in pad_values keep their pad value)",
+        )
+    results = []
+    for other in (False, False, True):  # the pad value twice: what the graph's replays vary by
+        batch = dict(padded)
+        for name, fill in fills.items():
+            spec = specs[name]
+            t = batch[name].clone()
+            rows = spec.rows(real, real_reqs)
+            full = spec.rows(tokens, reqs)
+            if other and full > rows:
+                t.narrow(spec.dim, rows, full - rows).fill_(fill)
+            batch[name] = t
+        graphed.restore(start)
+        torch.manual_seed(opts.seed + 2000)
+        load(batch)
+        graph.replay()
+        results.append({"loss": graph.output.detach().clone(), **graphed.snapshot()})
+    graphed.restore(start)
+    diff = _held(results[2], results[0], results[1])
+    if diff is None:
+        return Outcome(check, desc, passed=True)
+    where, finding = diff
+    values = (
+        f" ({finding.got!r} against {finding.expected!r} at the pad value)" if finding.got is not None else ""
+    )
+    return _fail(
+        check,
+        desc,
+        f"padded rows reach the training step: with {real} real tokens of {tokens}, padded rows of "
+        f"{', '.join(f'{n!r} at {v!r}' for n, v in fills.items())} instead of their pad value change "
+        f"{where.partition(':')[0]}{values}; mask them out of the loss (a per-token weight that is 0 on "
+        f"padded rows) and out of any statistic over the batch{_batch_norms(graphed.module)}",
+        Finding(output=finding.output, index=finding.index),
+    )
+
+
+def _real_batches(
+    graph: Any,
+    sides: _Sides,
+    specs: Mapping[str, Any],
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    loss_fn: LossFn,
+    load: Callable[[Mapping[str, Any]], None],
+    start: Mapping[str, Any],
+    desc: BatchDescriptor,
+    opts: _Options,
+) -> Outcome:
+    """A replayed step on a real batch padded to ``desc``, against eager's step on the real batch
+    itself: another shape, so another program, held to the floor across shapes (checks/floor.py),
+    measured by eager's step at the padded shape. Held: what the step made before its optimizer
+    ran (the loss, gradients, buffers); the optimizer's step on given gradients is the same
+    program at any batch size, and training_replay_matches_eager holds it. A step the caller wrote
+    is held whole."""
+    check = "training_real_batches"
+    tokens, reqs = desc.num_tokens, desc.num_reqs or desc.num_tokens
+    real, real_reqs = _real_size(desc)
+    if real >= tokens:
+        return _skip(check, desc, "no real batch of this size leaves padded rows")
+    unpadded = _inputs(make_inputs, real, real_reqs, opts.seed + 11)
+    padded = padded_inputs(specs, unpadded, tokens, reqs)
+    whole = sides.eager.custom is not None
+
+    def held(made: Mapping[str, Any]) -> dict[str, Any]:
+        # A scalar loss as one row: the floor's comparison works row by row.
+        return {
+            key: v.reshape(1) if key == "loss" else v
+            for key, v in made.items()
+            if isinstance(v, torch.Tensor) and (whole or _up_to_gradients(key))
+        }
+
+    sides.graphed.restore(start)
+    torch.manual_seed(opts.seed + 3000)
+    load(padded)
+    graph.replay()
+    loss = graph.output.detach().clone()
+    if whole:
+        sides.graphed.between()
+    got = held({"loss": loss, **sides.graphed.snapshot()})
+    sides.graphed.restore(start)
+    observer = ForwardObserver(sides.eager.module)
+
+    def eager_on(replica: _Replica, batch: Mapping[str, Any], watched: bool = False) -> dict[str, Any]:
+        replica.restore(start)
+        torch.manual_seed(opts.seed + 3000)
+        with observing(observer) if watched else contextlib.nullcontext():
+            if whole:
+                loss = replica.run(loss_fn, batch, opts.autocast)
+                replica.between()
+            else:
+                loss = _step(replica, loss_fn, batch, opts.autocast, optimize=False)
+        return held({"loss": loss, **replica.snapshot()})
+
+    try:
+        expected = eager_on(sides.eager, unpadded, watched=True)
+    except Exception as exc:  # BatchNorm over one row, say: the module cannot take the real batch
+        return _skip(
+            check,
+            desc,
+            f"eager's step fails on the real batch of {real} tokens alone ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}), so there is nothing to hold the graph to",
+        )
+    if observer.random_ops:
+        return _skip(
+            check,
+            desc,
+            "the step draws random numbers, which cannot match eager on the unpadded batch draw for draw "
+            "(training_replay_matches_eager holds them at the captured shape)",
+        )
+    floor: list[dict[str, Any]] = []  # eager at the padded shape, run once if a tolerance does not settle it
+
+    def padded_step() -> dict[str, Any]:
+        if not floor:
+            floor.append(eager_on(sides.twin, padded))
+        return floor[0]
+
+    roundoff = max(observer.roundoff, unit_roundoff(opts.autocast) if opts.autocast else 0.0)
+    for key, want in expected.items():
+        # Tensor by tensor, so that the failure names the one it shows in first.
+        verdict = across_shapes(
+            {key: got.get(key)},
+            {key: want},
+            lambda key=key: {key: padded_step().get(key)},  # type: ignore[misc]
+            rtol=None,
+            atol=None,
+            roundoff=roundoff,
+        )
+        if verdict.passed:
+            continue
+        diff = verdict.diff
+        return _fail(
+            check,
+            desc,
+            f"a step on {real} real tokens padded to {tokens} differs from eager's step on the {real} tokens "
+            f"alone in {key}: {verdict.why}; look for a loss or a statistic over every row (a mean over the "
+            f"padded ones too, a sum divided by the padded count){_batch_norms(sides.graphed.module)}",
+            Finding(
+                output=key,
+                index=diff.index if diff is not None else None,
+                got=diff.got if diff is not None else None,
+                expected=diff.expected if diff is not None else None,
+            ),
+        )
+    return Outcome(check, desc, passed=True, figures={"floor_used": bool(floor)})
+
+
+def _batch_norms(module: torch.nn.Module) -> str:
+    """Where the module normalises over the batch in train mode: padded rows enter those statistics."""
+    found = [
+        name or "the top-level module"
+        for name, sub in module.named_modules()
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.training
+    ]
+    return f" (BatchNorm in train mode: {', '.join(repr(n) for n in found)})" if found else ""
