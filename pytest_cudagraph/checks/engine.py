@@ -383,10 +383,7 @@ def _tell_unseen_writes(ctx: VerifyContext, report: VerifyReport, checks: list[C
             "verification (param.data = new, or a new tensor assigned, in forward or in make_inputs): graphs "
             "captured before keep reading the old memory. Update them in place (copy_)"
         )
-        if "state" in selected:
-            report.add([Outcome("state", None, False, message, Finding(output=moved[0]))])
-        else:
-            report.notes.append(message)
+        _state_failure_or_note(report, selected, message, moved[0])
     if not changed:
         return
     names = ", ".join(repr(n) for n in changed)
@@ -396,8 +393,13 @@ def _tell_unseen_writes(ctx: VerifyContext, report: VerifyReport, checks: list[C
         "between forwards did outside torch's dispatcher, so they were not copied before and could not be "
         "put back"
     )
+    _state_failure_or_note(report, selected, message, changed[0])
+
+
+def _state_failure_or_note(report: VerifyReport, selected: set[str], message: str, output: str) -> None:
+    """What verification left changed in the module: a failure of ``state`` when it runs, else a note."""
     if "state" in selected:
-        report.add([Outcome("state", None, False, message, Finding(output=changed[0]))])
+        report.add([Outcome("state", None, False, message, Finding(output=output))])
     else:
         report.notes.append(message)
 
