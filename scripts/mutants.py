@@ -16,9 +16,9 @@ A mutant is **killed** when a run fails (or times out), **survived** when every
 run passes, and **invalid** when the mutated package does not even import (a
 mutant that breaks the import proves nothing about the tests). A snippet that
 is not found exactly once is a **stale** mutant, an error: the code moved or
-changed and the mutant must be rewritten. A snippet not found in the file
-named is looked for in every file of the package, so mutants of code that is
-moved between files (``manager/*``, ``checks/builtin/*``, ``checks/engine.py``:
+changed and the mutant must be rewritten. Only for code that is moved between
+files is a snippet not found in the file named looked for in every file of the
+package, so those mutants (``manager/*``, ``checks/builtin/*``, ``checks/engine.py``:
 marked ``*`` in the table) follow it.
 
 Before the mutants, the unmutated copy must import and pass every selected
@@ -146,11 +146,16 @@ PRECISION_TESTS = ("tests/test_precision.py",)
 SCALE_TESTS = "tests/test_scale.py"
 OBSERVE_TESTS = ("tests/test_observe.py",)
 DIAGNOSES = ("tests/test_diagnoses.py",)
-PR = "pytest_cudagraph/plugin/report.py"
-GD = "pytest_cudagraph/guard.py"
+PRT = "pytest_cudagraph/plugin/report.py"
+GD = "pytest_cudagraph/guard/__init__.py"
+GDV = "pytest_cudagraph/guard/host_values.py"
+MT = "pytest_cudagraph/manager/types.py"
 CB = "pytest_cudagraph/capturability.py"
 CAPTURABILITY = ("tests/test_capturability.py",)
-TRN = "pytest_cudagraph/training/verify.py"
+TRC = "pytest_cudagraph/training/checks.py"
+TRR = "pytest_cudagraph/training/replicas.py"
+TRM = "pytest_cudagraph/training/compare.py"
+TRV = "pytest_cudagraph/training/verify.py"
 TRAINING_TESTS = ("tests/test_training.py", "examples/training/test_training_gallery.py")
 
 EXACT = "return ((g == e) & _same_sign(g, e)) | both_nan"
@@ -417,7 +422,7 @@ MUTANTS: list[Mutant] = [
         S,
         "verdict = across_shapes(\n                    got, expected, padded,",
         "verdict = across_shapes(\n                    expected, expected, padded,",
-        (pair("BatchStatistics"),),
+        (pair("BatchStatisticsInFloat32Kernel"), SCALE_TESTS),
         "real batches never compared with unpadded eager",
     ),
     Mutant(
@@ -478,10 +483,10 @@ MUTANTS: list[Mutant] = [
         ROWS,
         "the first padded row keeps a stale value",
     ),
-    Mutant("manager-no-pad-fill", GM, "tail.fill_(pad)", "pass", ROWS, "padded rows keep stale values"),
+    Mutant("manager-no-pad-fill", MT, "tail.fill_(pad)", "pass", ROWS, "padded rows keep stale values"),
     Mutant(
         "manager-edge-first-row",
-        GM,
+        MT,
         "tail.copy_(value[-1:].expand_as(tail))",
         "tail.copy_(value[:1].expand_as(tail))",
         ("tests/test_manager.py::test_edge_padding_repeats_the_last_real_row[emulate]",),
@@ -497,7 +502,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "manager-cut-rows",
-        GM,
+        MT,
         "leaf = leaf.narrow(d, 0, min(count, leaf.shape[d]))",
         "leaf = leaf.narrow(d, 0, leaf.shape[d])",
         ROWS,
@@ -505,7 +510,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "manager-cut-reqs",
-        GM,
+        MT,
         'count = batch.num_tokens if kind == "tokens" else batch.num_reqs',
         "count = batch.num_tokens",
         ROWS,
@@ -1231,7 +1236,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "report-quick-reads-as-failed",
-        PR,
+        PRT,
         'f"{captured} of {planned} descriptors verified (quick mode)"\n        if quick and calls',
         'f"{captured}/{planned} descriptors captured"\n        if quick and calls',
         ("tests/test_plugin.py::test_terminal_summary_section",),
@@ -1339,7 +1344,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "guard-one-hot-count-missed",
-        GD,
+        GDV,
         "    elif num_classes == -1 and isinstance(labels, torch.Tensor) and labels.numel() > 0:",
         "    elif False:",
         (*CAPTURABILITY, pair("CountsClasses")),
@@ -1347,7 +1352,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "guard-one-hot-cpu-check",
-        GD,
+        GDV,
         "    torch.nn.functional.one_hot: _one_hot,\n",
         "",
         (*CAPTURABILITY, twin("CountsClassesGiven")),
@@ -1356,7 +1361,7 @@ MUTANTS: list[Mutant] = [
     # -- issue #31: training graphs ---------------------------------------------------------------
     Mutant(
         "training-capturable-unread",
-        TRN,
+        TRC,
         '    if not all(held) and all("capturable" in g for g in opt.param_groups):',
         "    if False:",
         TRAINING_TESTS,
@@ -1364,7 +1369,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-replay-unheld",
-        TRN,
+        TRC,
         "        if diff is not None:\n            return _fail(\n                check,",
         "        if False:\n            return _fail(\n                check,",
         TRAINING_TESTS,
@@ -1372,7 +1377,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-tolerance-for-all",
-        TRN,
+        TRC,
         "            if loose is None:\n                notes.append",
         "            if True:\n                notes.append",
         TRAINING_TESTS,
@@ -1380,7 +1385,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-grads-unread",
-        TRN,
+        TRR,
         '            out[f"grad of {name}"] = p.grad',
         "            pass",
         TRAINING_TESTS,
@@ -1388,7 +1393,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-padding-unfilled",
-        TRN,
+        TRC,
         "            if other and full > rows:",
         "            if False:",
         TRAINING_TESTS,
@@ -1396,7 +1401,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-floor-always",
-        TRN,
+        TRM,
         "    if _difference(again, want) is None:\n        return _difference(got, want)",
         "    if False:\n        return _difference(got, want)",
         TRAINING_TESTS,
@@ -1404,7 +1409,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-fused-not-capturable",
-        TRN,
+        TRC,
         'held = [bool(g.get("capturable")) or bool(g.get("fused")) for g in opt.param_groups]',
         'held = [bool(g.get("capturable")) for g in opt.param_groups]',
         TRAINING_TESTS,
@@ -1412,7 +1417,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-grads-let-go-unseen",
-        TRN,
+        TRC,
         "        if held is None or p.grad is held:\n            continue",
         "        if True:\n            continue",
         TRAINING_TESTS,
@@ -1420,7 +1425,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-between-skipped",
-        TRN,
+        TRC,
         "        loss = graph.output.detach().clone()\n        sides.graphed.between()",
         "        loss = graph.output.detach().clone()",
         TRAINING_TESTS,
@@ -1428,7 +1433,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-host-draw-unnamed",
-        TRN,
+        TRC,
         "    if first_difference(again, once, rtol=0.0, atol=0.0) is not None:",
         "    if False:",
         TRAINING_TESTS,
@@ -1436,7 +1441,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-scaler-unnamed",
-        TRN,
+        TRV,
         '        if frame.f_code.co_name == "step" and os.path.basename(frame.f_code.co_filename) == "grad_scaler.py":',
         "        if False:",
         TRAINING_TESTS,
@@ -1444,7 +1449,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-real-batches-self",
-        TRN,
+        TRC,
         "            {key: got.get(key)},\n            {key: want},",
         "            {key: want},\n            {key: want},",
         TRAINING_TESTS,
@@ -1452,7 +1457,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-real-batches-random",
-        TRN,
+        TRC,
         "    if observer.random_ops:",
         "    if False:",
         TRAINING_TESTS,
@@ -1460,7 +1465,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-runner-held-to-itself",
-        TRN,
+        TRV,
         "made = _made_step(step, copy_, opt, loss_fn) if graphed or not own else None",
         "made = _made_step(step, copy_, opt, loss_fn)",
         TRAINING_TESTS,
@@ -1468,7 +1473,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-runner-skips-unread",
-        TRN,
+        TRV,
         '    skipped = graphed.not_graphed() if error is None else ""',
         '    skipped = ""',
         TRAINING_TESTS,
@@ -1476,7 +1481,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "training-start-unrestored",
-        TRN,
+        TRV,
         "    graphed.restore(start)  # the emulator's capture ran the step; CUDA's did not",
         "    pass",
         TRAINING_TESTS,
@@ -1673,7 +1678,8 @@ def copy_tree(tree: Path, files: Iterable[str], dest: Path) -> None:
 
 def locate(copy: Path, mutant: Mutant) -> tuple[Path, str, str]:
     """(file, original, replacement) of the first variant whose snippet is found exactly once: in
-    the file named, else in exactly one file of the package."""
+    the file named, else (a mutant of code that moves, ``MOVING``) in exactly one file of the
+    package. Elsewhere a snippet outside its file is stale: the table would name the wrong file."""
     named = copy / mutant.file
     sources = {p: p.read_text() for p in sorted((copy / PACKAGE).rglob("*.py"))}
     seen = []
@@ -1681,13 +1687,13 @@ def locate(copy: Path, mutant: Mutant) -> tuple[Path, str, str]:
         if named.is_file() and named.read_text().count(original) == 1:
             return named, original, replacement
         hits = [(p, text.count(original)) for p, text in sources.items() if original in text]
-        if len(hits) == 1 and hits[0][1] == 1:
+        if mutant.moving and len(hits) == 1 and hits[0][1] == 1:
             return hits[0][0], original, replacement
         where = ", ".join(f"{p.relative_to(copy)} x{n}" for p, n in hits) or "nowhere"
         seen.append(f"{original!r} found {where}")
     raise Stale(
-        f"stale mutant {mutant.id}: snippet {'; '.join(seen)} (wanted once, in {mutant.file} or in "
-        "one file of the package)"
+        f"stale mutant {mutant.id}: snippet {'; '.join(seen)} (wanted once, in {mutant.file}"
+        + (" or in one file of the package)" if mutant.moving else ")")
     )
 
 

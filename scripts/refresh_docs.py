@@ -341,7 +341,8 @@ def render(caption: str, lines: list[str]) -> list[str]:
 
 _MASKS = (
     (re.compile(r"(in \d+\.\d+s) \(\d+:\d\d:\d\d\)"), r"\1"),  # pytest adds (h:mm:ss) past a minute
-    (re.compile(r"-?\b\d+\.\d+(e[-+]?\d+)?"), "<f>"),  # timings, random values (either sign), sizes
+    # timings, random values (either sign), sizes; a figure like 2e-16 has no point
+    (re.compile(r"-?\b\d+(\.\d+(e[-+]?\d+)?|e[-+]?\d+)"), "<f>"),
     (re.compile(r"capture \d+ ms"), "capture <t> ms"),
     (re.compile(r"max ULP \d+"), "max ULP <n>"),
     (re.compile(r"0x[0-9a-f.]+"), "0x<a>"),
