@@ -99,6 +99,109 @@ def test_without_an_optimizer_forward_and_backward_are_held_to_eager() -> None:
     assert skipped and skipped[0].skipped and "make_graphed_callables" in skipped[0].message
 
 
+def _weighted_inputs(**extra: Any) -> Any:
+    """Hidden states and a per-token weight in [0, 1) that forward receives too (padded rows: 0)."""
+
+    def make_inputs(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
+        made = {"x": torch.randn(num_tokens, 16), "weight": torch.rand(num_tokens)}
+        made.update({name: fill(num_tokens) for name, fill in extra.items()})
+        return made
+
+    return make_inputs
+
+
+class Received(Mlp):
+    """forward receives the loss's weight, as a model takes its attention mask."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [lambda p: torch.optim.SGD(p, lr=0.1), adamw(True), None],
+    ids=["SGD", "AdamW(capturable=True)", "no optimizer"],
+)
+def test_a_weight_forward_receives_keeps_its_pad_value_and_is_said(optimizer: Any) -> None:
+    # The weight's padded rows hold 0 because they mark padding: set to anything else, the rows
+    # count, by design. It is taken as a marker because the padded rows of x, which change nothing
+    # at its pad value, change the step once it lets them in.
+    torch.manual_seed(0)
+    report = verify_training(Received(), _weighted_inputs(), masked_loss, optimizer=optimizer, **SIZES)
+    assert report.ok, report.format()
+    held = [o for o in report.outcomes if o.check == "training_padding"]
+    assert held and all(o.passed and not o.skipped for o in held)
+    assert any("'weight' taken as marking rows: padded rows of 'x'" in n for n in report.notes), report.notes
+
+
+class NormedReceived(Received):
+    """Normalised over the batch in train mode: x's padded rows reach the step past the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.norm(x), weight)
+
+
+def test_data_past_a_marker_is_named_without_advice_the_step_follows() -> None:
+    torch.manual_seed(0)
+    report = verify_training(NormedReceived(), _weighted_inputs(), masked_loss, optimizer=None, **SIZES)
+    failed = [o for o in report.failures if o.check == "training_padding"]
+    assert failed, report.format()
+    message = failed[0].message
+    # x's padded rows reach the step at every value of the weight: whether the weight marks rows
+    # cannot be seen, and the advice to mask the loss by one is said as a condition only.
+    assert "padded rows of 'x' at 10000.0" in message and "(so do those of" not in message
+    assert "if 'weight' masks the loss's rows (0 on padded rows), these reach the step past it" in message
+    assert "statistic over the batch (BatchNorm in train mode: 'norm')" in message
+
+
+class ReadsExtra(Received):
+    """Its output takes a non-negative input y on every row: y's padded rows reach the loss."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, weight) + y[:, None]
+
+
+class ReadsExtraOnly(Mlp):
+    """The same, with the weight the loss's alone (forward does not receive it)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + y[:, None]
+
+
+def _over_y_too(out: torch.Tensor, inputs: Any) -> torch.Tensor:
+    return masked_loss(out, inputs) + inputs["y"].sum()
+
+
+@pytest.mark.parametrize("module", [ReadsExtra, ReadsExtraOnly], ids=["weight received", "weight the loss's"])
+def test_an_input_that_only_looks_like_a_marker_is_caught_and_told_how_to_declare_one(module: Any) -> None:
+    # y is never negative and its padded rows hold 0, as a weight's do, and setting them changes the
+    # step; but y marks nothing: x's padded rows count once the weight lets them in whether y's are
+    # set or not, and never where y's alone are set. Whether it is data or a marker, the tool cannot
+    # know for sure: it names y and says how to declare a marker.
+    torch.manual_seed(0)
+    report = verify_training(module(), _weighted_inputs(y=torch.rand), _over_y_too, optimizer=None, **SIZES)
+    failed = [o for o in report.failures if o.check == "training_padding"]
+    assert failed, report.format()
+    message = failed[0].message
+    assert "padded rows of 'y' at 10000.0" in message
+    assert "if it marks rows, declare its pad value (pad_values={'y': 0})" in message
+    # Declared, y keeps its pad value, and the weight is still taken as a marker.
+    torch.manual_seed(0)
+    declared = verify_training(
+        module(),
+        _weighted_inputs(y=torch.rand),
+        _over_y_too,
+        optimizer=None,
+        pad_values={"y": 0},
+        **SIZES,
+    )
+    assert not [o for o in declared.failures if o.check == "training_padding"], declared.format()
+
+
 class GradsOnly(torch.nn.Module):
     """A module whose gradient in the graph is not eager's: its backward reads a Python float the
     capture froze (a scale set from outside between steps), while its loss stays the same."""

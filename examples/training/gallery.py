@@ -9,8 +9,9 @@ name it and every fix to passing all of them, on the emulator here and on a GPU 
 - ``training_capture``: a loss that checks on the host that it is finite (``bool(tensor)``, what a
   dynamic loss scaler's ``found_inf.item()`` does) against the check kept on the device.
 - ``training_padding``: a loss averaged over every row, padded ones too, against one weighted by a
-  per-token mask; and a ``BatchNorm1d`` in train mode, whose statistics take the padded rows,
-  against a ``LayerNorm``.
+  per-token mask, with the mask given to forward as well or not (a mask's padded rows are not
+  stale data: they keep their pad value); and a ``BatchNorm1d`` in train mode, whose statistics
+  take the padded rows, against a ``LayerNorm``.
 - ``training_real_batches``: a masked loss divided by the padded row count rather than the real one,
   which no pad value shows, only eager on the unpadded batch.
 - ``training_replay_matches_eager``: a learning-rate warm-up counted in a Python attribute, frozen at
@@ -176,6 +177,15 @@ class Mlp(nn.Module):
         return self.down(nn.functional.gelu(self.up(x)))
 
 
+class WeightReceived(Mlp):
+    """The same MLP whose forward also receives the per-token weight (as a model takes its
+    attention mask): the weight's padded rows hold 0 because they mark padding, not because they
+    are stale data, and the test of padded rows must keep them so."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
 class HostSeededDropout(Mlp):
     """A hash dropout (as a hand-written kernel takes its seed) whose seed Python's ``random``
     draws: a graph holds the capture's seed, so every replay drops the same units."""
@@ -293,6 +303,12 @@ PAIRS = [
         Case("loss over padded rows", Mlp, mean_loss),
         Case("loss masked by a per-token weight", Mlp, masked_loss),
         r"padded rows reach the training step: .* padded rows of 'x' at 10000.0",
+    ),
+    Pair(
+        "training_padding",
+        Case("forward receives the weight, loss over padded rows", WeightReceived, mean_loss),
+        Case("forward receives the weight, loss masked by it", WeightReceived, masked_loss),
+        r"padded rows of 'x' at 10000.0 instead of its pad value change .*mask them out of the loss",
     ),
     Pair(
         "training_real_batches",

@@ -285,17 +285,21 @@ def _padding(
     # Each input's other fill: 1e4 for a floating one; for an integer one (ids, positions) the
     # largest value its real rows hold, where that is not its pad value.
     fills: dict[str, float | int] = {}
+    marker_like: set[str] = set()
     for name, spec in specs.items():
         value = padded[name]
         if spec.kind not in ("tokens", "reqs") or name not in named or name in declared:
             continue
         if not isinstance(value, torch.Tensor) or value.dtype == torch.bool:
             continue
+        rows = spec.rows(real, real_reqs)
+        held = value.narrow(spec.dim, 0, rows)
+        if _looks_like_a_marker(held):
+            marker_like.add(name)
         if value.is_floating_point():
             fills[name] = 1e4
             continue
-        rows = spec.rows(real, real_reqs)
-        top = int(value.narrow(spec.dim, 0, rows).max()) if rows else 0
+        top = int(held.max()) if rows else 0
         if top != spec.pad:
             fills[name] = top
     if not fills:
@@ -305,39 +309,117 @@ def _padding(
             "no input that forward names has padded rows that can hold other values (inputs only the loss "
             "reads, those reaching forward through **kwargs, and those in pad_values keep their pad value)",
         )
-    results = []
-    for other in (False, False, True):  # the pad value twice: what the graph's replays vary by
-        batch = dict(padded)
-        for name, fill in fills.items():
-            spec = specs[name]
-            t = batch[name].clone()
-            rows = spec.rows(real, real_reqs)
-            full = spec.rows(tokens, reqs)
-            if other and full > rows:
-                t.narrow(spec.dim, rows, full - rows).fill_(fill)
-            batch[name] = t
-        graphed.restore(start)
-        torch.manual_seed(opts.seed + 2000)
-        load(batch)
-        graph.replay()
-        results.append({"loss": graph.output.detach().clone(), **graphed.snapshot()})
+    runs: dict[frozenset[str], list[dict[str, Any]]] = {}
+
+    def replay(stressed: frozenset[str], again: bool = False) -> dict[str, Any]:
+        """The step with the padded rows of ``stressed`` at their other fill, the rest at their pad
+        value (``again``: a second run, what the graph's replays vary by)."""
+        done = runs.setdefault(stressed, [])
+        while len(done) < 1 + again:
+            batch = dict(padded)
+            for name in stressed:
+                spec = specs[name]
+                t = batch[name].clone()
+                rows, full = spec.rows(real, real_reqs), spec.rows(tokens, reqs)
+                if full > rows:
+                    t.narrow(spec.dim, rows, full - rows).fill_(fills[name])
+                batch[name] = t
+            graphed.restore(start)
+            torch.manual_seed(opts.seed + 2000)
+            load(batch)
+            graph.replay()
+            done.append({"loss": graph.output.detach().clone(), **graphed.snapshot()})
+        return done[int(again)]
+
+    def changes(stressed: frozenset[str], base: frozenset[str]) -> tuple[str, Finding] | None:
+        return _held(replay(stressed), replay(base), replay(base, again=True))
+
+    none: frozenset[str] = frozenset()
+    # Each input on its own: which one's padded rows reach the step.
+    reach = {name: found for name in fills if (found := changes(frozenset({name}), none)) is not None}
+    quiet = [name for name in fills if name not in reach]
+    # An input that looks like it marks rows (a mask, a per-token weight, labels with an ignore
+    # index) changes the step when its padded rows are set, by design: it marks rows. It is taken
+    # as one where the padded rows of data that change nothing at its pad value change the step
+    # once it lets them in (with every other such input let in too, and not without it: a loss
+    # weighted by a mask and labels with an ignore index takes both).
+    gates = frozenset(name for name in reach if name in marker_like)
+    markers: dict[str, str] = {}
+    for name in gates:
+        for data in quiet:
+            if (
+                changes(gates | {data}, gates) is not None
+                and changes((gates - {name}) | {data}, gates - {name}) is None
+            ):
+                markers[name] = data
+                break
     graphed.restore(start)
-    diff = _held(results[2], results[0], results[1])
-    if diff is None:
-        return Outcome(check, desc, passed=True)
-    where, finding = diff
+    # Data first: an input that may mark rows is named only where no data's padded rows reach the step.
+    leaks = sorted((n for n in reach if n not in markers), key=lambda n: n in marker_like)
+    if not leaks:
+        note = "; ".join(
+            f"{name!r} taken as marking rows: padded rows of {data!r} reach the step only where {name!r} "
+            f"lets them, so its padded rows keep their pad value (pad_values={{{name!r}: {specs[name].pad!r}}} "
+            "says so without this test)"
+            for name, data in markers.items()
+        )
+        return Outcome(check, desc, passed=True, message=note)
+    name = leaks[0]
+    where, finding = reach[name]
     values = (
         f" ({finding.got!r} against {finding.expected!r} at the pad value)" if finding.got is not None else ""
     )
-    return _fail(
-        check,
-        desc,
+    said = (
         f"padded rows reach the training step: with {real} real tokens of {tokens}, padded rows of "
-        f"{', '.join(f'{n!r} at {v!r}' for n, v in fills.items())} instead of their pad value change "
-        f"{where.partition(':')[0]}{values}; mask them out of the loss (a per-token weight that is 0 on "
-        f"padded rows) and out of any statistic over the batch{_batch_norms(graphed.module)}",
-        Finding(output=finding.output, index=finding.index),
+        f"{name!r} at {fills[name]!r} instead of its pad value change {where.partition(':')[0]}{values}"
     )
+    also = [n for n in leaks[1:] if n not in marker_like]
+    others = f" (so do those of {', '.join(repr(n) for n in also)})" if also else ""
+    norms = _batch_norms(graphed.module)
+    unmasked = (
+        "mask them out of the loss (a per-token weight that is 0 on padded rows) and out of any statistic "
+        f"over the batch{norms}"
+    )
+    # Advice the step may follow already is said as a condition, never as the fix.
+    maybe = [n for n in leaks if n in marker_like]
+    if name in marker_like:
+        # Whether it marks rows or is data that reaches the step, the tool cannot tell: say both.
+        kept = _values_of(padded[name], specs[name], real, real_reqs)
+        advice = (
+            f"{name!r} may mark rows (its real rows hold {kept}), but no other input's padded rows were "
+            "seen to count only where it lets them: if it marks rows, declare its pad value "
+            f"(pad_values={{{name!r}: {specs[name].pad!r}}}) and it keeps it; if it is data, {unmasked}"
+        )
+    elif markers or maybe:
+        marked = ", ".join(repr(n) for n in markers) or ", ".join(repr(n) for n in maybe)
+        past = f"through a statistic over the batch{norms} or a term of the loss that {marked} does not weigh"
+        advice = (
+            f"the step masks rows with {marked}, and these reach it past that: {past}"
+            if markers
+            else f"if {marked} masks the loss's rows (0 on padded rows), these reach the step past it: {past}; "
+            "if nothing masks them, mask them out of the loss (a per-token weight that is 0 on padded rows)"
+        )
+    else:
+        advice = unmasked
+    return _fail(
+        check, desc, f"{said}{others}; {advice}", Finding(output=finding.output, index=finding.index)
+    )
+
+
+def _looks_like_a_marker(real: torch.Tensor) -> bool:
+    """Whether an input's real rows look like a row marker's, where its padded rows hold 0 (no pad
+    value declared): one value on every real row (a mask, in any encoding) or a floating weight
+    that is never negative."""
+    if not real.numel():
+        return False
+    low, high = real.min().item(), real.max().item()
+    return low == high or (real.is_floating_point() and low >= 0)
+
+
+def _values_of(value: torch.Tensor, spec: Any, real: int, real_reqs: int) -> str:
+    held = value.narrow(spec.dim, 0, spec.rows(real, real_reqs))
+    low, high = held.min().item(), held.max().item()
+    return f"{low!r} only" if low == high else f"values from {low!r} to {high!r}"
 
 
 def _real_batches(
