@@ -1403,7 +1403,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "training-padding-marker-unseen",
         TRC,
-        "        if _looks_like_a_marker(held):",
+        "        if extent is not None and _looks_like_a_marker(*extent, floating=value.is_floating_point()):",
         "        if False:",
         ("tests/test_training.py",),
         "a per-token weight forward receives is stressed as data: a correct masked step fails",

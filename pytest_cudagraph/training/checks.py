@@ -285,21 +285,22 @@ def _padding(
     # Each input's other fill: 1e4 for a floating one; for an integer one (ids, positions) the
     # largest value its real rows hold, where that is not its pad value.
     fills: dict[str, float | int] = {}
-    marker_like: set[str] = set()
+    # The inputs that look like row markers, with the least and largest value of their real rows.
+    marker_like: dict[str, tuple[Any, Any]] = {}
     for name, spec in specs.items():
         value = padded[name]
         if spec.kind not in ("tokens", "reqs") or name not in named or name in declared:
             continue
         if not isinstance(value, torch.Tensor) or value.dtype == torch.bool:
             continue
-        rows = spec.rows(real, real_reqs)
-        held = value.narrow(spec.dim, 0, rows)
-        if _looks_like_a_marker(held):
-            marker_like.add(name)
+        held = value.narrow(spec.dim, 0, spec.rows(real, real_reqs))
+        extent = (held.min().item(), held.max().item()) if held.numel() else None
+        if extent is not None and _looks_like_a_marker(*extent, floating=value.is_floating_point()):
+            marker_like[name] = extent
         if value.is_floating_point():
             fills[name] = 1e4
             continue
-        top = int(held.max()) if rows else 0
+        top = int(extent[1]) if extent is not None else 0
         if top != spec.pad:
             fills[name] = top
     if not fills:
@@ -376,15 +377,14 @@ def _padding(
     also = [n for n in leaks[1:] if n not in marker_like]
     others = f" (so do those of {', '.join(repr(n) for n in also)})" if also else ""
     norms = _batch_norms(graphed.module)
-    unmasked = (
-        "mask them out of the loss (a per-token weight that is 0 on padded rows) and out of any statistic "
-        f"over the batch{norms}"
-    )
+    mask_loss = "mask them out of the loss (a per-token weight that is 0 on padded rows)"
+    unmasked = f"{mask_loss} and out of any statistic over the batch{norms}"
     # Advice the step may follow already is said as a condition, never as the fix.
     maybe = [n for n in leaks if n in marker_like]
     if name in marker_like:
         # Whether it marks rows or is data that reaches the step, the tool cannot tell: say both.
-        kept = _values_of(padded[name], specs[name], real, real_reqs)
+        low, high = marker_like[name]
+        kept = f"{low!r} only" if low == high else f"values from {low!r} to {high!r}"
         advice = (
             f"{name!r} may mark rows (its real rows hold {kept}), but no other input's padded rows were "
             "seen to count only where it lets them: if it marks rows, declare its pad value "
@@ -397,7 +397,7 @@ def _padding(
             f"the step masks rows with {marked}, and these reach it past that: {past}"
             if markers
             else f"if {marked} masks the loss's rows (0 on padded rows), these reach the step past it: {past}; "
-            "if nothing masks them, mask them out of the loss (a per-token weight that is 0 on padded rows)"
+            f"if nothing masks them, {mask_loss}"
         )
     else:
         advice = unmasked
@@ -406,20 +406,11 @@ def _padding(
     )
 
 
-def _looks_like_a_marker(real: torch.Tensor) -> bool:
-    """Whether an input's real rows look like a row marker's, where its padded rows hold 0 (no pad
-    value declared): one value on every real row (a mask, in any encoding) or a floating weight
-    that is never negative."""
-    if not real.numel():
-        return False
-    low, high = real.min().item(), real.max().item()
-    return low == high or (real.is_floating_point() and low >= 0)
-
-
-def _values_of(value: torch.Tensor, spec: Any, real: int, real_reqs: int) -> str:
-    held = value.narrow(spec.dim, 0, spec.rows(real, real_reqs))
-    low, high = held.min().item(), held.max().item()
-    return f"{low!r} only" if low == high else f"values from {low!r} to {high!r}"
+def _looks_like_a_marker(low: Any, high: Any, *, floating: bool) -> bool:
+    """Whether an input whose real rows hold values from ``low`` to ``high`` looks like a row
+    marker, where its padded rows hold 0 (no pad value declared): one value on every real row (a
+    mask, in any encoding) or a floating weight that is never negative."""
+    return bool(low == high or (floating and low >= 0))
 
 
 def _real_batches(

@@ -161,8 +161,9 @@ def verify_training(
     ``torch.optim.Optimizer`` from the parameters (None: forward and backward only). ``pad_values``
     maps inputs to the value their padded rows hold by meaning (as ``verify``'s): those, and inputs
     only the loss reads, keep it in the padding check, as does a mask or weight forward receives
-    where the check sees it let the data's padded rows in (see ``training_padding``). ``autocast`` (``torch.bfloat16``, say) runs the
-    forward and the loss under ``torch.autocast`` on the device, as mixed-precision training does.
+    where the check sees it let the data's padded rows in (see ``training_padding``). ``autocast``
+    (``torch.bfloat16``, say) runs the forward and the loss under ``torch.autocast`` on the device,
+    as mixed-precision training does.
 
     ``step(module, optimizer, loss_fn)`` gives the step of a loop you write, for each copy of the
     module: a ``TrainingStep`` whose ``run(inputs)`` is captured and whose ``between()`` runs
