@@ -53,10 +53,6 @@ class Queued:
     padded: dict[str, Any]
     out_dims: list[OutCut]
 
-    @property
-    def padded_rows(self) -> bool:
-        return self.batch.num_tokens < self.desc.num_tokens
-
 
 @dataclass
 class Reference:
@@ -80,8 +76,9 @@ class Reference:
     ) -> None:
         """Keep ``batch`` for the reference when it has padded rows, or is the descriptor's first
         (a descriptor that serves only its own size still has its capture path compared)."""
-        item = Queued(desc, batch, on_cpu(dict(inputs)), on_cpu(dict(padded)), list(out_dims))
-        if item.padded_rows or first:
+        # Decided before the copies to the CPU: a batch that is not kept costs no transfer.
+        if batch.num_tokens < desc.num_tokens or first:
+            item = Queued(desc, batch, on_cpu(dict(inputs)), on_cpu(dict(padded)), list(out_dims))
             self.queued.setdefault(desc, []).append(item)
 
 

@@ -34,6 +34,7 @@ from ...manager.types import cut_to_real
 from ...plan import BatchDescriptor
 from ...precision import NoReference, Record, raised
 from ..divergence import recording
+from ..floor import cut_leaf
 from ..reference import REFERENCE_CAP, LeafDifference, Queued, Reference, leaf_differences
 from ..registry import Check
 from ..report import Finding, Outcome
@@ -308,8 +309,6 @@ def _first_divergent(runs: _Runs, q: Queued, limit: float) -> str | None:
         runs.real(q)
     with recording(module) as padded_records:
         runs.padded(q)
-    from ..floor import cut_leaf
-
     for (name_e, outs_e), (name_p, outs_p) in zip(expected_records, padded_records, strict=False):
         if name_e != name_p:
             return name_p  # control flow itself differs from here on
