@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "MODULE_INTERNALS",
@@ -174,6 +175,39 @@ def _written_arguments(func: Any) -> tuple[int | str, ...]:
                         places.append(arg.name)  # also given by name
         found = _WRITES[func] = tuple(places)
     return found
+
+
+def written_tensors(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors ``func`` writes (its schema's write marks, batch norm's unmarked statistics)."""
+    found = []
+    for place in _written_arguments(func):
+        t = args[place] if isinstance(place, int) and place < len(args) else kwargs.get(place)
+        if isinstance(t, torch.Tensor):
+            found.append(t)
+    return found
+
+
+_VIEWS: dict[Any, bool] = {}
+
+
+def _is_view(func: Any) -> bool:
+    found = _VIEWS.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = _VIEWS[func] = schema is not None and any(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        )
+    return found
+
+
+def data_read(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors whose values ``func`` reads: every tensor argument but those it only writes
+    (the target of ``copy_``, an ``out=``), and none for a view (it reads no values)."""
+    if _is_view(func):
+        return []
+    written = {id(t) for t in written_tensors(func, args, kwargs)}
+    flat, _ = tree_flatten((args, kwargs))
+    return [t for t in flat if isinstance(t, torch.Tensor) and id(t) not in written]
 
 
 # Ops that draw from a generator, in every overload (those without a generator argument draw

@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .observe import _CONV, _MATMUL, _written_arguments, unit_roundoff
+from .launches import ALLOCATIONS, Launch, Unwritten, triton_launches
+from .observe import _CONV, _MATMUL, _written_arguments, data_read, unit_roundoff, written_tensors
 
 __all__ = ["NoReference", "Record", "raised"]
 
@@ -62,6 +63,20 @@ _LOWER = {
     torch.complex32: torch.complex64,
     torch.complex128: torch.complex64,
 }
+#: The float32 reference, for a forward that cannot run in float64 (an extension that takes float32
+#: alone, a dtype check): float16 and bfloat16 raised to float32, float32 left as it is.
+_RAISE32 = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.complex32: torch.complex64,
+}
+#: Per target precision: what each dtype becomes, and where an op without a kernel there runs.
+_TIERS: dict[torch.dtype, tuple[dict[torch.dtype, torch.dtype], dict[torch.dtype, torch.dtype] | None]] = {
+    torch.float64: (_RAISE, _LOWER),
+    torch.float32: (_RAISE32, None),
+}
+_FLOAT32 = 2.0**-24
+
 #: Ops that gather or copy values without arithmetic: run on the tensor as it is, the result raised
 #: after (an embedding table is not converted whole to read a few of its rows).
 _EXACT = frozenset(
@@ -90,20 +105,32 @@ class Record:
     #: Tensors of a lower precision the forward wrote (its own state), op by op: the values written
     #: there are rounded to that dtype, as the module rounds them.
     lower_writes: dict[str, str] = field(default_factory=dict)
+    #: Computations torch's dispatcher does not see inside (a Triton kernel, memory an extension
+    #: wrote), each with the precision its values hold (float32's where a kernel computes in
+    #: float32 whatever it is handed): the floor takes that precision's rounding there.
+    outside: dict[str, str] = field(default_factory=dict)
+    #: The precision the block ran in: float64, or float32 for a forward that cannot run in float64.
+    tier: str = "float64"
 
     def merge(self, other: Record) -> None:
         self.roundoff = max(self.roundoff, other.roundoff)
         self.fell_back.update(other.fell_back)
         self.lower_writes.update(other.lower_writes)
+        self.outside.update(other.outside)
+        self.tier = other.tier
 
     @property
     def precision(self) -> str:
-        """The precision the products ran at, in words."""
-        if self.roundoff <= 2.0**-53:
-            return "float64"
-        if self.roundoff <= 2.0**-24:
-            return "float32 (TF32 off)"
-        return f"unit roundoff {self.roundoff:.3g}"
+        """The precision the reference ran at, in words, with the computations that held less."""
+        base = "float32 (TF32 off)" if self.tier == "float32" else "float64"
+        lower = [f"{what}: {held}" for what, held in self.outside.items() if held != self.tier]
+        lower += [f"{op} ran in float32 (no {self.tier} kernel)" for op in self.fell_back]
+        if self.tier == "float64" and self.roundoff > 2.0**-53 and not lower:
+            # A float8 product accumulates in float32: its products hold that precision.
+            return "float32 (TF32 off)" if self.roundoff <= _FLOAT32 else f"unit roundoff {self.roundoff:.3g}"
+        if not lower:
+            return base
+        return f"{base}, except where it holds less ({'; '.join(lower)})"
 
 
 def _raised(value: Any, table: dict[torch.dtype, torch.dtype]) -> Any:
@@ -120,10 +147,10 @@ def _raised(value: Any, table: dict[torch.dtype, torch.dtype]) -> Any:
     return value
 
 
-def _needs_raising(value: Any) -> bool:
+def _needs_raising(value: Any, table: dict[torch.dtype, torch.dtype]) -> bool:
     """Whether ``_raised`` would change ``value`` (a tensor or dtype of a lower precision, or a list)."""
     if type(value) is torch.Tensor or isinstance(value, torch.Tensor):
-        return value.dtype in _RAISE
+        return value.dtype in table
     return isinstance(value, (torch.dtype, list, tuple))
 
 
@@ -144,7 +171,7 @@ def _lowered(value: Any, dtype: torch.dtype) -> Any:
 
 
 # How the mode treats each op, decided once per op from its schema.
-_VIEW, _WRITE, _EXACT_OP, _SOFTMAX, _PRODUCT, _PLAIN = range(6)
+_VIEW, _WRITE, _EXACT_OP, _SOFTMAX, _PRODUCT, _PLAIN, _ALLOC = range(7)
 _KINDS: dict[Any, int] = {}
 
 
@@ -159,6 +186,8 @@ def _kind(func: Any) -> int:
             found = _VIEW
         elif _written_arguments(func):
             found = _WRITE
+        elif func in ALLOCATIONS:
+            found = _ALLOC
         elif func in _EXACT:
             found = _EXACT_OP
         elif packet in (aten._softmax, aten._log_softmax):
@@ -188,12 +217,20 @@ class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # guard against Dynamo that costs more than the op's own bookkeeping here.
         return False
 
-    def __init__(self, record: Record, noise: float, seed: int) -> None:
+    def __init__(self, record: Record, noise: float, seed: int, to: torch.dtype = torch.float64) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.record = record
         self.noise = noise
         self.seed = seed
+        self.to = to
+        self.table, self.lower = _TIERS[to]
         self._generators: dict[torch.device, torch.Generator] = {}
+        #: The unit roundoff of the product ``_call`` ran last, where it is a product (its operands'
+        #: precision as raised: a float8 product's is float32's).
+        self._product_roundoff = 0.0
+        #: Memory allocations handed out that no op has written yet: one read after something
+        #: outside the dispatcher wrote it is a computation the mode did not raise.
+        self.unwritten = Unwritten()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # Every op of the forward comes through here: the common cases are kept short (an op whose
@@ -205,33 +242,53 @@ class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if kind == _VIEW:
             # On the tensor itself, so that a write through the view still lands there.
             return func(*args, **kwargs)
+        if self.unwritten.fresh:
+            self._check_reads(func, args, kwargs)
         if kind == _WRITE:
             return self._write(func, args, kwargs)
         if kind == _EXACT_OP:
-            return _raised(func(*args, **kwargs), _RAISE)
-        if kind == _PLAIN and not kwargs and not self.noise and not any(map(_needs_raising, args)):
+            return _raised(func(*args, **kwargs), self.table)
+        if kind == _ALLOC:
+            out = self._call(func, kind, args, kwargs, self.table)
+            self.unwritten.allocated(func, out)
+            return out
+        table = self.table
+        if (
+            kind == _PLAIN
+            and not kwargs
+            and not self.noise
+            and not any(_needs_raising(a, table) for a in args)
+        ):
             try:
                 out = func(*args)
             except Exception:
                 pass  # the general path below tells what to do
             else:
                 return (
-                    out.to(_RAISE[out.dtype])
-                    if type(out) is torch.Tensor and out.dtype in _RAISE
-                    else _raised(out, _RAISE)
+                    out.to(table[out.dtype])
+                    if type(out) is torch.Tensor and out.dtype in table
+                    else _raised(out, table)
                 )
+        roundoff = 0.0
         try:
-            out = self._call(func, kind, args, kwargs, _RAISE)
-        except Exception as exc:  # no float64 kernel: float32 with TF32 off, said in the record
+            out = self._call(func, kind, args, kwargs, table)
+        except Exception as exc:  # no kernel in the raised precision: float32 with TF32 off, said so
+            if self.lower is None:
+                raise NoReference(_name(func), exc) from exc
             try:
-                out = self._call(func, kind, args, kwargs, _LOWER)
+                out = self._call(func, kind, args, kwargs, self.lower)
             except Exception:
                 raise NoReference(_name(func), exc) from exc
-            self.record.fell_back.setdefault(_name(func), _first_line(exc))
-            out = _raised(out, _RAISE)
+            self._fell_back(_name(func), exc)
+            roundoff = _FLOAT32
+            out = _raised(out, table)
         if self.noise:
-            out = self._jitter(out)
+            out = self._jitter(out, max(self.noise, roundoff, self._product_roundoff))
         return out
+
+    def _fell_back(self, what: str, exc: BaseException) -> None:
+        self.record.fell_back.setdefault(what, _first_line(exc))
+        self.record.roundoff = max(self.record.roundoff, _FLOAT32)
 
     def _call(
         self, func: Any, kind: int, args: Any, kwargs: Any, table: dict[torch.dtype, torch.dtype]
@@ -239,28 +296,33 @@ class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args = [_raised(a, table) for a in args]
         if kwargs:
             kwargs = {k: _raised(v, table) for k, v in kwargs.items()}
+        self._product_roundoff = 0.0
         if kind == _SOFTMAX and len(args) > 2:
             args[2] = False  # half_to_float: the input is no longer half
         elif kind == _PRODUCT:
             for a in args:
                 if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex()):
-                    # A float8 product accumulates in float32.
-                    self.record.roundoff = max(self.record.roundoff, min(unit_roundoff(a.dtype), 2.0**-24))
+                    # A float8 product accumulates in float32: the noise at this op is float32's.
+                    self._product_roundoff = min(unit_roundoff(a.dtype), _FLOAT32)
+                    self.record.roundoff = max(self.record.roundoff, self._product_roundoff)
                     break
         # What comes out below the raised precision (a factory of the default dtype) is raised too.
         return _raised(func(*args, **kwargs), table)
 
-    def _jitter(self, out: Any) -> Any:
+    def _jitter(self, out: Any, noise: float) -> Any:
         """Each floating result times (1 + noise * z), z standard normal: rounding, made on purpose."""
         if isinstance(out, (list, tuple)):
-            return type(out)(self._jitter(o) for o in out)
+            return type(out)(self._jitter(o, noise) for o in out)
         if not isinstance(out, torch.Tensor) or not out.is_floating_point() or not out.numel():
             return out
-        gen = self._generators.get(out.device)
+        return out * self._factor(out, noise)
+
+    def _factor(self, like: torch.Tensor, noise: float) -> torch.Tensor:
+        gen = self._generators.get(like.device)
         if gen is None:
-            gen = self._generators[out.device] = torch.Generator(out.device).manual_seed(self.seed)
-        z = torch.randn(out.shape, generator=gen, dtype=out.dtype, device=out.device)
-        return out * z.mul_(self.noise).add_(1)
+            gen = self._generators[like.device] = torch.Generator(like.device).manual_seed(self.seed)
+        z = torch.randn(like.shape, generator=gen, dtype=like.dtype, device=like.device)
+        return z.mul_(noise).add_(1)
 
     def _write(self, func: Any, args: Any, kwargs: Any) -> Any:
         """An op that writes a tensor: in that tensor's dtype, as the module writes it."""
@@ -270,16 +332,160 @@ class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if isinstance(t, torch.Tensor):
                 target = t
                 break
-        if target is None or target.dtype not in _RAISE:
+        if target is not None and self.unwritten.fresh:
+            for t in written_tensors(func, args, kwargs):
+                self.unwritten.written(t)
+        if target is None or target.dtype not in self.table:
             # A tensor of the raised precision (made in the forward) or an integer one: operands raised.
-            return func(
-                *[_raised(a, _RAISE) for a in args], **{k: _raised(v, _RAISE) for k, v in kwargs.items()}
-            )
+            try:
+                return func(
+                    *[_raised(a, self.table) for a in args],
+                    **{k: _raised(v, self.table) for k, v in kwargs.items()},
+                )
+            except Exception as exc:
+                if self.lower is None or target is None or target.dtype != self.to:
+                    raise
+                return self._write_lower(func, args, kwargs, exc)
         self.record.lower_writes.setdefault(_name(func), str(target.dtype).replace("torch.", ""))
         dtype = target.dtype
         args = [a if a is target else _lowered(a, dtype) for a in args]
         kwargs = {k: v if v is target else _lowered(v, dtype) for k, v in kwargs.items()}
         return func(*args, **kwargs)
+
+    def _write_lower(self, func: Any, args: Any, kwargs: Any, exc: BaseException) -> Any:
+        """An op that writes float64 tensors and has no float64 kernel (an in-place custom op for
+        low precision): run on float32 copies, whose results are written back."""
+        assert self.lower is not None
+        written = written_tensors(func, args, kwargs)
+        copies: dict[int, torch.Tensor] = {}
+
+        def lowered(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dtype in self.lower:  # type: ignore[operator]
+                copy = copies.get(id(value))
+                if copy is None:
+                    copy = copies[id(value)] = value.to(self.lower[value.dtype])  # type: ignore[index]
+                return copy
+            return value
+
+        try:
+            out = func(*[lowered(a) for a in args], **{k: lowered(v) for k, v in kwargs.items()})
+        except Exception:
+            raise NoReference(_name(func), exc) from exc
+        self._fell_back(_name(func), exc)
+        back = {id(copies[id(t)]): t for t in written if id(t) in copies}
+        for t in written:
+            if id(t) in copies:
+                t.copy_(
+                    copies[id(t)] if not self.noise else self._jitter(copies[id(t)].to(t.dtype), _FLOAT32)
+                )
+        if isinstance(out, torch.Tensor) and id(out) in back:
+            return back[id(out)]
+        return _raised(out, self.table)
+
+    # -- computations the dispatcher does not see ------------------------------------------------
+    def _check_reads(self, func: Any, args: Any, kwargs: Any) -> None:
+        for t in data_read(func, args, kwargs):
+            entry = self.unwritten.written_outside(t)
+            if entry is not None:
+                self._outside(
+                    entry.tensor,
+                    f"memory {entry.op} handed out, written outside torch's dispatcher (an extension or a "
+                    f"kernel called directly), read by {_name(func)}",
+                )
+
+    def _outside(self, t: torch.Tensor, what: str, changed: torch.Tensor | None = None) -> None:
+        """``t`` (where ``changed``) was written by a computation the mode could not raise: its
+        precision recorded, and in the floor's run rounding of that precision put on it."""
+        if not (t.is_floating_point() and t.numel()):
+            return
+        values = t if changed is None else t[changed]
+        held = self.to
+        if t.dtype == torch.float64 and bool(
+            (values.float().double() == values).logical_or_(values.isnan()).all()
+        ):
+            held = torch.float32  # a kernel that computes in float32 whatever it is handed
+        elif t.dtype != torch.float64:
+            held = t.dtype
+        name = str(held).replace("torch.", "")
+        self.record.outside.setdefault(what, f"{name}'s precision")
+        roundoff = unit_roundoff(held)
+        self.record.roundoff = max(self.record.roundoff, roundoff)
+        if self.noise:
+            factor = self._factor(t, max(self.noise, roundoff))
+            if changed is not None:
+                factor = torch.where(changed, factor, torch.ones_like(factor))
+            t.mul_(factor)
+
+    def launch(self, launch: Launch) -> Any:
+        """A Triton launch in the raised forward: run on the raised tensors (a float32 copy of each
+        where the kernel takes no float64), and what it wrote recorded as computed outside."""
+        # Called from the forward's Python, with this mode active: its own bookkeeping, and the
+        # interpreter's copies of the arguments, run without it.
+        with _no_dispatch_modes():
+            name = f"Triton kernel {launch.name!r}"
+            tensors = launch.tensors
+            fresh = [t for t in tensors if self.unwritten.is_fresh(t)]
+            watched = [t for t in tensors if t.dtype == self.to and not self.unwritten.is_fresh(t)]
+            before = [t.clone() for t in watched]
+            try:
+                out = launch()
+            except Exception as exc:
+                if self.lower is None:
+                    raise NoReference(name, exc) from exc
+                out = self._launch_lower(launch, name, exc)
+            for t in fresh:
+                entry = self.unwritten.written_outside(t)
+                if entry is not None:
+                    self._outside(entry.tensor, name)
+            for t, b in zip(watched, before, strict=True):
+                changed = (t != b).logical_and_(~(t.isnan() & b.isnan()))
+                if bool(changed.any()):
+                    self._outside(t, f"{name} (in place)", changed)
+            return out
+
+    def _launch_lower(self, launch: Launch, name: str, exc: BaseException) -> Any:
+        assert self.lower is not None
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def lowered(value: Any) -> Any:
+            if isinstance(value, (tuple, list)):
+                return type(value)(lowered(v) for v in value)
+            if isinstance(value, torch.Tensor) and value.dtype in self.lower:  # type: ignore[operator]
+                copy = value.to(self.lower[value.dtype])  # type: ignore[index]
+                copies.append((value, copy))
+                return copy
+            return value
+
+        args = tuple(lowered(a) for a in launch.args)
+        kwargs = {k: lowered(v) for k, v in launch.kwargs.items()}
+        originals = [c.clone() for _, c in copies]
+        try:
+            out = Launch(launch.kernel, launch.run, args, kwargs)()
+        except Exception:
+            raise NoReference(name, exc) from exc
+        self._fell_back(name, exc)
+        for (t, copy), was in zip(copies, originals, strict=True):
+            if not torch.equal(copy, was):
+                t.copy_(copy)
+        return out
+
+    def finish(self) -> None:
+        """At the block's end: fresh memory written outside and never read (an output an extension
+        filled, returned as it is)."""
+        with _no_dispatch_modes():
+            for entry in self.unwritten.remaining():
+                self._outside(
+                    entry.tensor,
+                    f"memory {entry.op} handed out, written outside torch's dispatcher and returned",
+                )
+
+
+def _no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
+    """No dispatch mode while a kernel launches: Triton's interpreter copies its arguments with ATen
+    ops, which are no ops of the forward."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 @contextlib.contextmanager
@@ -297,14 +503,23 @@ def _no_tf32() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def raised(*, noise: float = 0.0, seed: int = 0) -> Iterator[Record]:
+def raised(*, noise: float = 0.0, seed: int = 0, to: torch.dtype = torch.float64) -> Iterator[Record]:
     """Run the block's floating computation in float64 (see the module's docstring); yields the
     ``Record`` of what it did. ``NoReference`` where an op runs in neither float64 nor float32.
+
+    ``to=torch.float32`` raises only float16 and bfloat16, to float32 (TF32 off): the reference of a
+    forward that cannot run in float64 (an extension that takes float32 alone).
 
     ``noise`` > 0 multiplies every floating result by ``1 + noise * z`` (z standard normal, drawn
     from generators seeded with ``seed``): rounding of that size at every op, at one shape, so that
     how far rounding can move the output is measured by something that holds no computation of
-    another shape."""
-    record = Record()
-    with _no_tf32(), torch.no_grad(), _Raising(record, noise, seed):
+    another shape. Where an op holds less than the reference's precision (it ran in float32 for
+    want of a kernel, a float8 product, a kernel outside the dispatcher computing in float32), the
+    noise there is that precision's unit roundoff."""
+    if to not in _TIERS:
+        raise ValueError(f"raised(to=...) takes torch.float64 or torch.float32, not {to}")
+    record = Record(tier=str(to).replace("torch.", ""))
+    mode = _Raising(record, noise, seed, to)
+    with _no_tf32(), torch.no_grad(), mode, triton_launches(mode.launch):
         yield record
+        mode.finish()

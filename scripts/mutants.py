@@ -140,6 +140,9 @@ FLOOR_TESTS = ("tests/test_floor.py",)
 PS = "pytest_cudagraph/checks/builtin/padded_size.py"
 RF = "pytest_cudagraph/checks/reference.py"
 PR = "pytest_cudagraph/precision.py"
+LA = "pytest_cudagraph/launches.py"
+KERNEL_EXAMPLES = ("examples/kernels/test_kernels.py",)
+LAUNCH_TESTS = ("tests/test_launches.py", f"{KERNEL_EXAMPLES[0]}::test_correct_model_passes")
 FN = S
 REFERENCE_TESTS = ("tests/test_reference.py",)
 PRECISION_TESTS = ("tests/test_precision.py",)
@@ -422,7 +425,7 @@ MUTANTS: list[Mutant] = [
         S,
         "verdict = across_shapes(\n                    got, expected, padded,",
         "verdict = across_shapes(\n                    expected, expected, padded,",
-        (pair("BatchStatisticsInFloat32Kernel"), SCALE_TESTS),
+        (pair("BatchStatisticsInBf16Kernel"), SCALE_TESTS),
         "real batches never compared with unpadded eager",
     ),
     Mutant(
@@ -1015,15 +1018,15 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "precision-fallback-silent",
         PR,
-        "            self.record.fell_back.setdefault(_name(func), _first_line(exc))",
-        "            pass",
+        "        self.record.fell_back.setdefault(what, _first_line(exc))",
+        "        pass",
         PRECISION_TESTS,
         "an op run in float32 for want of a float64 kernel is not said",
     ),
     Mutant(
         "precision-noise-off",
         PR,
-        "        return out * z.mul_(self.noise).add_(1)",
+        "        return out * self._factor(out, noise)",
         "        return out",
         (*PRECISION_TESTS, *REFERENCE_TESTS),
         "the floor's noise is never added: the floor is zero",
@@ -1047,6 +1050,63 @@ MUTANTS: list[Mutant] = [
             "tests/test_verdicts.py::test_a_weight_rebound_by_make_inputs_is_named_though_the_allocator_hands_its_address_back",
         ),
         "a weight make_inputs rebinds is missed when the allocator hands its old address back",
+    ),
+    # -- kernels outside the dispatcher (launches.py, the reference's and the emulator's use) -------------
+    Mutant(
+        "launches-hook-skipped",
+        LA,
+        "        return _HOOKS[-1](Launch(self, run, args, kwargs))",
+        "        return run(self, *args, **kwargs)",
+        LAUNCH_TESTS,
+        "no Triton launch reaches a hook: the emulator replays a stale output, the reference misses the kernel",
+    ),
+    Mutant(
+        "unwritten-outside-never-found",
+        LA,
+        "        return None if _marked(entry.tensor) else entry",
+        "        return None",
+        LAUNCH_TESTS,
+        "memory an extension wrote where no op shows it is never found",
+    ),
+    Mutant(
+        "precision-outside-roundoff-dropped",
+        PR,
+        "        self.record.roundoff = max(self.record.roundoff, roundoff)\n        if self.noise:",
+        "        if self.noise:",
+        LAUNCH_TESTS,
+        "a kernel that holds float32's precision leaves the reference's limit at float64's",
+    ),
+    Mutant(
+        "precision-outside-noise-off",
+        PR,
+        "            factor = self._factor(t, max(self.noise, roundoff))",
+        "            factor = torch.ones_like(t)",
+        LAUNCH_TESTS,
+        "the floor's run puts no rounding on what a kernel outside the dispatcher wrote",
+    ),
+    Mutant(
+        "precision-float32-tier-skipped",
+        S,
+        "    for tier in (torch.float64, torch.float32):",
+        "    for tier in (torch.float64,):",
+        (pair("BatchStatisticsInFloat32Kernel"),),
+        "a forward that refuses float64 gets no reference at all, where float32's would run",
+    ),
+    Mutant(
+        "emulator-launch-unrecorded",
+        EM,
+        "        self.steps.append(\n            _Step(functools.partial(relaunch, launch.kernel, launch.run)",
+        "        (\n            (functools.partial(relaunch, launch.kernel, launch.run)",
+        KERNEL_EXAMPLES,
+        "the emulator runs a Triton launch at capture and never again: replay returns its stale output",
+    ),
+    Mutant(
+        "emulator-unrecordable-silent",
+        EM,
+        '                raise Unrecordable(_unrecordable(entry.op, f"before {func} read it", call_site()))',
+        "                pass",
+        (f"{KERNEL_EXAMPLES[0]}::test_an_extension_is_held_to_the_float32_reference",),
+        "an extension's write the emulator cannot replay is reported as stale graph memory",
     ),
     # -- observe.py and what verification copies --------------------------------------------------------
     Mutant(

@@ -13,8 +13,10 @@ from torch import nn
 
 from examples.buggy.batch_statistics import (
     BatchStatistics,
+    BatchStatisticsInBf16Kernel,
     BatchStatisticsInFloat32Kernel,
     TokenStatistics,
+    TokenStatisticsInBf16Kernel,
     TokenStatisticsInFloat32Kernel,
 )
 from examples.buggy.class_count import CountsClasses, CountsClassesGiven
@@ -131,11 +133,18 @@ PAIRS = [
         StaticRotary,
         r"differs from eager on those \d+ tokens by .*: a computation depends on the padded batch size",
     ),
-    # No float64 reference can run a kernel for float32 alone: the floor of the module's own precision.
+    # A kernel for float32 alone: the reference runs in float32 with TF32 off.
     Pair(
-        "real_batches",
+        "padded_size",
         BatchStatisticsInFloat32Kernel,
         TokenStatisticsInFloat32Kernel,
+        r"in float32 \(TF32 off\), where rounding moves it by .*: a computation depends on the padded batch size",
+    ),
+    # No reference (float64 or float32) can run a kernel for bf16 alone: the floor of the module's own precision.
+    Pair(
+        "real_batches",
+        BatchStatisticsInBf16Kernel,
+        TokenStatisticsInBf16Kernel,
         r"real rows (are off systematically|differ from eager on the unpadded batch by)",
     ),
     # Integer rows of padding: ids a router counts (hash-routed expert loads).

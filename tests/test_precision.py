@@ -80,7 +80,13 @@ def test_an_op_without_a_float64_kernel_runs_in_float32_and_is_said() -> None:
     with raised() as record:
         product = torch.ones(2, 2, dtype=torch.bfloat16) @ torch.ones(2, 2, dtype=torch.bfloat16)
         torch.ops.cgtest_f32.double_it(product)
-    assert record.roundoff == 2.0**-53  # the product ran in float64; the fallback is its own op's
+    # The product ran in float64; the op that fell back holds float32's precision, and the record
+    # says so (the floor takes float32's rounding there, the limit at least 64 times it).
+    assert record.roundoff == 2.0**-24
+    assert (
+        record.precision
+        == "float64, except where it holds less (cgtest_f32::double_it ran in float32 (no float64 kernel))"
+    )
 
 
 def test_an_op_that_runs_in_neither_is_no_reference() -> None:

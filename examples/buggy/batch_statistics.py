@@ -30,15 +30,15 @@ class TokenStatistics(Base):
 
 
 def _float32_kernel(h: torch.Tensor) -> torch.Tensor:
-    """A kernel written for float32 alone (a fused extension, say): it refuses every other dtype."""
+    """A kernel written for float32 alone (an extension called directly, say): it refuses float64."""
     if h.dtype != torch.float32:
         raise TypeError(f"this kernel takes float32 tensors, got {h.dtype}")
     return torch.tanh(h)
 
 
 class BatchStatisticsInFloat32Kernel(Base):
-    """The same statistics, through a kernel for float32 alone: no float64 reference can run it,
-    so ``real_batches`` holds the real rows to unpadded eager within the measured floor."""
+    """The same statistics through a kernel for float32 alone: the float64 reference cannot run it,
+    so ``padded_size`` asks its question in float32 with TF32 off, held to that precision's floor."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _float32_kernel(self.lin(x - x.mean(0, keepdim=True)))
@@ -47,3 +47,31 @@ class BatchStatisticsInFloat32Kernel(Base):
 class TokenStatisticsInFloat32Kernel(Base):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _float32_kernel(self.lin(x - x.mean(-1, keepdim=True)))
+
+
+def _bf16_kernel(h: torch.Tensor) -> torch.Tensor:
+    """A kernel written for bfloat16 alone (a fused attention extension, say): it refuses every
+    other dtype, float32 included."""
+    if h.dtype != torch.bfloat16:
+        raise TypeError(f"this kernel takes bfloat16 tensors, got {h.dtype}")
+    return torch.tanh(h)
+
+
+class BatchStatisticsInBf16Kernel(Base):
+    """The same statistics, in bf16 through a kernel for bf16 alone: no reference can run it, in
+    float64 or in float32, so ``real_batches`` holds the real rows to unpadded eager within the
+    floor it measures in bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        return _bf16_kernel(self.lin(x - x.mean(0, keepdim=True)))
+
+
+class TokenStatisticsInBf16Kernel(BatchStatisticsInBf16Kernel):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        return _bf16_kernel(self.lin(x - x.mean(-1, keepdim=True)))

@@ -43,7 +43,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from ..guard import SPARSE_REASON, CaptureGuard, not_strided
+from ..guard import SPARSE_REASON, CaptureGuard, call_site, not_strided
+from ..launches import ALLOCATIONS, Launch, Unwritten, relaunch, triton_launches
+from ..observe import data_read, written_tensors
 from .base import POISON_BYTES, Backend, CapturedGraph, OpenCapture
 
 __all__ = ["EmulateBackend", "EmulatedGraph"]
@@ -52,13 +54,13 @@ aten = torch.ops.aten
 
 # Allocation without a kernel: a real graph does not re-run it on replay, and
 # re-running it here would only produce garbage to copy.
-_ALLOCATIONS = {
-    aten.empty.memory_format,
-    aten.empty_strided.default,
-    aten.empty_like.default,
-    aten.new_empty.default,
-    aten.new_empty_strided.default,
-}
+_ALLOCATIONS = ALLOCATIONS
+
+
+class Unrecordable(RuntimeError):
+    """The forward wrote memory where the emulator cannot see it (a compiled extension called directly):
+    no step it records would redo that write on replay."""
+
 
 #: Every region is a multiple of this many bytes, and so starts at such a
 #: multiple: the CUDA caching allocator rounds every block up to 512 bytes
@@ -201,6 +203,22 @@ class _Step:
         self.targets = [(i, fn(t)) for i, t in self.targets]
 
 
+def _no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def _unrecordable(op: str, what: str, site: str) -> str:
+    return (
+        f"launched outside torch: memory that {op} handed out was written by something torch's "
+        f"dispatcher does not see (a compiled extension or a kernel called directly) {what}"
+        f"{f' at {site}' if site else ''}. The emulator records ATen ops and Triton launches, so it cannot "
+        "replay that write: verify this module on the cuda backend, or launch the kernel through "
+        "triton.jit or as a torch.library.custom_op, which the emulator records"
+    )
+
+
 class _Slot:
     """Where a step held a tensor of the capture's own memory, until the pool gives it a place."""
 
@@ -258,6 +276,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         #: Every tensor object seen on one of them, views included, by id: the
         #: objects still alive at the end are moved into the pool in place.
         self.known: dict[int, weakref.ref[torch.Tensor]] = {}
+        #: Memory allocations handed out that no op has written yet: one read with other bytes than
+        #: the marker was written where no op shows it (see launches.Unwritten).
+        self.unwritten = Unwritten()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -271,6 +292,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             out = func(*args, **kwargs)
             self._know(args[0])
             return out
+        if self.unwritten.fresh:
+            self._check_reads(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.guard.observer is not None:
             self.guard.observer.after(func, out)
@@ -279,7 +302,11 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.guard.report(str(func), SPARSE_REASON.format(layout=layout))
         if func in _ALLOCATIONS:
             self._note_created(out)
+            self.unwritten.allocated(func, out)
             return out
+        if self.unwritten.fresh:
+            for t in written_tensors(func, args, kwargs):
+                self.unwritten.written(t)
         flat_in, _ = tree_flatten((args, kwargs))
         inputs = {_storage_key(t) for t in flat_in if isinstance(t, torch.Tensor)}
         flat_out, _ = tree_flatten(out)
@@ -301,6 +328,38 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return out
         self.steps.append(_Step(func, tuple(args), dict(kwargs), fresh))
         return out
+
+    def _check_reads(self, func: Any, args: Any, kwargs: Any) -> None:
+        for t in data_read(func, args, kwargs):
+            entry = self.unwritten.written_outside(t)
+            if entry is not None:
+                raise Unrecordable(_unrecordable(entry.op, f"before {func} read it", call_site()))
+
+    def launch(self, launch: Launch) -> Any:
+        """A Triton launch during capture: run as it is (the interpreter's own copies are no ops of
+        the forward), then recorded as a step that launches it again with the same arguments."""
+        self.guard.suspended += 1
+        try:
+            with _no_dispatch_modes():
+                result = launch()
+        finally:
+            self.guard.suspended -= 1
+        for t in launch.tensors:
+            self.unwritten.written(t)
+        self.steps.append(
+            _Step(
+                functools.partial(relaunch, launch.kernel, launch.run), launch.args, dict(launch.kwargs), []
+            )
+        )
+        return result
+
+    def check_outputs(self) -> None:
+        """At the capture's end: fresh memory that nothing the dispatcher saw wrote, written all the
+        same (an output an extension filled, returned as it is)."""
+        with _no_dispatch_modes():
+            found = self.unwritten.remaining()
+        for entry in found:
+            raise Unrecordable(_unrecordable(entry.op, "and the forward kept it (its output, say)", ""))
 
     def _freeze(self, t: torch.Tensor) -> None:
         """Before ``t``'s shape changes in place: the steps recorded so far keep it as it was,
@@ -562,11 +621,18 @@ class _EmulatedCapture(OpenCapture):
             self.stack.enter_context(torch.set_grad_enabled(grad_enabled))
             self.stack.enter_context(guard.function_mode())
             self.stack.enter_context(self.recorder)
+            self.stack.enter_context(triton_launches(self.recorder.launch))
         except BaseException:
             self.stack.close()
             raise
 
     def end(self, output: Any) -> CapturedGraph:
+        try:
+            if self.recorder is not None:
+                self.recorder.check_outputs()
+        except BaseException:
+            self.abort()
+            raise
         self.stack.close()
         recorder, self.recorder = self.recorder, None
         assert recorder is not None, "capture already ended"

@@ -62,6 +62,10 @@ class Reference:
     ready: bool = False
     why_not: str = ""
     record: Record = field(default_factory=Record)
+    #: The precision the reference runs in: float64, or float32 where the forward cannot run in
+    #: float64 (``float64_refused`` says why).
+    tier: str = "float64"
+    float64_refused: str = ""
     queued: dict[BatchDescriptor, list[Queued]] = field(default_factory=dict)
 
     def queue(

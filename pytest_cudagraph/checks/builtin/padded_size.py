@@ -15,9 +15,13 @@ rounding moves the logits by about 1e-13, and the limit is measured with the
 module at one shape (the same forward with noise of one unit roundoff at every
 op), which holds no computation of another shape.
 
-A module that cannot run in float64 (an op with neither a float64 nor a
-float32 kernel, a dtype assertion) is said so in the report; ``real_batches``
-then holds it to eager on the real batch within the bf16 floor, as before.
+Kernels the dispatcher does not see into (Triton, an extension called
+directly) compute in float32 whatever they are handed: the reference finds
+them (``launches``) and holds the floor to float32's rounding there. A module
+that refuses float64 (a dtype assertion, an extension for float32 alone) runs
+in float32 with TF32 off; one that runs in neither (a kernel for bf16 alone)
+is said so in the report, and ``real_batches`` then holds it to eager on the
+real batch within the floor of its own precision.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from ... import faults
 from ...manager import tree
 from ...manager.types import cut_to_real
+from ...observe import unit_roundoff
 from ...plan import BatchDescriptor
 from ...precision import NoReference, Record, raised
 from ..divergence import recording
@@ -73,20 +78,37 @@ def prepare_reference(ctx: VerifyContext) -> None:
         return
     desc = min(ctx.manager.plan.capture_order, key=lambda d: d.num_tokens)
     batch = ctx.exact_batch(desc)
-    inputs = ctx.make(batch)
-    with ctx.preserved_state():
-        ctx.seed_all(ctx.seed)
-        try:
-            with raised() as record:
-                ctx.eager_real(inputs, batch, captured_path=False)
-        except NoReference as exc:
-            ref.why_not = _no_reference(f"{exc}")
-            return
-        except Exception as exc:  # the module's own refusal (a dtype check, a kernel for one dtype)
-            ref.why_not = _no_reference(f"its forward raises in float64: {_first_line(exc)}")
-            return
-    ref.record.merge(record)
-    ref.ready = True
+    refused: list[str] = []
+    # float64 first; a forward that cannot run there (an extension that takes float32 alone, a
+    # dtype check of its own) in float32 with TF32 off, which still holds bf16 and float16 far
+    # below their rounding, and a float32 module to the floor of its own precision at one shape.
+    for tier in (torch.float64, torch.float32):
+        name = str(tier).replace("torch.", "")
+        inputs = ctx.make(batch)
+        with ctx.preserved_state():
+            ctx.seed_all(ctx.seed)
+            try:
+                with raised(to=tier) as record:
+                    ctx.eager_real(inputs, batch, captured_path=False)
+            except NoReference as exc:
+                refused.append(f"in {name}: {exc}")
+                continue
+            except Exception as exc:  # the module's own refusal (a dtype check, a kernel for one dtype)
+                if faults.is_sticky(exc):
+                    raise
+                refused.append(f"its forward raises in {name}: {_first_line(exc)}")
+                continue
+        ref.record.merge(record)
+        ref.tier = name
+        ref.float64_refused = "; ".join(refused)
+        ref.ready = True
+        if refused:
+            ctx.notes.append(
+                f"padded_size: the module cannot run in float64 ({ref.float64_refused}), so its reference runs "
+                "in float32 with TF32 off, held to the floor of that precision at one shape"
+            )
+        return
+    ref.why_not = _no_reference("; ".join(refused))
 
 
 class _Runs:
@@ -100,7 +122,8 @@ class _Runs:
         ctx = self.ctx
         ctx.restore(self.state0)
         ctx.seed_all(ctx.seed)
-        with raised(noise=noise, seed=ctx.seed) as record:
+        tier = ctx.reference.tier if ctx.reference is not None else "float64"
+        with raised(noise=noise, seed=ctx.seed, to=getattr(torch, tier)) as record:
             out = run()
         self.record.merge(record)
         return out
@@ -164,11 +187,19 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
             break
         if floor_at is None:
             return [_skipped(desc, _refused_all(refused)) for desc in descs]
-        roundoff = ref.record.roundoff or 2.0**-53
-        noisy = runs.real(floor_at, noise=roundoff)
+        # The noise of the reference's own precision at every op; an op that holds less (one with no
+        # kernel there, a float8 product, a kernel outside the dispatcher) gets its own precision's.
+        base = unit_roundoff(getattr(torch, ref.tier))
+        roundoff = max(ref.record.roundoff, base)
+        noisy = runs.real(floor_at, noise=base)
         floors = {d.path: d.relative for d in leaf_differences(noisy, exact)}
         del noisy
         limits = _limits(floors, roundoff)
+        if ref.record.outside or ref.record.fell_back:
+            # Named once per verification, with the precision that holds at each.
+            note = f"padded_size's reference: {ref.record.precision}"
+            if note not in ctx.notes:
+                ctx.notes.append(note)
         figures_all = {
             "reference": ref.record.precision,
             "floor": max(floors.values(), default=0.0),
@@ -237,7 +268,7 @@ def _skipped(desc: BatchDescriptor, why: str) -> Outcome:
 
 def _no_reference(why: str) -> str:
     return (
-        f"the module cannot run in float64 ({why}), so no reference holds eager across shapes; real_batches "
+        f"the module cannot run in float64 nor in float32 ({why}), so no reference holds eager across shapes; real_batches "
         "held the graph to eager on the unpadded batch within the floor it measured in the module's own "
         "precision instead, which catches a shape-dependent error only where it is systematic or stands out "
         "of that precision's rounding across shapes (its figures: floor_max in real_batches' outcomes)"
@@ -331,14 +362,19 @@ PADDED_SIZE = Check(
     "rows, against eager on the real batch (the most padded batch `real_batches` ran), both in float64: "
     "every float16, bfloat16 and float32 op of the forward raised as it runs, weights converted as "
     "they are read (no copy of the model), float32 with TF32 off for an op with no float64 kernel. "
+    "Kernels outside torch's dispatcher are found and held to the precision they keep: a Triton launch "
+    "runs on the raised tensors (in float32 where it takes no float64), memory an extension wrote is "
+    "found when it is read, and what they wrote counts as float32's where its values hold no more. "
+    "A forward that refuses float64 (an extension for float32 alone) runs in float32 with TF32 off. "
     "Held to 64 times the reference's floor, measured with the module at one shape (the same forward "
-    "with noise of one unit roundoff at every op), so a computation of another shape cannot hide in "
-    "it; the report gives the precision, the floor, the limit and the stage's peak memory apart",
+    "with noise of one unit roundoff of each op's own precision at every op), so a computation of "
+    "another shape cannot hide in it; the report gives the precision and where it holds less, the "
+    "floor, the limit and the stage's peak memory apart",
     catches="computations that depend on the padded batch size at any size above float64's rounding: a "
     "scale, table or cache made for the padded size (a rotary table of another length), a branch on the "
     "token count inside the stack, statistics over padded rows, an output cut wrongly; a module that "
     "computes something else when it is captured; named with the first divergent submodule",
-    applies="the module cannot run in float64 (an op with neither a float64 nor a float32 kernel, a "
-    "dtype check of its own: said so, and `real_batches` keeps the floor of the module's own "
-    "precision); it draws random numbers; `batch_invariant=True`",
+    applies="the module runs neither in float64 nor in float32 (an op or a kernel for bf16 alone: said "
+    "so, and `real_batches` keeps the floor of the module's own precision); it draws random numbers; "
+    "`batch_invariant=True`",
 )
