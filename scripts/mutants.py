@@ -1095,8 +1095,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "emulator-launch-unrecorded",
         EM,
-        "        self.steps.append(\n            _Step(functools.partial(relaunch, launch.kernel, launch.run)",
-        "        (\n            (functools.partial(relaunch, launch.kernel, launch.run)",
+        "        self.steps.append(\n            _Step(\n                functools.partial(relaunch,",
+        "        (\n            (\n                functools.partial(relaunch,",
         KERNEL_EXAMPLES,
         "the emulator runs a Triton launch at capture and never again: replay returns its stale output",
     ),
