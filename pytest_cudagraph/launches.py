@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALLOCATIONS", "Launch", "Unwritten", "kernel_name", "triton_launches"]
+__all__ = ["ALLOCATIONS", "Launch", "Unwritten", "kernel_name", "no_dispatch_modes", "triton_launches"]
 
 aten = torch.ops.aten
 
@@ -142,6 +142,14 @@ def triton_launches(hook: Hook) -> Iterator[None]:
         yield
     finally:
         _HOOKS.remove(hook)
+
+
+def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
+    """No dispatch mode while a hook launches a kernel or reads memory: Triton's interpreter copies
+    its arguments with ATen ops, and a hook's own reads are no ops of the forward either."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def _key(t: torch.Tensor) -> int:

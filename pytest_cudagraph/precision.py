@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .launches import ALLOCATIONS, Launch, Unwritten, triton_launches
+from .launches import ALLOCATIONS, Launch, Unwritten, no_dispatch_modes, triton_launches
 from .observe import _CONV, _MATMUL, _written_arguments, data_read, unit_roundoff, written_tensors
 
 __all__ = ["NoReference", "Record", "raised"]
@@ -421,7 +421,7 @@ class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
         where the kernel takes no float64), and what it wrote recorded as computed outside."""
         # Called from the forward's Python, with this mode active: its own bookkeeping, and the
         # interpreter's copies of the arguments, run without it.
-        with _no_dispatch_modes():
+        with no_dispatch_modes():
             name = f"Triton kernel {launch.name!r}"
             tensors = launch.tensors
             fresh = [t for t in tensors if self.unwritten.is_fresh(t)]
@@ -472,20 +472,12 @@ class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def finish(self) -> None:
         """At the block's end: fresh memory written outside and never read (an output an extension
         filled, returned as it is)."""
-        with _no_dispatch_modes():
+        with no_dispatch_modes():
             for entry in self.unwritten.remaining():
                 self._outside(
                     entry.tensor,
                     f"memory {entry.op} handed out, written outside torch's dispatcher and returned",
                 )
-
-
-def _no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
-    """No dispatch mode while a kernel launches: Triton's interpreter copies its arguments with ATen
-    ops, which are no ops of the forward."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
 
 
 @contextlib.contextmanager

@@ -49,7 +49,9 @@ def test_correct_model_passes(cudagraph_verify, device, name, dtype):
         if why:
             pytest.skip(why)
         if device.type == "cpu":
-            pytest.skip("the emulator cannot record an extension's launch: test_extension_on_the_emulator")
+            pytest.skip(
+                "the emulator cannot record an extension's launch: test_an_extension_is_held_to_the_float32_reference names it"
+            )
     report = cudagraph_verify(_model(KernelMLP, device, dtype, name), inputs(device, dtype), **CONFIG)
     assert report.ok
 

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..guard import SPARSE_REASON, CaptureGuard, call_site, not_strided
-from ..launches import ALLOCATIONS, Launch, Unwritten, relaunch, triton_launches
+from ..launches import ALLOCATIONS, Launch, Unwritten, no_dispatch_modes, relaunch, triton_launches
 from ..observe import data_read, written_tensors
 from .base import POISON_BYTES, Backend, CapturedGraph, OpenCapture
 
@@ -203,12 +203,6 @@ class _Step:
         self.targets = [(i, fn(t)) for i, t in self.targets]
 
 
-def _no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
-
-
 def _unrecordable(op: str, what: str, site: str) -> str:
     return (
         f"launched outside torch: memory that {op} handed out was written by something torch's "
@@ -340,7 +334,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         the forward), then recorded as a step that launches it again with the same arguments."""
         self.guard.suspended += 1
         try:
-            with _no_dispatch_modes():
+            with no_dispatch_modes():
                 result = launch()
         finally:
             self.guard.suspended -= 1
@@ -356,7 +350,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def check_outputs(self) -> None:
         """At the capture's end: fresh memory that nothing the dispatcher saw wrote, written all the
         same (an output an extension filled, returned as it is)."""
-        with _no_dispatch_modes():
+        with no_dispatch_modes():
             found = self.unwritten.remaining()
         for entry in found:
             raise Unrecordable(_unrecordable(entry.op, "and the forward kept it (its output, say)", ""))
