@@ -1,6 +1,7 @@
 """Time ``CapturePlan.dispatch`` on a realistic, seeded stream of batches.
 
-Standalone (no pytest): ``python benchmarks/bench_dispatch.py``.
+Standalone (no pytest): ``python benchmarks/bench_dispatch.py``; ``--smoke``: the same
+measurements on a short stream and few rounds (seconds less; the figures mean little).
 
 Configuration: capture sizes 1, 2, 4, then 8..512 step 8 (67 sizes) times
 LoRA cases (0, 1, 2, 4, 8), FULL_AND_PIECEWISE, max_num_reqs=256.
@@ -21,6 +22,7 @@ subtracted, and the raw figures are printed too so nothing is hidden.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import random
 import statistics
@@ -133,10 +135,18 @@ def summarize(samples: list[int], overhead: float) -> tuple[float, float, float,
     return med, p99, max(med - overhead, 0.0), max(p99 - overhead, 0.0)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--smoke", action="store_true", help="a short stream and few rounds: runs in a second, proves little"
+    )
+    args = parser.parse_args(argv)
+    stream_len, warm_passes, cold_rounds, cold_round_len = (
+        (500, 2, 2, 200) if args.smoke else (STREAM_LEN, WARM_PASSES, COLD_ROUNDS, COLD_ROUND_LEN)
+    )
     start = time.perf_counter()
     rng = random.Random(SEED)
-    stream = make_stream(rng, STREAM_LEN)
+    stream = make_stream(rng, stream_len)
     n_sizes, n_loras = len(CAPTURE_SIZES), len(LORA_CASES)
     assert n_sizes == 67 and n_loras == 5
 
@@ -158,20 +168,20 @@ def main() -> int:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        overhead = timer_overhead_ns()
+        overhead = timer_overhead_ns(10_000 if args.smoke else 200_000)
 
         warm: list[int] = []
-        for _ in range(WARM_PASSES):
+        for _ in range(warm_passes):
             time_calls(plan, stream, warm)
 
         # Cold: fresh plan per round, each round's batches all distinct, so
         # every timed call is a memo miss.
         cold: list[int] = []
         cold_rng = random.Random(SEED + 1)
-        for _ in range(COLD_ROUNDS):
+        for _ in range(cold_rounds):
             seen: set[tuple[Any, ...]] = set()
             round_batches: list[Batch] = []
-            while len(round_batches) < COLD_ROUND_LEN:
+            while len(round_batches) < cold_round_len:
                 batch = make_batch(cold_rng)
                 key = _key(batch)
                 if key not in seen:
@@ -191,14 +201,14 @@ def main() -> int:
         f"FULL_AND_PIECEWISE, max_num_reqs={MAX_NUM_REQS}"
     )
     print(f"plan: {graphs} graphs {modes}; build median {statistics.median(build_ns) / 1e6:.2f} ms")
-    print(f"stream: {STREAM_LEN} batches (seed {SEED}), {distinct} distinct; answers {mix}")
+    print(f"stream: {stream_len} batches (seed {SEED}), {distinct} distinct; answers {mix}")
     print(f"timer overhead (empty perf_counter_ns region, subtracted): {overhead:.0f} ns")
     print(
-        f"warm  ({len(warm)} calls, {WARM_PASSES} passes, memo hits): "
+        f"warm  ({len(warm)} calls, {warm_passes} passes, memo hits): "
         f"median {w_med_c:.0f} ns, p99 {w_p99_c:.0f} ns  [raw {w_med:.0f} / {w_p99:.0f} ns]"
     )
     print(
-        f"cold  ({len(cold)} calls, {COLD_ROUNDS} fresh plans x {COLD_ROUND_LEN} distinct batches, "
+        f"cold  ({len(cold)} calls, {cold_rounds} fresh plans x {cold_round_len} distinct batches, "
         f"memo misses): median {c_med_c:.0f} ns, p99 {c_p99_c:.0f} ns  [raw {c_med:.0f} / {c_p99:.0f} ns]"
     )
     print(

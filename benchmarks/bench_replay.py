@@ -1,6 +1,7 @@
 """The benchmark targets, measured side by side in one process.
 
     python benchmarks/bench_replay.py [--out results.json] [--quick]
+    python benchmarks/bench_replay.py --smoke   # target 5 alone, tiny and short: seconds, on the CPU
 
 1. GraphManager.run() against a hand-written torch.cuda.CUDAGraph loop doing
    the same copy-in, replay and copy-out, for a 4-layer MLP stack at d=256,
@@ -332,7 +333,7 @@ def capture_vs_hand(
     }
 
 
-def emulator_ratio(d: int, batch: int) -> dict[str, Any]:
+def emulator_ratio(d: int, batch: int, rounds: int = 15, calls_per_round: int = 10) -> dict[str, Any]:
     torch.manual_seed(0)
     cpu = torch.device("cpu")
     module = Stack(d).eval()
@@ -343,7 +344,7 @@ def emulator_ratio(d: int, batch: int) -> dict[str, Any]:
         backend="emulate",
     )
     manager.capture()
-    bench = measure_manager(manager, rounds=15, calls_per_round=10)[0]
+    bench = measure_manager(manager, rounds=rounds, calls_per_round=calls_per_round)[0]
     return {
         "d": d,
         "batch": batch,
@@ -409,11 +410,18 @@ def main() -> None:
     )
     parser.add_argument("--capture-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--capture-rounds", type=int, default=7)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="only the emulator target, at d=32 and 3 rounds, no CUDA: proves it runs, measures little",
+    )
     args = parser.parse_args()
     results: dict[str, Any] = {"date": str(datetime.date.today()), "torch": torch.__version__}
-    if not args.capture_only:
+    if args.smoke:
+        results["emulator"] = [emulator_ratio(32, b, rounds=3, calls_per_round=2) for b in (1, 4)]
+    elif not args.capture_only:
         results["emulator"] = [emulator_ratio(256, 1), emulator_ratio(256, 64), emulator_ratio(1024, 64)]
-    if torch.cuda.is_available() and not args.skip_cuda:
+    if torch.cuda.is_available() and not (args.skip_cuda or args.smoke):
         device = torch.device("cuda", 0)
         results["device"] = torch.cuda.get_device_name(device)
         if not args.capture_only:

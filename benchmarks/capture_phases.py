@@ -1,6 +1,7 @@
 """Where the capture time goes, phase by phase: the manager and the two hand-written loops.
 
     python benchmarks/capture_phases.py [--dims 256 1024] [--rounds 7] [--experiments]
+    python benchmarks/capture_phases.py --smoke   # no GPU: every timer's and variant's target resolves
 
 Each round captures bench_replay's 67 sizes of an fp16 4-layer MLP stack
 once with each contender, in turn: the manager (``GraphManager`` default),
@@ -30,7 +31,7 @@ import pkgutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,9 @@ from bench_replay import SIZES_67, HandWritten, Stack, WarmAll, inputs_for  # ty
 import pytest_cudagraph.backends.cuda as cuda_mod
 import pytest_cudagraph.manager as manager_pkg
 from pytest_cudagraph import CaptureConfig, GraphManager
-from pytest_cudagraph.context import running
-from pytest_cudagraph.plan import BatchDescriptor, GraphMode
+from pytest_cudagraph.manager import output_rows
+from pytest_cudagraph.manager.capture import Capture
+from pytest_cudagraph.manager.runtime import Runtime
 
 Patch = tuple[Any, str, str]
 #: Not a time: how many segments the allocator took from the driver (cudaMalloc calls) during the capture.
@@ -124,13 +126,15 @@ def _manager_modules() -> list[Any]:
 
 
 def manager_targets() -> list[Patch]:
+    # The manager's steps where the capture calls them: its capture part (Capture), its runtime
+    # part (Runtime, whose copy-in staging uses) and output_rows (GraphManager only delegates).
     targets: list[Patch] = [
-        (GraphManager, "stage_sample", "staging: the manager's own"),
-        (GraphManager, "batch_of", "staging: batch_of (validation)"),
-        (GraphManager, "load_inputs", "staging: load_inputs (copy-in)"),
-        (GraphManager, "_load_sample", "staging: exact-shape copy-in"),
-        (GraphManager, "_probe_output_rows", "output-row probe"),
-        (GraphManager, "_settle_row_kinds", "output-row settling"),
+        (Capture, "stage_sample", "staging: the manager's own"),
+        (Runtime, "batch_of", "staging: batch_of (validation)"),
+        (Runtime, "load_inputs", "staging: load_inputs (copy-in)"),
+        (Capture, "_load_sample", "staging: exact-shape copy-in"),
+        (output_rows, "probe", "output-row probe"),
+        (output_rows, "settle", "output-row settling"),
         (cuda_mod.CudaBackend, "warmup", "warm-up set-up (stream switch, events)"),
         (cuda_mod.CudaBackend, "begin", "backend.begin / finish (own)"),
         (cuda_mod.CudaBackend, "finish", "backend.begin / finish (own)"),
@@ -161,7 +165,11 @@ def timed_forward(module: torch.nn.Module, timers: Timers) -> Iterator[None]:
     original = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        name = "forward (capture)" if torch.cuda.is_current_stream_capturing() else "forward (eager)"
+        try:
+            capturing = torch.cuda.is_current_stream_capturing()
+        except RuntimeError:  # a CPU-only build, outside an emulated capture (--smoke)
+            capturing = False
+        name = "forward (capture)" if capturing else "forward (eager)"
         t0 = timers.start()
         try:
             return original(*args, **kwargs)
@@ -195,12 +203,12 @@ def no_memory_check(manager: GraphManager) -> Iterator[None]:
 @contextmanager
 def no_output_probe(manager: GraphManager) -> Iterator[None]:
     """No output-row probe (its two eager forwards); the rows are settled across descriptors."""
-    part = manager._capture
-    part._probe_output_rows = lambda: None  # type: ignore[method-assign]
+    saved = output_rows.probe
+    output_rows.probe = lambda state, eager_kwargs: None
     try:
         yield
     finally:
-        del part._probe_output_rows
+        output_rows.probe = saved
 
 
 @contextmanager
@@ -221,54 +229,26 @@ def warm_all_first(restage: bool) -> Callable[[GraphManager], Any]:
     warm-up of its own, on the sample staged for its warm-up (make_inputs is
     not called again).
 
-    ``restage``: copy that sample into the static buffers again before its
-    capture. Without it a descriptor captured whole on a backend whose
-    capture does not execute (CUDA: the graph records addresses, not values)
-    is captured on whatever the buffers hold; a PIECEWISE graph with eager
-    pieces is still re-staged, as its segments are replayed during the capture
-    for the pieces to run on real values.
+    The manager's fast capture (``Capture._warm_up``, the default off
+    verification) now runs this sequence itself, so the variant patches only
+    what it would change. ``restage``: copy that sample into the static
+    buffers again before its capture (``Capture._reloads`` answering yes for
+    every descriptor). Without it a descriptor captured whole on a backend
+    whose capture does not execute (CUDA: the graph records addresses, not
+    values) is captured on whatever the buffers hold; a PIECEWISE graph with
+    eager pieces is still re-staged, as its segments are replayed during the
+    capture for the pieces to run on real values.
     """
 
     @contextmanager
     def variant(manager: GraphManager) -> Iterator[None]:
-        backend: Any = manager.state.backend
         part = manager._capture
-        staged: dict[BatchDescriptor, tuple[dict[str, Any], Any, dict[str, Any]]] = {}
-        original_progress = part._progress
-
-        def stage(desc: BatchDescriptor) -> tuple[dict[str, Any], dict[str, Any]]:
-            if desc in staged:
-                sample, batch, kwargs = staged[desc]
-                whole = not (manager.eager_pieces and desc.mode is GraphMode.PIECEWISE)
-                if restage or backend.capture_executes or not whole:
-                    manager.load_inputs(desc, sample, batch)
-                return sample, kwargs
-            reqs = manager.capture_reqs(desc)
-            sample = dict(manager.make_inputs(desc.num_tokens, reqs))
-            batch = manager.batch_of(sample, num_reqs=reqs)
-            manager.load_inputs(desc, sample, batch)
-            kwargs = manager.forward_inputs(desc.num_tokens, reqs)
-            staged[desc] = (sample, batch, kwargs)
-            return sample, kwargs
-
-        def progress(order: list[BatchDescriptor]) -> Iterable[BatchDescriptor]:
-            def warm_every_size() -> None:
-                for desc in order:
-                    _, kwargs = stage(desc)
-                    with running(desc):
-                        manager.module(**kwargs)
-
-            backend.warmup(warm_every_size)
-            backend.warmup = lambda fn: None  # the captures' own warm-ups: done above
-            return original_progress(order)
-
-        part.stage_sample = stage  # type: ignore[method-assign]
-        part._progress = progress  # type: ignore[method-assign]
+        if restage:
+            part._reloads = lambda desc: True  # type: ignore[method-assign]
         try:
             yield
         finally:
-            del part.stage_sample, part._progress
-            backend.__dict__.pop("warmup", None)
+            part.__dict__.pop("_reloads", None)
 
     return variant
 
@@ -504,6 +484,34 @@ def phases(d: int, dtype: torch.dtype, device: torch.device, rounds: int, experi
         print(f"rounds, {which}: {' '.join(f'{t:.1f}' for t in plain[which])}")
 
 
+def smoke() -> None:
+    """No GPU: every timer's target and every manager variant is applied (patched and put back)
+    around a capture of a tiny stack on the CPU emulator, whose replay must still be eager's.
+    What moved in the package (a helper renamed, a step moved to another part) fails here."""
+    torch.manual_seed(0)
+    d, device = 16, torch.device("cpu")
+    module = Stack(d, layers=2).eval()
+    config = CaptureConfig(capture_sizes=[1, 2, 4], max_num_reqs=4)
+    # torch's own CUDA entry points are missing from a CPU-only build; the package's must all resolve.
+    torch_targets = [t for t in common_targets() + loop_targets() if hasattr(t[0], t[1])]
+    targets = torch_targets + manager_targets()
+    for which, variants in [("manager", []), *EXPERIMENTS.items()]:
+        timers = Timers()
+        manager = GraphManager(module, inputs_for(d, device), config, backend="emulate", progress=False)
+        with ExitStack() as stack:
+            for variant in variants:
+                stack.enter_context(variant(manager))
+            stack.enter_context(timed_forward(module, timers))
+            stack.enter_context(patched(timers, targets))
+            manager.capture()
+        with torch.no_grad():
+            x = torch.randn(3, d)
+            torch.testing.assert_close(manager.run(x=x), module(x))
+        manager.release()
+        print(f"smoke: {which}: {len(manager.plan.descriptors)} graphs, timed {sorted(timers.totals)}")
+    print(f"smoke: {len(targets)} timer targets and {len(EXPERIMENTS)} variants resolve")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dims", type=int, nargs="+", default=[256, 1024])
@@ -519,7 +527,15 @@ def main() -> None:
     )
     parser.add_argument("--micro", action="store_true", help="also time single host calls")
     parser.add_argument("--profile", action="store_true", help="also cProfile one manager capture per size")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="no GPU: apply every timer and variant around a tiny capture on the CPU emulator, and exit",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        smoke()
+        return
     device = torch.device("cuda", 0)
     if args.before:
         EXPERIMENTS[f"manager, backend of {args.before}"] = [backend_from(args.before)]

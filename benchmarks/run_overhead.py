@@ -1,6 +1,6 @@
 """The host cost of GraphManager.run() against a hand-written copy, replay and clone, on the CPU.
 
-    python benchmarks/run_overhead.py [--against PATH]
+    python benchmarks/run_overhead.py [--against PATH] [--smoke]
 
 Replay is made a no-op on both sides, so what is left is the Python and the
 two tensor copies each call pays: the part of run() that, at small batches,
@@ -9,6 +9,8 @@ decides whether the GPU waits for the host. Medians of 7 rounds of 20,000 calls.
 ``--against PATH``: also the manager of another checkout (``PATH/pytest_cudagraph``, loaded
 under another name), its rounds interleaved with this one's in the same process, so that a
 change to the manager is measured as a ratio under the same load.
+
+``--smoke``: 2 rounds of 200 calls, to prove the script runs (the figures mean little).
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--against", type=Path, help="another checkout whose manager is timed alongside")
+    parser.add_argument("--smoke", action="store_true", help="2 rounds of 200 calls: proves it runs")
     args = parser.parse_args()
+    rounds, per_round = (2, 200) if args.smoke else (7, 20_000)
     x = torch.randn(1, D)
     static = torch.zeros(64, D)
     out = torch.zeros(64, D)
@@ -90,9 +94,9 @@ def main() -> None:
         other = _manager(*_other_checkout(args.against))
         calls[f"run() of {args.against}"] = lambda: other.run(input=x)
     samples: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(7):
+    for _ in range(rounds):
         for name, fn in calls.items():  # interleaved: every round sees the same load
-            samples[name].append(per_call_us(fn))
+            samples[name].append(per_call_us(fn, per_round))
     hand_us = statistics.median(samples["hand-written"])
     for name, values in samples.items():
         us = statistics.median(values)

@@ -189,7 +189,7 @@ def load_table(path: Path | None = None) -> Table | None:
 # For a few ops CUDA decides by shapes or values what a pattern cannot tell: the branch its
 # kernel takes. Each rule says which branch a call takes, as PyTorch's CUDA code chooses it,
 # and whether that branch reads anything back to the host. They were held call for call to a
-# GPU (scripts/value_rules.py; the answers in docs/capturability_h200_value_rules.json, and
+# GPU (scripts/value_rules.py; the answers in docs/data/capturability_h200_value_rules.json, and
 # tests/test_capturability.py runs the same calls on the emulator).
 
 #: Where the value rules were held to a GPU, for messages (a test keeps it the probe's).

@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .plan import BatchDescriptor
 
-__all__ = ["CaptureError", "EagerFailure"]
+from .plan.validate import UsageError
+
+__all__ = ["CaptureError", "EagerFailure", "UsageError"]
 
 
 class CaptureError(RuntimeError):
@@ -39,7 +41,7 @@ class CaptureError(RuntimeError):
         self.backend = backend
 
 
-class EagerFailure(ValueError):
+class EagerFailure(UsageError):
     """The module's eager forward fails at every shape verification tried, before anything is
     captured: nothing can be captured or compared, so it is one error with eager's own exception
     (``__cause__``), not a failed capture per descriptor."""

@@ -102,7 +102,8 @@ class VerifyOptions:
         default=True,
         metadata=_run_option(
             "verify every descriptor with every check (exhaustive); without it, a quick mode verifies the "
-            "smallest and largest descriptor of each mode",
+            "smallest and largest descriptor of each mode, and asks padded_size's cross-shape question of "
+            "eager at every other size (its most padded real batch, nothing captured)",
             name="verify",
         ),
     )

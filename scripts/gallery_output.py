@@ -2,6 +2,7 @@
 
     python scripts/gallery_output.py            # print each block
     python scripts/gallery_output.py --write    # refresh the docstrings in examples/buggy/
+    python scripts/gallery_output.py --smoke    # the first module's block alone (seconds)
 
 Each buggy module of ``tests/bugs.py`` (and the gallery's extra pair) is
 verified as ``pytest --cudagraph-verify`` verifies it in
@@ -79,11 +80,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--write", action="store_true", help="refresh the docstrings in examples/buggy/")
+    parser.add_argument("--smoke", action="store_true", help="the first pair alone: proves the script runs")
     args = parser.parse_args()
     os.chdir(ROOT)  # call sites are named relative to the working directory
     torch.set_num_threads(1)
     pairs = [*PAIRS, Pair("real_batches", ShapeBranch, NoShapeBranch, "")]
-    for pair in pairs:
+    for pair in pairs[:1] if args.smoke else pairs:
         text = block(pair)
         if args.write:
             print(f"{write(pair, text).relative_to(ROOT)}: {pair.buggy.__name__}")

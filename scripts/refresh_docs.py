@@ -62,7 +62,7 @@ class Block:
     file: str  # relative to the repository root
     command: tuple[str, ...]  # shown in the caption; run with this Python as "python"
     select: Callable[[str], list[str]]  # the run's output -> the block's lines
-    caption: str  # formatted with {when} and {versions}
+    caption: str  # formatted with {when}, {versions}, {cores} and {threads} (OMP_NUM_THREADS of the run)
     setup: Callable[[Path], None] | None = None  # writes files into a temporary directory to run in
     #: Markdown made in this process (no command, no fences): a table generated from the code.
     generate: Callable[[], list[str]] | None = None
@@ -193,15 +193,36 @@ def _write_downstream(tmp: Path) -> None:
     (tmp / "test_downstream.py").write_text(DOWNSTREAM)
 
 
-_CPU = "Output on {cores} CPU cores with the emulator ({when}, {versions}; written by `scripts/refresh_docs.py`):"
+# docs/dispatch.md's plan: its descriptors in capture order, then the graph that serves each batch.
+_DISPATCH_PLAN = """\
+from pytest_cudagraph import CaptureConfig
+from pytest_cudagraph.plan.capture_plan import CapturePlan
+
+config = CaptureConfig(
+    capture_sizes=(1, 2, 4, 8), max_num_reqs=4, mode="FULL_AND_PIECEWISE",
+    decode_query_len=4, decode_query_lens=(1, 2, 3, 4),
+)
+plan = CapturePlan(config)
+for d in plan.capture_order:
+    print(d)
+print()
+for reqs, each in [(4, 1), (2, 2), (1, 4), (2, 3), (3, 2), (2, 4), (4, 2)]:
+    served = plan.dispatch(num_reqs=reqs, num_tokens=reqs * each, uniform_token_count=each, max_query_len=each)
+    print(f"{reqs} request(s) of {each} token(s) -> {served}")
+"""
+
+_CPU = (
+    "Output on {cores} CPU cores with the emulator, run with `OMP_NUM_THREADS={threads}` ({when}, {versions}; "
+    "written by `scripts/refresh_docs.py`):"
+)
 
 BLOCKS: dict[str, Block] = {
     "readme-run-it": Block(
         "README.md",
         ("python", "-m", "pytest", "--cudagraph-verify", "examples/"),
         _readme_run_it,
-        "Output from this repo on {cores} CPU cores ({when}, {versions}; abridged, written by "
-        "`scripts/refresh_docs.py`):",
+        "Output from this repo on {cores} CPU cores, run with `OMP_NUM_THREADS={threads}` "
+        "({when}, {versions}; abridged, written by `scripts/refresh_docs.py`):",
     ),
     "readme-short-example": Block(
         "README.md",
@@ -217,6 +238,13 @@ BLOCKS: dict[str, Block] = {
         _dispatch_failure,
         "Real output ({when}, {versions}, which shrank the batch; written by `scripts/refresh_docs.py`):",
         setup=_write_downstream,
+    ),
+    "dispatch-plan": Block(
+        "docs/dispatch.md",
+        ("python", "-c", _DISPATCH_PLAN),
+        lambda out: out.rstrip("\n").splitlines(),
+        "Printed by `CapturePlan` (pure Python: no device; {cores} CPU cores, {when}, {versions}; written by "
+        "`scripts/refresh_docs.py`):",
     ),
     "examples-mlp": Block(
         "docs/examples/mlp.md",
@@ -327,12 +355,19 @@ def run(name: str) -> tuple[str, list[str]]:
         lines = block.select(out)
     except StopIteration:
         raise SystemExit(
-            f"refresh_docs: {name}: the output of {' '.join(block.command)} lacks the expected lines:\n{out}"
+            f"refresh_docs: {name}: the output of {_shown(block)} lacks the expected lines:\n{out}"
         ) from None
     names = ("torch", "transformers") if name != "dispatch-broken-lora" else ("hypothesis",)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    caption = block.caption.format(when=when, versions=_versions(names), cores=os.cpu_count())
+    caption = block.caption.format(
+        when=when, versions=_versions(names), cores=os.cpu_count(), threads=env["OMP_NUM_THREADS"]
+    )
     return caption, lines
+
+
+def _shown(block: Block) -> str:
+    """The command, a script given to ``python -c`` shown as ``'...'``."""
+    return " ".join("'...'" if "\n" in arg else arg for arg in block.command)
 
 
 def render(caption: str, lines: list[str]) -> list[str]:
@@ -382,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.list:
         for name, block in BLOCKS.items():
-            print(f"{name:24} {block.file:26} {' '.join(block.command) or '(generated from the code)'}")
+            print(f"{name:24} {block.file:26} {_shown(block) or '(generated from the code)'}")
         return 0
 
     drifted = []
@@ -401,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                 text[begin + 1 : end] = lines
                 path.write_text("\n".join(text) + "\n")
             continue
-        print(f"refresh_docs: {name}: {' '.join(block.command)}", flush=True)
+        print(f"refresh_docs: {name}: {_shown(block)}", flush=True)
         caption, lines = run(name)
         if args.check:
             old, new = normalise(code_lines(text[begin + 1 : end])), normalise(lines)

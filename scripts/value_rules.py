@@ -8,7 +8,7 @@ class count from the data when it is not given; ``segment_reduce`` syncs on leng
 offsets. The guard's value rules (``capturability.VALUE_RULES``) say which; this script holds
 them to the GPU::
 
-    python scripts/value_rules.py probe --out docs/capturability_h200_value_rules.json   # on a GPU
+    python scripts/value_rules.py probe --out docs/data/capturability_h200_value_rules.json   # on a GPU
 
 runs every call of ``CALLS`` eagerly and then under a raw ``torch.cuda.CUDAGraph`` capture
 and writes whether the capture held. ``tests/test_capturability.py`` runs the same calls on

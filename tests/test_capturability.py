@@ -298,7 +298,7 @@ def test_a_sparse_tensor_does_not_break_the_cuda_guard() -> None:
 
 # -- value rules: where shapes and values decide -------------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = json.loads((ROOT / "docs" / "capturability_h200_value_rules.json").read_text())
+PROBE = json.loads((ROOT / "docs" / "data" / "capturability_h200_value_rules.json").read_text())
 
 
 def _value_rules_script() -> Any:

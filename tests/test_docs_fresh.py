@@ -8,6 +8,7 @@ has its block, markers are balanced, and each block holds a caption and one code
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -49,6 +50,24 @@ def test_each_block_holds_a_caption_and_one_code_block(name: str) -> None:
     assert sum(ln.startswith("```") for ln in inner) == 2, inner
     assert inner[0].strip() and not inner[0].startswith("```"), "a caption first"
     assert refresh.code_lines(inner), "an empty block"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, b in refresh.BLOCKS.items() if b.generate is None))
+def test_each_caption_is_what_the_script_writes(name: str) -> None:
+    """A caption says the date, the machine and the threads of its run, in the script's own words."""
+    block = refresh.BLOCKS[name]
+    path = ROOT / block.file
+    ((begin, end),) = [(b, e) for n, b, e in refresh.markers(path) if n == name]
+    caption = path.read_text().splitlines()[begin + 1]
+    fields = {"when": r"\d{4}-\d\d-\d\d", "versions": r"[\w.+-]+ [\w.+-]+(, [\w.+-]+ [\w.+-]+)*"}
+    fields |= {"cores": r"\d+", "threads": r"\d+"}
+    literal = re.split(r"\{(\w+)\}", block.caption)
+    pattern = "".join(fields[part] if i % 2 else re.escape(part) for i, part in enumerate(literal))
+    assert re.fullmatch(pattern, caption), (caption, block.caption)
+    shown = refresh.code_lines(path.read_text().splitlines()[begin + 1 : end])
+    # Where the output names the variable ("threads=1 (OMP_NUM_THREADS)"), the caption says its value.
+    if any("(OMP_NUM_THREADS)" in line for line in shown):
+        assert "{threads}" in block.caption, block.caption
 
 
 def test_the_readme_commands_are_what_ci_runs() -> None:

@@ -349,3 +349,99 @@ def test_a_bad_ini_boolean_names_its_key(inner: pytest.Pytester, key: str) -> No
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: ini option {key}: expected true or false; *maybe*"])
     assert not (inner.path / "ran").exists()
+
+
+# -- the first hour: each mistake is one line, before any capture ---------------
+def _lin() -> torch.nn.Module:
+    return torch.nn.Linear(4, 4)
+
+
+MISTAKES = {
+    "make_inputs returns a tensor": (
+        _lin,
+        lambda n, r: torch.randn(n, 4),
+        {},
+        r"make_inputs must return a dict of keyword inputs for module\.forward, such as .* returned Tensor",
+    ),
+    "an input is a long Python list": (
+        _lin,
+        lambda n, r: {"input": [[0.5] * 4] * n * 50},
+        {},
+        r"input 'input' is a Python value that changes .*\.\.\. \(\d+ characters\) at 7 tokens",
+    ),
+    "a key forward does not take": (
+        _lin,
+        lambda n, r: {"x": torch.randn(n, 4)},
+        {},
+        r"make_inputs returns key\(s\) \['x'\] that Linear\.forward does not take \(its arguments: input\)",
+    ),
+    "make_inputs takes one argument": (
+        _lin,
+        lambda n: {"input": torch.randn(n, 4)},
+        {},
+        r"make_inputs\(num_tokens=7, num_reqs=3\) raised TypeError: .* make_inputs must build inputs for any",
+    ),
+    "a float64 module given float32 inputs": (
+        lambda: _lin().double(),
+        _make,
+        {},
+        r"make_inputs' floating inputs are float32 and the module's parameters float64: build the inputs in "
+        r"float64",
+    ),
+    "no input follows num_tokens": (
+        _lin,
+        lambda n, r: {"input": torch.randn(8, 4)},
+        {},
+        r"no input of make_inputs follows num_tokens or num_reqs .*'input' \(8, 4\)",
+    ),
+    "max_num_reqs=0": (_lin, _make, {"max_num_reqs": 0}, r"max_num_reqs must be an integer >= 1; got 0"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_each_mistake_is_one_usage_error_before_any_capture(mistake: str) -> None:
+    from pytest_cudagraph.errors import UsageError
+
+    build, make_inputs, keywords, said = MISTAKES[mistake]
+    with pytest.raises(UsageError, match=said) as raised:
+        verify(build(), make_inputs, backend="emulate", **{**CONFIG, **keywords})
+    assert "\n" not in str(raised.value)
+    assert len(str(raised.value)) < 700  # long values are cut
+
+
+FIXTURE_MISTAKES = """
+import pytest, torch
+
+def test_tensor(cudagraph_verify):
+    cudagraph_verify(torch.nn.Linear(4, 4), lambda n, r: torch.randn(n, 4), capture_sizes=[1, 2])
+
+def test_key(cudagraph_verify):
+    cudagraph_verify(torch.nn.Linear(4, 4), lambda n, r: {"x": torch.randn(n, 4)}, capture_sizes=[1, 2])
+
+@pytest.mark.cudagraph(capture_sizes=[1, 2], max_num_reqs=0)
+def test_marker(cudagraph_verify):
+    cudagraph_verify(torch.nn.Linear(4, 4), lambda n, r: {"input": torch.randn(n, 4)})
+"""
+
+
+def test_the_fixture_fails_a_mistake_with_its_one_line_and_no_traceback(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_mistakes=FIXTURE_MISTAKES)
+    result = inner.runpytest("--cudagraph-backend=emulate")
+    result.assert_outcomes(failed=2, errors=1)
+    # Errors (the marker, at set-up) are listed before failures.
+    result.stdout.fnmatch_lines(
+        [
+            "@pytest.mark.cudagraph on test_mistakes.py::test_marker: max_num_reqs must be an integer >= 1; got 0",
+            "cudagraph_verify: make_inputs must return a dict of keyword inputs*",
+            "cudagraph_verify: make_inputs returns key(s) [[]'x'[]] that Linear.forward does not take*",
+        ]
+    )
+    # No frame of the package: the message alone.
+    assert "pytest_cudagraph/" not in result.stdout.str()
+
+
+def test_sizes_below_one_are_said_the_same_way_by_the_option_and_the_marker(inner: pytest.Pytester) -> None:
+    inner.makepyfile(NEVER_RUNS)
+    result = inner.runpytest("--cudagraph-sizes=-1,2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*got '-1,2' (-1 is less than 1)"])

@@ -50,8 +50,10 @@ def test_strict_padding_bug_passes_finite_padding(cudagraph_verify, cudagraph_de
 
 def test_python_scalar_input_is_refused(cudagraph_verify, cudagraph_device):
     module = ScaledByTemperature().to(cudagraph_device)
+    # A usage error: the test fails with its one line, no traceback through the package.
     with pytest.raises(
-        ValueError, match="input 'temperature' is a Python value that changes from batch to batch"
+        pytest.fail.Exception,
+        match="cudagraph_verify: input 'temperature' is a Python value that changes from batch to batch",
     ):
         cudagraph_verify(module, scalar_inputs(cudagraph_device), **CONFIG)
     assert cudagraph_verify(module, tensor_inputs(cudagraph_device), **CONFIG).ok

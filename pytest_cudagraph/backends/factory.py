@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..plan.validate import UsageError
 from .base import BACKEND_NAMES, Backend
 from .cuda import CudaBackend
 from .emulate import EmulateBackend
@@ -27,7 +28,7 @@ def make_backend(name: str, device: torch.device | str | None) -> Backend:
             name = "cuda" if torch.cuda.is_available() else "emulate"
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(
+            raise UsageError(
                 "backend='cuda' needs a CUDA device, and torch.cuda.is_available() is False "
                 "here; use backend='emulate' (CPU) or 'auto'"
             )

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .. import faults
-from ..errors import EagerFailure
+from ..errors import EagerFailure, UsageError
 from ..guard import capturability_table, host_methods_watched
 from ..manager import GraphManager
 from ..manager.layout import MakeInputsError, not_a_module
@@ -23,6 +23,8 @@ from ..plan import BatchDescriptor, CaptureConfig
 from ..plan.selection import select_descriptors
 from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
 from .builtin.capture_safety import capture_safety
+from .builtin.padded_size import CHECK as PADDED_SIZE_CHECK
+from .builtin.padded_size import queue_every_size
 from .builtin.side_outputs import attributes_restored, tensor_attributes
 from .cost import Meter, peak_memory, start_peak
 from .registry import Check, CheckRegistry, check_list
@@ -279,6 +281,7 @@ def _verify(
         # through when no guard is active): replacing them for each eager run on the captured path
         # would flush the interpreter's attribute caches every time.
         with meter.watching(), attributes_restored(module), host_methods_watched():
+            _check_forward_takes(module, manager.state.inputs)
             with meter.step("learn"):
                 _learn_writes(ctx, selected)
             with ctx.preserved_state():
@@ -335,11 +338,12 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
         shown = ", ".join(
             f"(num_tokens={d.num_tokens}, num_reqs={ctx.manager.capture_reqs(d)})" for d in shapes
         )
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise EagerFailure(
             f"{type(ctx.module).__name__}'s eager forward fails on make_inputs' batches at {shown}, before "
-            f"anything is captured: {type(exc).__name__}: {exc}. Nothing can be captured or compared; run "
-            f"module(**make_inputs({desc.num_tokens}, {ctx.manager.capture_reqs(desc)})) eagerly to see it "
-            "(make_inputs' keys must be forward's arguments)"
+            f"anything is captured: {type(exc).__name__}: {first}.{_dtype_hint(ctx)} Nothing can be captured "
+            f"or compared; run module(**make_inputs({desc.num_tokens}, {ctx.manager.capture_reqs(desc)})) "
+            "eagerly to see it"
         ) from exc
     if ctx.unseen:
         names = ", ".join(repr(n) for n in ctx.unseen)
@@ -347,6 +351,38 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
             f"forward writes {names} where no op shows it to torch's dispatcher (a Triton kernel or an "
             "extension called directly); found by its fingerprint after a first eager pass, it is copied and put "
             "back from then on, but what that first pass wrote there stays"
+        )
+
+
+def _dtype_hint(ctx: VerifyContext) -> str:
+    """Where make_inputs' floating inputs and the module's floating parameters differ in dtype (a
+    float64 module given float32 inputs), the likely cause, said."""
+    params = {t.dtype for t in (*ctx.module.parameters(), *ctx.module.buffers()) if t.is_floating_point()}
+    given = {t.dtype for t in ctx.manager.static_inputs.values() if t.is_floating_point()}
+    if len(params) != 1 or not given or given <= params:
+        return ""
+    want = str(next(iter(params))).replace("torch.", "")
+    have = ", ".join(sorted(str(d).replace("torch.", "") for d in given))
+    return (
+        f" make_inputs' floating inputs are {have} and the module's parameters {want}: build the inputs in "
+        f"{want} (torch.randn(..., dtype=torch.{want})), or convert the module (module.to(torch.{have.split(',')[0]}))."
+    )
+
+
+def _check_forward_takes(module: torch.nn.Module, names: Iterable[str]) -> None:
+    """Every key make_inputs returns is an argument of forward: one line before anything runs."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return  # a forward Python cannot describe: its own call will say
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    takes = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [n for n in names if n not in takes]
+    if unknown:
+        raise UsageError(
+            f"make_inputs returns key(s) {unknown} that {type(module).__name__}.forward does not take (its "
+            f"arguments: {', '.join(takes) or 'none'}); make_inputs' keys must be forward's argument names"
         )
 
 
@@ -570,8 +606,20 @@ def _run(
                 outcome = guarded(check, None, partial(check.run, ctx, captured))
             report.add([outcome])
     later = [c for c in runnable if c.scope == "after_release"]
+    # Quick mode captures the smallest and largest descriptor of each mode; the cross-shape question
+    # is still asked of eager at every other size, on its most padded real batch (a branch on the
+    # token count between them shows there), at the cost of eager runs only.
+    every_size: list[BatchDescriptor] = []
+    if (
+        captured
+        and not ctx.exhaustive
+        and not ctx.plan_dispatch
+        and any(c.name == PADDED_SIZE_CHECK for c in later)
+    ):
+        with meter.step(PADDED_SIZE_CHECK):
+            every_size = queue_every_size(ctx, [d for d in manager.plan.capture_order if d not in selected])
     if later:
-        _after_release(ctx, report, selected, captured, blocked, later, meter)
+        _after_release(ctx, report, selected, captured, blocked, later, meter, every_size)
     report.check_seconds = time.perf_counter() - started
 
 
@@ -583,6 +631,7 @@ def _after_release(
     blocked: dict[BatchDescriptor, str],
     checks: list[Check],
     meter: Meter,
+    every_size: Iterable[BatchDescriptor] = (),
 ) -> None:
     """The checks that need the graphs' memory: the graphs are released first (the verification's
     peak read before), and this stage's peak is reported apart (``report.reference_peak_memory``)."""
@@ -592,7 +641,8 @@ def _after_release(
     report.reference_memory_at_start = start_peak(manager.device)
     for check in checks:
         with meter.step(check.name):
-            outcomes = _guarded_each(check, ctx, captured) if captured else []
+            descs = [*captured, *every_size] if check.name == PADDED_SIZE_CHECK else captured
+            outcomes = _guarded_each(check, ctx, descs) if descs else []
         report.add([_named(ctx, o) for o in outcomes])
         report.add([Outcome(check.name, d, True, blocked[d], skipped=True) for d in selected if d in blocked])
     report.reference_peak_memory = peak_memory(manager.device)[0]

@@ -24,6 +24,7 @@ from ..errors import CaptureError
 from ..guard import ModuleTracker
 from ..observe import ForwardObserver
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan
+from ..plan.validate import UsageError
 from .capture import Capture
 from .layout import InputSpec, PadValue, infer_layout, not_a_module
 from .pieces import EagerSpec, resolve_eager_submodules
@@ -492,7 +493,7 @@ def _check_not_meta(module: torch.nn.Module) -> None:
     tensors: list[tuple[str, torch.Tensor]] = [*module.named_parameters(), *module.named_buffers()]
     for name, tensor in tensors:
         if tensor.device.type == "meta":
-            raise ValueError(
+            raise UsageError(
                 f"module tensor '{name}' is on meta, the device that holds no data, so nothing can be "
                 "run or compared; materialise the module first (module.to_empty(device=...) and load "
                 "its weights, or build it on a real device)"

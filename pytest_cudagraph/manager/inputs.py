@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..plan.validate import UsageError
+
 __all__ = ["MakeInputsError", "call_make_inputs"]
 
 
-class MakeInputsError(ValueError):
+class MakeInputsError(UsageError):
     """``make_inputs`` returned something unusable; the message names the call and the fix."""
 
 
@@ -26,15 +28,16 @@ def call_make_inputs(
     except MakeInputsError:  # already says which call and what to do
         raise
     except Exception as exc:  # the user's code: say which call failed
-        raise ValueError(
+        raise MakeInputsError(
             f"make_inputs(num_tokens={num_tokens}, num_reqs={num_reqs}) raised "
             f"{type(exc).__name__}: {exc}. make_inputs must build inputs for any "
             "1 <= num_reqs <= num_tokens (the manager probes small shapes to learn "
             "which dimension follows which count)"
         ) from exc
     if not isinstance(inputs, Mapping) or not all(isinstance(k, str) for k in inputs):
-        raise ValueError(
-            f"make_inputs must return a dict of keyword inputs for module.forward; "
-            f"got {type(inputs).__name__}"
+        raise MakeInputsError(
+            f"make_inputs must return a dict of keyword inputs for module.forward, such as "
+            f"{{'x': torch.randn(num_tokens, hidden)}}; make_inputs(num_tokens={num_tokens}, "
+            f"num_reqs={num_reqs}) returned {type(inputs).__name__}"
         )
     return dict(inputs)

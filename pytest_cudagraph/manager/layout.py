@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..plan.validate import UsageError, short
 from .estimate import check_input_memory
 from .inputs import MakeInputsError, call_make_inputs
 
@@ -149,7 +150,7 @@ class InputSpec:
         view of its first elements (its first rows, when only dim 0 follows)."""
         buf = self.buffer
         if buf is None:
-            raise ValueError(f"input '{self.name}' is a Python value, not a tensor; it has no buffer")
+            raise UsageError(f"input '{self.name}' is a Python value, not a tensor; it has no buffer")
         if not self.dims:
             return buf
         if len(self.dims) == 1 and self.dims[0][0] == 0:
@@ -204,14 +205,14 @@ def _following_dims(
         elif d1 != d2 and d1 - r1 == d2 - r2:
             kind, offset = "reqs", d1 - r1
         else:
-            raise ValueError(
+            raise UsageError(
                 f"input '{name}': dimension {d} is {d1}, {d2} and {full} across the shapes seen "
                 f"({_shapes_seen(shapes, max_tokens, max_reqs)}), which is neither num_tokens + c, "
                 "num_reqs + c nor fixed; the manager can only pad dimensions that follow num_tokens "
                 "or num_reqs (by a constant offset) and keep the others fixed"
             )
         if full != _count(kind, offset, max_tokens, max_reqs):
-            raise ValueError(
+            raise UsageError(
                 f"input '{name}': dimension {d} is {full} at (num_tokens={max_tokens}, num_reqs={max_reqs}) "
                 f"but the probes say {_count_text(kind, offset)} = {_count(kind, offset, max_tokens, max_reqs)} "
                 f"(shapes seen: {_shapes_seen(shapes, max_tokens, max_reqs)})"
@@ -223,10 +224,10 @@ def _following_dims(
 def _check_batch_dims(batch_dims: Mapping[str, int], specs: Mapping[str, Any]) -> None:
     unknown = [n for n in batch_dims if n not in specs]
     if unknown:
-        raise ValueError(f"batch_dims names unknown input(s) {sorted(unknown)}; inputs are {list(specs)}")
+        raise UsageError(f"batch_dims names unknown input(s) {sorted(unknown)}; inputs are {list(specs)}")
     for name, d in batch_dims.items():
         if not isinstance(d, int) or isinstance(d, bool):
-            raise ValueError(
+            raise UsageError(
                 f"batch_dims['{name}'] must be an int, the one dimension of '{name}' that follows "
                 f"num_tokens or num_reqs; got {d!r}"
             )
@@ -266,14 +267,14 @@ def infer_layout(
     names = list(full)
     for (t, r), probe in zip(PROBES, probes, strict=False):
         if list(probe) != names:
-            raise ValueError(
+            raise UsageError(
                 f"make_inputs returned inputs {sorted(probe)} at (num_tokens={t}, num_reqs={r}) "
                 f"but {sorted(names)} at (num_tokens={max_tokens}, num_reqs={max_reqs}); "
                 "it must return the same names for every shape"
             )
     unknown = set(pad_values) - set(names)
     if unknown:
-        raise ValueError(f"pad_values names unknown input(s) {sorted(unknown)}; inputs are {names}")
+        raise UsageError(f"pad_values names unknown input(s) {sorted(unknown)}; inputs are {names}")
     _check_batch_dims(batch_dims, full)
     specs: dict[str, InputSpec] = {}
     for name in names:
@@ -281,44 +282,44 @@ def infer_layout(
         pad = pad_values.get(name, 0)
         if not isinstance(values[-1], torch.Tensor):
             if any(isinstance(v, torch.Tensor) for v in values) or any(v != values[-1] for v in values):
-                raise ValueError(
+                raise UsageError(
                     f"input '{name}' is a Python value that changes from batch to batch "
-                    f"({values[0]!r} at 7 tokens, {values[1]!r} at 11); a graph freezes Python "
+                    f"({short(values[0])} at 7 tokens, {short(values[1])} at 11); a graph freezes Python "
                     "values at capture. Pass it as a tensor, or read the padded shape from "
                     "pytest_cudagraph.current_descriptor()"
                 )
             if name in batch_dims:
-                raise ValueError(
+                raise UsageError(
                     f"batch_dims['{name}'] names a Python value ({values[-1]!r}); batch_dims applies to "
                     "tensor inputs only"
                 )
             specs[name] = InputSpec(name, "const", value=values[-1], pad=pad)
             continue
         if not all(isinstance(v, torch.Tensor) for v in values):
-            raise ValueError(f"input '{name}' is a tensor at some shapes and not at others")
+            raise UsageError(f"input '{name}' is a tensor at some shapes and not at others")
         tensors: list[torch.Tensor] = values
         if any(t.device.type == "meta" for t in tensors):
-            raise ValueError(
+            raise UsageError(
                 f"make_inputs returned input '{name}' on the meta device, which holds no data, so it can be "
                 f"neither copied into a static buffer nor compared; build it with real values "
                 f"({'on the CPU' if device.type == 'cpu' else f'on the CPU or on {device}'}), e.g. torch.randn(num_tokens, ..., device=...)"
             )
         dtype = tensors[-1].dtype
         if any(t.dtype != dtype for t in tensors):
-            raise ValueError(
+            raise UsageError(
                 f"input '{name}' changes dtype with the batch shape: {[t.dtype for t in tensors]}"
             )
         shapes = [tuple(t.shape) for t in tensors]
         ndim = len(shapes[-1])
         if any(len(shape) != ndim for shape in shapes):
-            raise ValueError(
+            raise UsageError(
                 f"input '{name}' changes its number of dimensions with the batch shape "
                 f"({_shapes_seen(shapes, max_tokens, max_reqs)}); it must keep them and let some "
                 "follow num_tokens or num_reqs"
             )
         given = batch_dims.get(name)
         if given is not None and not (ndim and -ndim <= given < ndim):
-            raise ValueError(
+            raise UsageError(
                 f"batch_dims['{name}'] = {given} is out of range for its {ndim}-dimensional input "
                 f"(shape {shapes[-1]} at the largest batch); expected a dimension in "
                 f"{f'[{-ndim}, {ndim - 1}]' if ndim else 'none: a 0-d tensor has no dimension to follow the batch'}"
@@ -334,7 +335,7 @@ def infer_layout(
                     found = f"dimension {given} is {shapes[-1][given]} at every shape seen" + (
                         f", and dimension(s) {moving} change with the batch instead" if moving else ""
                     )
-                raise ValueError(
+                raise UsageError(
                     f"batch_dims['{name}'] = {given}, but {found} "
                     f"({_shapes_seen(shapes, max_tokens, max_reqs)}); the dimension given must follow "
                     "num_tokens or num_reqs and every other must stay fixed (leave the input out of "
@@ -349,21 +350,21 @@ def infer_layout(
             kind, dim, offset = "multi", following[0][0], following[0][2]
             described = ", ".join(f"dim {d} follows {_count_text(k, c)}" for d, k, c in following)
             if name not in pad_values:
-                raise ValueError(
+                raise UsageError(
                     f"input '{name}' has several dimensions that follow the batch ({described}): its padding "
                     "is a block around the real entries, and what a padded entry must hold is the module's "
                     "semantics (a mask's 'masked out'), not the manager's to guess. Pass "
                     f"{_pad_hint(name, dtype)}"
                 )
             if pad == "edge":
-                raise ValueError(
+                raise UsageError(
                     f"pad_values['{name}'] = 'edge' needs one dimension that follows the batch, and "
                     f"'{name}' has several ({described}); give a number or a bool: {_pad_hint(name, dtype)}"
                 )
         if pad == "edge" and kind not in ("tokens", "reqs"):
-            raise ValueError(f"pad_values['{name}'] = 'edge' needs an input that follows tokens or requests")
+            raise UsageError(f"pad_values['{name}'] = 'edge' needs an input that follows tokens or requests")
         if pad != "edge" and not isinstance(pad, (bool, int, float)):
-            raise ValueError(f"pad_values['{name}'] must be a number, a bool or 'edge'; got {pad!r}")
+            raise UsageError(f"pad_values['{name}'] must be a number, a bool or 'edge'; got {pad!r}")
         # Contiguous and owned by the manager: graphs hold its address for life.
         buffer = tensors[-1].detach().to(device=device, copy=True).contiguous()
         specs[name] = InputSpec(
@@ -376,6 +377,18 @@ def infer_layout(
             buffer,
             dim=dim,
             dims=tuple(following),
+        )
+    tensors_given = {n: s for n, s in specs.items() if s.kind != "const"}
+    if tensors_given and all(s.kind == "fixed" for s in tensors_given.values()):
+        # Nothing follows the batch: every graph would read the same rows, whatever its size, and every
+        # check that compares batch shapes could not run. One line instead of a failure per check.
+        fixed = ", ".join(
+            f"'{n}' {tuple(s.buffer.shape)}" for n, s in tensors_given.items() if s.buffer is not None
+        )
+        raise UsageError(
+            f"no input of make_inputs follows num_tokens or num_reqs (at every probe shape: {fixed}); a graph "
+            "serves batches of different sizes through inputs sized by them: build the batch dimension "
+            "from num_tokens, e.g. torch.randn(num_tokens, hidden)"
         )
     return specs
 

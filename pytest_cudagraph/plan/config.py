@@ -8,7 +8,7 @@ from itertools import islice
 from typing import Any
 
 from .modes import GraphMode
-from .validate import is_int
+from .validate import UsageError, is_int
 
 __all__ = ["MAX_CAPTURE_TOKENS", "MAX_GRAPHS", "MAX_LORA_CASE", "CaptureConfig"]
 
@@ -34,18 +34,18 @@ def _int_tuple(name: str, values: Iterable[int] | int, *, minimum: int, maximum:
         # At most MAX_GRAPHS + 1 items are read: range(2**40) is an error, not a wait.
         items = tuple(islice(values, MAX_GRAPHS + 1))  # type: ignore[arg-type]
     except TypeError:
-        raise ValueError(f"{name} must be a sequence of integers; got {values!r}") from None
+        raise UsageError(f"{name} must be a sequence of integers; got {values!r}") from None
     if len(items) > MAX_GRAPHS:
-        raise ValueError(
+        raise UsageError(
             f"{name} holds more than {MAX_GRAPHS} values: far more graphs than any engine "
             f"captures (vLLM: about 70 sizes); give fewer"
         )
     bad = [v for v in items if not is_int(v) or v < minimum]
     if bad:
-        raise ValueError(f"{name} must hold integers >= {minimum}; got {bad[0]!r} in {_short(items)}")
+        raise UsageError(f"{name} must hold integers >= {minimum}; got {bad[0]!r} in {_short(items)}")
     huge = [v for v in items if v > maximum]
     if huge:
-        raise ValueError(
+        raise UsageError(
             f"{name} must hold integers <= {maximum}; got {huge[0]!r} in {_short(items)}: "
             f"far beyond any device (vLLM's largest capture sizes are 8192-65536 tokens)"
         )
@@ -62,7 +62,7 @@ def _short(items: tuple[int, ...]) -> str:
 
 def _check_at_most(name: str, value: int, maximum: int, what: str) -> None:
     if value > maximum:
-        raise ValueError(f"{name} must be <= {maximum} ({what}); got {value!r}: far beyond any device")
+        raise UsageError(f"{name} must be <= {maximum} ({what}); got {value!r}: far beyond any device")
 
 
 @dataclass(frozen=True)
@@ -118,53 +118,53 @@ class CaptureConfig:
     ) -> None:
         sizes = _int_tuple("capture_sizes", capture_sizes, minimum=1, maximum=MAX_CAPTURE_TOKENS)
         if not sizes:
-            raise ValueError("capture_sizes must name at least one token count, e.g. (1, 2, 4, 8)")
+            raise UsageError("capture_sizes must name at least one token count, e.g. (1, 2, 4, 8)")
         if not is_int(max_num_reqs) or max_num_reqs < 1:
-            raise ValueError(f"max_num_reqs must be an integer >= 1; got {max_num_reqs!r}")
+            raise UsageError(f"max_num_reqs must be an integer >= 1; got {max_num_reqs!r}")
         _check_at_most("max_num_reqs", max_num_reqs, MAX_CAPTURE_TOKENS, "requests in one batch")
         if not is_int(decode_query_len) or decode_query_len < 1:
-            raise ValueError(
+            raise UsageError(
                 f"decode_query_len must be an integer >= 1 (1 + speculative tokens); got {decode_query_len!r}"
             )
         _check_at_most("decode_query_len", decode_query_len, MAX_CAPTURE_TOKENS, "tokens per request")
         cases = _int_tuple("lora_cases", lora_cases, minimum=0, maximum=MAX_LORA_CASE)
         if not cases:
-            raise ValueError("lora_cases must name at least one case; use (0,) for no LoRA")
+            raise UsageError("lora_cases must name at least one case; use (0,) for no LoRA")
         if len(sizes) * len(cases) > MAX_GRAPHS:
-            raise ValueError(
+            raise UsageError(
                 f"{len(sizes)} capture sizes times {len(cases)} LoRA cases is {len(sizes) * len(cases)} graphs "
                 f"or more, above the bound of {MAX_GRAPHS}: far more than any engine captures; give fewer"
             )
         if not isinstance(varlen_decode, bool):
-            raise ValueError(f"varlen_decode must be True or False; got {varlen_decode!r}")
+            raise UsageError(f"varlen_decode must be True or False; got {varlen_decode!r}")
         largest = max(sizes)
         if max_capture_size is None:
             max_capture_size = largest
         elif not is_int(max_capture_size) or max_capture_size < largest:
-            raise ValueError(
+            raise UsageError(
                 f"max_capture_size must be an integer >= the largest capture size "
                 f"({largest}); got {max_capture_size!r}"
             )
         _check_at_most("max_capture_size", max_capture_size, MAX_CAPTURE_TOKENS, "tokens in one graph")
         if not is_int(num_ubatches) or num_ubatches < 1:
-            raise ValueError(
+            raise UsageError(
                 f"num_ubatches must be an integer >= 1 (1: no microbatching); got {num_ubatches!r}"
             )
         _check_at_most("num_ubatches", num_ubatches, MAX_CAPTURE_TOKENS, "microbatches of one batch")
         if not is_int(ubatch_min_tokens) or ubatch_min_tokens < 1:
-            raise ValueError(f"ubatch_min_tokens must be an integer >= 1; got {ubatch_min_tokens!r}")
+            raise UsageError(f"ubatch_min_tokens must be an integer >= 1; got {ubatch_min_tokens!r}")
         if decode_query_lens is None:
             lens: tuple[int, ...] = (decode_query_len,)
         else:
             lens = _int_tuple("decode_query_lens", decode_query_lens, minimum=1, maximum=MAX_CAPTURE_TOKENS)
             if not lens:
-                raise ValueError(
+                raise UsageError(
                     f"decode_query_lens must name at least one query length, e.g. "
                     f"({decode_query_len},); leave it out for decode_query_len alone"
                 )
             above = [q for q in lens if q > decode_query_len]
             if above:
-                raise ValueError(
+                raise UsageError(
                     f"decode_query_lens must hold query lengths between 1 and decode_query_len ({decode_query_len}, "
                     f"the longest: 1 + the most speculative tokens); got {above[0]}. Raise decode_query_len to "
                     f"{max(lens)}, or drop {above[0]}"
@@ -221,7 +221,7 @@ class CaptureConfig:
         current: dict[str, object] = {name: getattr(self, name) for name in _FIELD_NAMES}
         unknown = set(changes) - set(current)
         if unknown:
-            raise ValueError(f"unknown CaptureConfig field(s): {', '.join(sorted(unknown))}")
+            raise UsageError(f"unknown CaptureConfig field(s): {', '.join(sorted(unknown))}")
         if "capture_sizes" in changes and "max_capture_size" not in changes:
             # The bound followed the old sizes; let it follow the new ones.
             current["max_capture_size"] = None

@@ -6,7 +6,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["check_int", "int_list", "is_int", "optional_int"]
+__all__ = ["UsageError", "check_int", "int_list", "is_int", "optional_int", "short"]
+
+
+class UsageError(ValueError):
+    """What the caller gave is wrong: the message is one line that says what was wrong, what was
+    expected and what to do. The pytest fixtures fail the test with it alone, no traceback."""
+
+
+def short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to about ``limit`` characters (a long list in a message says its start)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 5]}... ({len(text)} characters)"
 
 
 def is_int(value: object) -> bool:
@@ -17,14 +28,14 @@ def is_int(value: object) -> bool:
 def check_int(name: str, value: object, minimum: int = 1) -> int:
     """``value`` when it is an integer >= ``minimum``; ValueError naming ``name`` otherwise."""
     if not is_int(value) or value < minimum:  # type: ignore[operator]
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+        raise UsageError(f"{name} must be an integer >= {minimum}; got {value!r}")
     return value  # type: ignore[return-value]
 
 
 def optional_int(name: str, value: object, minimum: int = 1) -> int | None:
     """``check_int``, or None."""
     if value is not None and (not is_int(value) or value < minimum):  # type: ignore[operator]
-        raise ValueError(f"{name} must be an integer >= {minimum} or None; got {value!r}")
+        raise UsageError(f"{name} must be an integer >= {minimum} or None; got {value!r}")
     return value  # type: ignore[return-value]
 
 

@@ -159,6 +159,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             settings.marker_keywords(item)  # pytest.UsageError on a malformed cudagraph marker
         except pytest.UsageError as exc:
             item.stash[settings.MARKER_ERROR_KEY] = str(exc)
+    _check_checks_option(config, items)
+
+
+def _check_checks_option(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """--cudagraph-checks (or its ini) names checks that exist: the built-ins, and those the
+    pytest_cudagraph_checks hooks of the collected tests' conftests return. Known once every
+    conftest is loaded, so checked here, before any test runs; a bad name stops the run (exit 4)."""
+    chosen = _state(config).settings.options.get("checks")
+    if not chosen or not items:
+        return
+    from ..checks.engine import registry_with
+    from ..checks.registry import check_list
+
+    extra: dict[str, Any] = {}
+    for proxy in {id(i.ihook): i.ihook for i in items}.values():
+        for result in proxy.pytest_cudagraph_checks(config=config):
+            for check in check_list(result, what="what pytest_cudagraph_checks returns"):
+                extra.setdefault(getattr(check, "name", repr(check)), check)
+    try:
+        registry_with(list(extra.values())).select(chosen)
+    except ValueError as exc:
+        raise pytest.UsageError(f"--cudagraph-checks (ini cudagraph_checks): {exc}") from None
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

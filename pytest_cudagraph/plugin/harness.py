@@ -14,6 +14,7 @@ import torch
 
 from ..checks import Check, VerifyReport, verify
 from ..checks.registry import check_list
+from ..errors import UsageError
 from ..manager import GraphManager
 from ..manager.devices import default_device, follow_device, inputs_on, move_to
 from ..manager.layout import not_a_module
@@ -69,15 +70,26 @@ _NO_SIZES = (
 )
 
 
+def _usage(fixture: str, call: Callable[[], VerifyReport]) -> VerifyReport:
+    """``call()``; a usage error (what the test gave is wrong) fails the test with its one line,
+    no traceback through the package (and once: the failure is raised outside the handler)."""
+    try:
+        return call()
+    except UsageError as exc:
+        told = f"{fixture}: {exc}"
+    pytest.fail(told, pytrace=False)
+
+
 def device_for_test(backend: str) -> torch.device:
     """``default_device``, failing the test plainly (no traceback) where 'cuda' has no CUDA."""
     try:
         return default_device(backend)
     except ValueError as exc:
-        pytest.fail(
-            f"{exc}; a test that needs a GPU is marked @pytest.mark.cuda, which skips it where there is none",
-            pytrace=False,
-        )
+        told = str(exc)
+    pytest.fail(
+        f"{told}; a test that needs a GPU is marked @pytest.mark.cuda, which skips it where there is none",
+        pytrace=False,
+    )
 
 
 def _check_module(module: object, where: str) -> None:
@@ -93,10 +105,12 @@ def _backend_and_device(
     except ValueError as exc:  # backend='cuda' (marker or keyword) where there is no CUDA
         if "torch.cuda.is_available() is False" not in str(exc):
             raise
-        pytest.fail(
-            f"{exc}; a test that needs a GPU is marked @pytest.mark.cuda, which skips it where there is none",
-            pytrace=False,
-        )
+        told = str(exc)
+    # Raised outside the handler: the message is printed once, not again as "during handling".
+    pytest.fail(
+        f"{told}; a test that needs a GPU is marked @pytest.mark.cuda, which skips it where there is none",
+        pytrace=False,
+    )
 
 
 def _resolve_backend_and_device(
@@ -213,7 +227,7 @@ class Verifier:
         if self.hook_checks:
             keywords["extra_checks"] = [*self.hook_checks, *check_list(keywords.get("extra_checks"))]
         try:
-            report = verify(module, make_inputs, **keywords)
+            report = _usage("cudagraph_verify", lambda: verify(module, make_inputs, **keywords))
         except ValueError as exc:
             if self.descriptor is None or "not in the plan" not in str(exc):
                 raise
@@ -264,7 +278,9 @@ class RunnerVerifier:
             keywords.pop("max_num_reqs", None)
         elif "capture_sizes" not in keywords:
             pytest.fail(f"cudagraph_verify_runner {_NO_SIZES}", pytrace=False)
-        report = verify_runner(runner, module, make_inputs, **keywords)
+        report = _usage(
+            "cudagraph_verify_runner", lambda: verify_runner(runner, module, make_inputs, **keywords)
+        )
         return _recorded(self.reports, self._sink, report, keywords)
 
 
@@ -314,7 +330,9 @@ class TrainingVerifier:
         keywords = {k: v for k, v in chosen.items() if k in self.allowed}
         keywords["backend"], keywords["device"] = backend, device
         make_inputs = follow_device(module, make_inputs, device)
-        report = verify_training(module, make_inputs, loss_fn, **keywords)
+        report = _usage(
+            "cudagraph_verify_training", lambda: verify_training(module, make_inputs, loss_fn, **keywords)
+        )
         return _recorded(self.reports, self._sink, report, keywords)
 
 

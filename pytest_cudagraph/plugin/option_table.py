@@ -65,7 +65,7 @@ def parse_sizes(value: object, source: str) -> tuple[int, ...]:
         raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
     sizes: list[int] = []
     for item in items:
-        if isinstance(item, str) and re.fullmatch(r"\+?\d+", item):
+        if isinstance(item, str) and re.fullmatch(r"[+-]?\d+", item):
             size = int(item)
         elif isinstance(item, int) and not isinstance(item, bool):
             size = item

@@ -24,6 +24,7 @@ from ..options import BACKENDS, RUN_SETTINGS, VerifyOptions, concrete_backend
 from ..plan.batch import Batch
 from ..plan.config import CaptureConfig
 from ..plan.modes import GraphMode
+from ..plan.validate import check_int
 from .option_table import (
     OWN_OPTIONS,
     OwnOption,
@@ -368,6 +369,10 @@ def check_keywords(keywords: Mapping[str, Any], allowed: tuple[str, ...], where:
             raise TypeError(f"{where}: {_unknown(where, name, allowed)}")
 
 
+#: The plan's counts a marker may set, each an integer >= 1.
+_COUNTS = frozenset({"max_num_reqs", "decode_query_len", "num_ubatches", "ubatch_min_tokens"})
+
+
 def _check_marker(mark: pytest.Mark, nodeid: str) -> None:
     where = f"@pytest.mark.cudagraph on {nodeid}"
     if mark.args:
@@ -382,6 +387,12 @@ def _check_marker(mark: pytest.Mark, nodeid: str) -> None:
             continue
         if name == "capture_sizes":
             parse_sizes(value, f"{where}: capture_sizes")
+        elif name in _COUNTS:
+            # The plan's counts, checked at the marker as capture_sizes is (the plan would say it later).
+            try:
+                check_int(name, value)
+            except ValueError as exc:
+                raise pytest.UsageError(f"{where}: {exc}") from None
         elif name in _VERIFY_FIELDS:
             # VerifyOptions' own validation, the one place a verify() keyword is checked.
             verify_option(name, value, where)

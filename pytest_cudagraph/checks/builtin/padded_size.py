@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ... import faults
-from ...manager import tree
+from ...manager import output_rows, tree
 from ...manager.types import cut_to_real
 from ...observe import unit_roundoff
 from ...plan import BatchDescriptor
@@ -43,10 +43,10 @@ from ..floor import cut_leaf
 from ..reference import REFERENCE_CAP, LeafDifference, Queued, Reference, leaf_differences
 from ..registry import Check
 from ..report import Finding, Outcome
-from ..verify_context import VerifyContext
+from ..verify_context import VerifyContext, clone_tree
 from .common import batch_norm_hint, python_hint
 
-__all__ = ["CHECK", "PADDED_SIZE", "padded_size", "prepare_reference"]
+__all__ = ["CHECK", "PADDED_SIZE", "padded_size", "prepare_reference", "queue_every_size"]
 
 CHECK = "padded_size"
 
@@ -109,6 +109,43 @@ def prepare_reference(ctx: VerifyContext) -> None:
             )
         return
     ref.why_not = _no_reference("; ".join(refused))
+
+
+def queue_every_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[BatchDescriptor]:
+    """Quick mode's cross-shape question at the sizes it does not capture: for each of ``descs``,
+    the most padded real batch it serves, queued for the reference with its padded inputs (one
+    eager forward at the padded shape learns how its output is cut; nothing is captured). A
+    branch, table or scale keyed on the token count between the smallest and largest size is
+    then held to the reference like any other. Returns the descriptors queued; run while the
+    static buffers are still there (before the graphs are released)."""
+    ref = ctx.reference
+    if ref is None or not ref.ready:
+        return []
+    manager = ctx.manager
+    plan = manager.plan
+    queued = []
+    for desc in descs:
+        reqs = manager.capture_reqs(desc)
+        batch = next(
+            (
+                b
+                for n in plan.candidate_range(desc)
+                if (b := ctx._batch_for(desc, n, reqs)) is not None and plan.dispatch_batch(b) == desc
+            ),
+            None,
+        )
+        if batch is None:
+            continue  # no real batch dispatches here
+        inputs = ctx.make(batch)
+        padded = ctx.load(desc, clone_tree(inputs), batch)
+        with ctx.preserved_state():
+            ctx.seed_all(ctx.seed)
+            out = ctx.eager(clone_tree(padded), desc)
+        dims = output_rows.out_dims(out, desc.num_tokens, reqs, manager.state.probed_rows)
+        del out
+        ref.queue(desc, batch, inputs, padded, dims, first=True)
+        queued.append(desc)
+    return queued
 
 
 class _Runs:

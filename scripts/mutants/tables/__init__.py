@@ -1,0 +1,29 @@
+"""Every mutant, in the order the table runs them: each area's module holds its sections."""
+
+from __future__ import annotations
+
+from ..common import Mutant
+from . import capturability, checks, manager, plan, plugin, precision, runner, training
+
+MUTANTS: list[Mutant] = [
+    *checks.COMPARE,
+    *checks.BUILTIN,
+    *checks.VERIFY_CONTEXT,
+    *manager.MANAGER,
+    *plan.PLAN,
+    *checks.ENGINE,
+    *runner.RUNNER,
+    *runner.DISTRIBUTED,
+    *plan.TRACE,
+    *plugin.FAULTS,
+    *checks.FLOOR,
+    *precision.PADDED_SIZE,
+    *precision.LAUNCHES,
+    *precision.OBSERVE,
+    *manager.INTEGER_PADDING,
+    *capturability.TABLE,
+    *capturability.VALUE_RULES,
+    *training.TRAINING,
+    *training.TRAINING_PADDING,
+    *plan.UNIFORM_DECODE,
+]
