@@ -96,16 +96,20 @@ def test_make_inputs_drawing_random_numbers_does_not_make_the_module_random() ->
 
 
 def test_a_module_whose_eager_forward_fails_everywhere_is_one_error_with_eagers_exception() -> None:
-    def wrong_keyword(num_tokens: int, num_reqs: int) -> dict[str, Any]:
-        return {"inputs": torch.randn(num_tokens, D)}  # forward takes "input"
+    class Refuses(nn.Linear):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            raise TypeError("this forward refuses its inputs")
+
+    def inputs(num_tokens: int, num_reqs: int) -> dict[str, Any]:
+        return {"input": torch.randn(num_tokens, D)}
 
     with pytest.raises(
         EagerFailure,
-        match=r"Linear's eager forward fails on make_inputs' batches at "
+        match=r"Refuses's eager forward fails on make_inputs' batches at "
         r"\(num_tokens=1, num_reqs=1\), \(num_tokens=8, num_reqs=4\), before "
         r"anything is captured: TypeError: .*inputs",
     ) as info:
-        _verify(nn.Linear(D, D), wrong_keyword)
+        _verify(Refuses(D, D), inputs)
     assert isinstance(info.value.__cause__, TypeError)
 
 

@@ -9,18 +9,22 @@ inside the graph and holds that submodule's value after a replay.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from itertools import zip_longest
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode, resolve_name
 
+from .. import faults
+from ..guard.tracker import call_site
 from ..manager import tree
 from ..manager.pieces import SegmentedGraph, piece_of
 from ..plan import BatchDescriptor
 from .compare import first_difference
 from .floor import across_shapes, cut_leaf, given
 
-__all__ = ["locate_divergence", "recording"]
+__all__ = ["Located", "locate_divergence", "parting", "recording", "where_runs_part"]
 
 Record = tuple[str, list[torch.Tensor]]
 
@@ -66,6 +70,99 @@ def recording(module: torch.nn.Module) -> Iterator[list[Record]]:
             yield records
     finally:
         records.extend(recorder.records)
+
+
+class Located(str):
+    """A submodule's dotted path ("" = the top-level module), with ``branch``: where the graph's program
+    and eager's part, when that was looked for ("" looked for and not found, None not looked for)."""
+
+    branch: str | None = None
+
+
+Site = tuple[str, str]  # (the function called, "path:line in function" of the call in the user's code)
+
+
+class _OpSites(TorchFunctionMode):
+    """Every torch function a forward calls, with its call site: the first frame outside torch and this
+    package (``call_site``). Calls made inside a torch function are not seen (the mode is off there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[Site] = []
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        name = resolve_name(func) or getattr(func, "__qualname__", None) or repr(func)
+        self.sites.append((str(name), call_site()))
+        return func(*args, **(kwargs or {}))
+
+
+def parting(
+    graph: list[Site], eager: list[Site], sides: tuple[str, str] = ("the graph", "eager on the real batch")
+) -> str:
+    """Where two runs' sequences of calls first differ, in words ("" when they do not). The branch
+    that parts them lies after their last common call and before the first that differs."""
+    for i, (g, e) in enumerate(zip_longest(graph, eager)):
+        if g == e:
+            continue
+        after = (
+            f"; the branch that decides lies after their last common call, {graph[i - 1][0]} at "
+            f"{graph[i - 1][1] or 'a line not known'}, and before"
+            if i > 0
+            else "; the branch that decides lies before"
+        )
+        if g is not None and e is not None:
+            return (
+                f"the two runs part at call {i + 1} of the forward: {sides[0]} calls {g[0]} at "
+                f"{g[1] or 'a line not known'}, {sides[1]} calls {e[0]} at {e[1] or 'a line not known'}"
+                f"{after} these lines"
+            )
+        extra, other = sides if g is not None else (sides[1], sides[0])
+        site = g if g is not None else e
+        assert site is not None
+        return (
+            f"the two runs part at call {i + 1} of the forward: {extra} calls {site[0]} at "
+            f"{site[1] or 'a line not known'} where {other} has finished{after} that line (a branch or a loop)"
+        )
+    return ""
+
+
+def where_runs_part(
+    first: Callable[[], Any],
+    second: Callable[[], Any],
+    sides: tuple[str, str] = ("the graph", "eager on the real batch"),
+) -> str:
+    """Run ``first`` then ``second`` (the caller restores state between them if it must), recording
+    every torch function each calls with its call site, and say where the two first call something
+    else or from another line ("" when nowhere: then no Python branch parts them)."""
+    with _OpSites() as one:
+        first()
+    with _OpSites() as two:
+        second()
+    return parting(one.sites, two.sites, sides)
+
+
+def _branch(
+    ctx: Any,
+    padded: Mapping[str, Any],
+    desc: BatchDescriptor,
+    inputs: Mapping[str, Any],
+    batch: Any,
+    state0: Any,
+) -> str:
+    """Where the graph's program (eager at its padded shape, on the capture path) and eager on the real
+    batch (as ``real_batches`` runs it) first call something else, or from another line."""
+
+    def graph() -> None:
+        ctx.restore(state0)
+        ctx.eager(padded, desc)
+
+    def eager() -> None:
+        ctx.restore(state0)
+        ctx.eager_real(inputs, batch, captured_path=False)
+
+    return where_runs_part(graph, eager, ("the graph (eager at its padded shape)", "eager on the real batch"))
 
 
 def _rows_ndim(graph: torch.Tensor, eager: torch.Tensor) -> int:
@@ -137,12 +234,16 @@ def locate_divergence(
     batch: Any,
     *,
     against_real: bool,
-) -> tuple[str | None, str | None]:
+) -> tuple[Located | None, str | None]:
     """The first submodule whose graph output differs from eager, or None, and
     for a graph captured in pieces, the segment or eager piece it ran in.
 
     ``against_real``: compare with eager on the unpadded batch (real rows,
     within tolerance); else with eager on the same padded inputs, bit for bit.
+    Against the real batch, where the first divergent place is the top-level
+    module (no submodule narrows it) or the two runs finish other submodules,
+    the submodule's ``branch`` says where their calls first differ: the line
+    of a branch on the batch's shape (or on whether it is captured).
     """
     manager = ctx.manager
     module = manager.module
@@ -200,4 +301,13 @@ def locate_divergence(
         if index is None:
             return None, None
         segment = _segment_of(graph, index, pieces, segments) if pieces else None
-        return graph[index][0], segment
+        located = Located(graph[index][0])
+        if against_real and (located == "" or index >= len(eager) or eager[index][0] != located):
+            try:
+                located.branch = _branch(ctx, padded, desc, inputs, batch, state0)
+            except Exception as exc:
+                if faults.is_sticky(exc):
+                    raise  # the process's CUDA context is gone: verify tells it
+                located.branch = None  # not found out: the report claims no line, nor that there is none
+            ctx.restore(state0)
+        return located, segment

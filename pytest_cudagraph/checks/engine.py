@@ -15,14 +15,14 @@ import torch
 
 from .. import faults
 from ..errors import EagerFailure, UsageError
-from ..guard import capturability_table, host_methods_watched
+from ..guard import Violation, capturability_table, host_methods_watched
 from ..manager import GraphManager
 from ..manager.layout import MakeInputsError, not_a_module
 from ..options import VerifyOptions
 from ..plan import BatchDescriptor, CaptureConfig
 from ..plan.selection import select_descriptors
 from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
-from .builtin.capture_safety import capture_safety
+from .builtin.capture_safety import capture_safety, fix_of
 from .builtin.padded_size import CHECK as PADDED_SIZE_CHECK
 from .builtin.padded_size import queue_every_size
 from .builtin.side_outputs import attributes_restored, tensor_attributes
@@ -558,6 +558,9 @@ def _run(
                         Finding(
                             submodule=error.module_path,
                             ops=[f"{error.op} ({error.reason})"] if error.op else [],
+                            fix=fix_of(Violation(error.op, error.reason or "", error.module_path or ""))
+                            if error.op
+                            else None,
                         ),
                     )
                 ]

@@ -10,7 +10,13 @@ from typing import Any
 from ..plan import BatchDescriptor
 from ..units import format_bytes, format_seconds
 
-__all__ = ["Finding", "Outcome", "StepCost", "VerifyReport", "descriptor_dict"]
+__all__ = ["TERMS", "Finding", "Outcome", "StepCost", "VerifyReport", "descriptor_dict"]
+
+#: The line a report ends with: where the words it uses (FULL-T8-R4, max ULP, floor, ...) are explained.
+TERMS = (
+    "terms (descriptor names like FULL-T8-R4, max ULP, floor, limit, relative rms, quick mode, skipped): "
+    "docs/terms.md in the pytest-cudagraph repository"
+)
 
 
 def descriptor_dict(desc: BatchDescriptor | None) -> dict[str, Any] | None:
@@ -50,6 +56,12 @@ class Finding:
     ops: list[str] = field(default_factory=list)  # capture_safety: every offending op
     #: What ``got`` and ``expected`` are, where not the graph and eager (padded_size: two eager runs).
     sides: tuple[str, str] = ("graph", "eager")
+    #: Where the graph's program and eager's part, when the first divergent place is the top-level
+    #: module: the first op each calls differently, with its call site ("" when looked for and not
+    #: found; None when not looked for).
+    branch: str | None = None
+    #: How to fix what the check found (None: the message says it, or no advice applies).
+    fix: str | None = None
 
     def describe(self) -> str:
         parts: list[str] = []
@@ -72,6 +84,13 @@ class Finding:
                 if self.submodule
                 else "first divergent submodule: the top-level module"
             )
+            if self.branch:
+                parts.append(self.branch)
+            elif self.branch is not None:
+                parts.append(
+                    "the line of a branch is not known: the graph's program and eager's call the same torch "
+                    "functions from the same lines"
+                )
         if self.segment is not None:
             parts.append(f"in {self.segment}")
         return "; ".join(parts)
@@ -264,17 +283,29 @@ class VerifyReport:
     def format(self, *, verbose: bool = False) -> str:
         """A readable report: the summary, each failure with where it shows, then every skipped check and why."""
         lines = [self.summary()]
-        lines.extend(f"NOTE {note}" for note in self.notes)
+        lines.extend(f"NOTE {note}" for note in dict.fromkeys(self.notes))  # each note once
+        # A message several outcomes share (a DynamicCache returned: every comparing check at every
+        # descriptor says the same) is printed once, the later ones pointing back to it.
+        told: dict[str, str] = {}
+        fixes: set[str] = set()
         for outcome in self.outcomes if verbose else self.failures:
             lines.append(outcome.headline())
             if outcome.message:
-                lines.append(f"     {outcome.message}")
+                name = " ".join(outcome.headline().split()[1:])  # "check descriptor"
+                first = told.setdefault(outcome.message, name)
+                lines.append(
+                    f"     {outcome.message}" if first == name else f"     the same message as {first} above"
+                )
             if outcome.finding is not None and not outcome.passed:
                 described = outcome.finding.describe()
                 if described:
                     lines.append(f"     {described}")
                 for op in outcome.finding.ops:
                     lines.append(f"       - {op}")
+                fix = outcome.finding.fix
+                if fix:
+                    lines.append(f"     fix: {fix}" if fix not in fixes else "     fix: as above")
+                    fixes.add(fix)
         if verbose and self.costs:
             lines.append("Where the time went (seconds, share, forwards of the module, graph replays):")
             lines.extend(self.cost_lines())
@@ -283,6 +314,8 @@ class VerifyReport:
                 shown = ", ".join(where[:3]) + (f", ... {len(where) - 3} more" if len(where) > 3 else "")
                 lines.append(f"SKIP {check:<22} {shown}")
                 lines.append(f"     {reason}")
+        if self.failures or self.skips or verbose:
+            lines.append(TERMS)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

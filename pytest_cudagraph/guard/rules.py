@@ -35,9 +35,12 @@ _DATA_DEPENDENT = {
     aten.unique_dim.default: "data-dependent output shape",
     aten.unique_consecutive.default: "data-dependent output shape",
     aten.bincount.default: "data-dependent output shape",
-    aten._local_scalar_dense.default: "host sync: reads a device value on the host",
-    aten.equal.default: "host sync: returns a Python bool",
-    aten.is_nonzero.default: "host sync: returns a Python bool",
+    aten._local_scalar_dense.default: "host sync: reads a device value on the host; keep it on the device "
+    "(compute with the tensor, torch.where instead of a Python branch) or read it before the graph",
+    aten.equal.default: "host sync: returns a Python bool; compare on the device ((a == b).all() kept a "
+    "tensor, used through torch.where) or before the graph",
+    aten.is_nonzero.default: "host sync: returns a Python bool; keep the condition a tensor (torch.where "
+    "instead of a Python if) or decide it before the graph",
 }
 
 

@@ -21,6 +21,42 @@ from ..verify_context import VerifyContext
 CAPTURE_CHECK = "capture_safety"
 
 
+_KEEP_ON_DEVICE = (
+    "keep the value on the device: compute with it as a tensor (torch.where(cond, a, b) instead of a Python "
+    "if on a tensor, a 0-dim tensor instead of a Python number), or move the read out of forward: into "
+    "make_inputs, or before the graph runs, passing the result in as an input"
+)
+_FIXED_SIZE = (
+    "give the op a size that does not depend on values: compute over the whole padded tensor and select with "
+    "torch.where or a mask (not nonzero or boolean indexing), pass output_size= to repeat_interleave; or move "
+    "it out of forward, before the graph"
+)
+_MAKE_ON_DEVICE = (
+    "make the value on the device inside forward (torch.full/torch.arange with device=, fill_ from a device "
+    "tensor), keep it in a registered buffer updated on the device, or pass it in as an input from make_inputs"
+)
+_REFUSED = (
+    "move the op out of forward (before the graph, its result passed in as an input), replace it by one a "
+    "graph holds (the reason names the argument that decides, where one does), or run its submodule eagerly"
+)
+
+
+def fix_of(violation: Violation) -> str:
+    """How to fix an op a graph cannot hold, by the kind of its reason."""
+    reason = violation.reason
+    if "num_classes" in reason:
+        return "pass num_classes= (the number of classes make_inputs can give), so no label is read back"
+    if reason.startswith("sparse"):
+        return "keep the graph's tensors dense, or verify on a GPU, whose capture decides"
+    if reason.startswith(("host sync", "device-to-host")):
+        return _KEEP_ON_DEVICE
+    if "data-dependent" in reason:
+        return _FIXED_SIZE
+    if reason.startswith(("host-to-device", "host tensor", "CPU tensor")):
+        return _MAKE_ON_DEVICE
+    return _REFUSED
+
+
 def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Outcome]:
     """Run each descriptor's shape eagerly under the guard and list every op a graph cannot hold."""
     outcomes = []
@@ -68,7 +104,9 @@ def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list
                     met = []  # no such op before it fails: the failure is eager's own
                 if met:
                     why += f"; on its way it meets an op a graph cannot hold: {met[0].describe()}"
-                    finding = Finding(submodule=met[0].module_path, ops=[met[0].describe()])
+                    finding = Finding(
+                        submodule=met[0].module_path, ops=[met[0].describe()], fix=fix_of(met[0])
+                    )
                 outcomes.append(Outcome("capture_safety", desc, False, why, finding))
                 continue
         if violations:
@@ -79,7 +117,9 @@ def capture_safety(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list
                     desc,
                     False,
                     f"{len(violations)} op(s) cannot be captured in a graph; the first is {first.describe()}",
-                    Finding(submodule=first.module_path, ops=[v.describe() for v in violations]),
+                    Finding(
+                        submodule=first.module_path, ops=[v.describe() for v in violations], fix=fix_of(first)
+                    ),
                 )
             )
         else:

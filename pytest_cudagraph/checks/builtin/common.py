@@ -25,8 +25,10 @@ def finding_of(
         got=diff.got,
         expected=diff.expected,
         real_batch=batch.shape() if batch is not None else None,
-        submodule=submodule,
+        submodule=None if submodule is None else str(submodule),
         segment=segment,
+        # locate_divergence's Located: where the graph's program and eager's part, when looked for.
+        branch=getattr(submodule, "branch", None),
         max_abs=diff.max_abs,
         max_ulp=diff.max_ulp,
     )

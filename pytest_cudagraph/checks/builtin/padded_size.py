@@ -38,7 +38,7 @@ from ...manager.types import cut_to_real
 from ...observe import unit_roundoff
 from ...plan import BatchDescriptor
 from ...precision import NoReference, Record, raised
-from ..divergence import recording
+from ..divergence import recording, where_runs_part
 from ..floor import cut_leaf
 from ..reference import REFERENCE_CAP, LeafDifference, Queued, Reference, leaf_differences
 from ..registry import Check
@@ -355,6 +355,16 @@ def _failure(
             "table or cache made for that size, statistics over the padded rows"
         )
     submodule = _first_divergent(runs, q, limit)
+    # At the top level (or where control flow itself parts): the line of the branch, where one is found.
+    branch = (
+        where_runs_part(
+            lambda: runs.padded(q),
+            lambda: runs.real(q),
+            ("eager at the padded shape", "eager on the real batch"),
+        )
+        if not submodule
+        else None
+    )
     finding = Finding(
         output=bad.path,
         index=bad.index,
@@ -362,6 +372,7 @@ def _failure(
         expected=bad.expected,
         real_batch=q.batch.shape(),
         submodule=submodule,
+        branch=branch,
         sides=("eager at the padded shape", "eager on the real batch"),
     )
     return Outcome(CHECK, q.desc, False, f"{what}: {cause}{batch_norm_hint(ctx)}{python_hint(ctx)}", finding)

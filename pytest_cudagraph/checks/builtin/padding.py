@@ -127,6 +127,32 @@ def _why_none(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: d
     return f"{floats}; integer inputs hold one value each, or their pad value is declared in pad_values"
 
 
+_STATE_FIX = (
+    "mask the write, so that a padded row leaves the state as it was: select the written values "
+    "with torch.where(is_padding, old, new), or give padded rows a zero weight in the update (an "
+    "index_add_/scatter_add_ of zeros), or send them to a scratch slot named in scratch_state"
+)
+
+
+def _leak_fix(label: str) -> str:
+    """How to fix padding that reaches real rows, for the fill that showed it."""
+    if label in dict(_NONFINITE_FILLS):
+        return (
+            "mask by selection, not by multiplication: torch.where(is_padding[:, None], 0.0, x) "
+            "before anything mixes rows (0 * NaN is NaN, a selection never reads the padded value)"
+        )
+    if label in dict(_INT_FILLS):
+        return (
+            "mask the padded rows before anything counts, routes or gathers by them (torch.where on "
+            "is_padding, or a pad id declared in pad_values that the module ignores)"
+        )
+    return (
+        "mask the padded rows before anything mixes rows (torch.where(is_padding[:, None], 0.0, x) "
+        "before a sum, mean or pooling; -inf for padded keys in attention scores), or keep statistics per "
+        "row/token instead of over the batch"
+    )
+
+
 def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     batch = ctx.padded_batch(desc)
     manager = ctx.manager
@@ -181,6 +207,7 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 f"the graph with padded rows of {label}",
                 f"the graph with padded rows of {instead}",
             )
+            finding.fix = _leak_fix(label)
             return Outcome(
                 "padding_isolation",
                 desc,
@@ -192,6 +219,8 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             )
         diff = ctx.state_difference(state, base_state, use_scratch=True)
         if diff is not None:
+            written = finding_of(diff, batch)
+            written.fix = _STATE_FIX
             return Outcome(
                 "padding_isolation",
                 desc,
@@ -199,7 +228,7 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 f"module state '{diff.path}' changes when padded rows of {filled} hold {label} instead of "
                 f"{instead}: padded rows write into state (mask them out through is_padding, or route them to a "
                 f"scratch slot and name it in scratch_state){strict}",
-                finding_of(diff, batch),
+                written,
                 figures={"fill": label, "nonfinite": bool(strict)},
             )
     return Outcome(
