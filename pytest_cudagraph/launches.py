@@ -30,7 +30,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALLOCATIONS", "Launch", "Unwritten", "kernel_name", "no_dispatch_modes", "triton_launches"]
+__all__ = [
+    "ALLOCATIONS",
+    "Launch",
+    "Unwritten",
+    "kernel_name",
+    "no_dispatch_modes",
+    "storage_bytes",
+    "triton_launches",
+]
 
 aten = torch.ops.aten
 
@@ -156,9 +164,14 @@ def _key(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
+def storage_bytes(storage: torch.UntypedStorage, nbytes: int | None = None) -> torch.Tensor:
+    """The first ``nbytes`` (default: all) of ``storage`` as a uint8 tensor on its device."""
+    size = storage.nbytes() if nbytes is None else nbytes
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (size,), (1,))
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    storage = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+    return storage_bytes(t.untyped_storage())
 
 
 def _marked(t: torch.Tensor) -> bool:

@@ -44,17 +44,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..guard import SPARSE_REASON, CaptureGuard, call_site, not_strided
-from ..launches import ALLOCATIONS, Launch, Unwritten, no_dispatch_modes, relaunch, triton_launches
+from ..launches import (
+    ALLOCATIONS,
+    Launch,
+    Unwritten,
+    no_dispatch_modes,
+    relaunch,
+    storage_bytes,
+    triton_launches,
+)
 from ..observe import data_read, written_tensors
 from .base import POISON_BYTES, Backend, CapturedGraph, OpenCapture
 
 __all__ = ["EmulateBackend", "EmulatedGraph"]
 
 aten = torch.ops.aten
-
-# Allocation without a kernel: a real graph does not re-run it on replay, and
-# re-running it here would only produce garbage to copy.
-_ALLOCATIONS = ALLOCATIONS
 
 
 class Unrecordable(RuntimeError):
@@ -110,10 +114,6 @@ def _use_count(storage: torch.UntypedStorage) -> int:
 
 def _round(nbytes: int) -> int:
     return -(-nbytes // BLOCK) * BLOCK
-
-
-def _bytes(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
 
 def _mutates(func: Any) -> bool:
@@ -294,7 +294,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         layout = not_strided(tree_flatten(out)[0])
         if layout is not None:
             self.guard.report(str(func), SPARSE_REASON.format(layout=layout))
-        if func in _ALLOCATIONS:
+        if func in ALLOCATIONS:
+            # Allocation without a kernel: a real graph does not re-run it on replay, and re-running it
+            # here would only produce garbage to copy.
             self._note_created(out)
             self.unwritten.allocated(func, out)
             return out
@@ -678,7 +680,7 @@ class _EmulatedCapture(OpenCapture):
             region = segment.region(offset, size)
             # Held after the capture: the values the capture computed come
             # along, and every holder's tensor now reads and writes the pool.
-            _bytes(region, storage.nbytes()).copy_(_bytes(storage, storage.nbytes()))
+            storage_bytes(region, storage.nbytes()).copy_(storage_bytes(storage))
             for t in holders:
                 t.set_(region, t.storage_offset(), t.shape, t.stride())
             pool.held.append(_Held(segment, offset, size, region))
@@ -738,7 +740,7 @@ class EmulateBackend(Backend):
         # (no holder outside the graphs reads them).
         if self._pool is not None:
             for segment in self._pool.segments:
-                data = _bytes(segment.storage, segment.size)
+                data = storage_bytes(segment.storage, segment.size)
                 for offset, size in segment.free:
                     data[offset : offset + size].fill_(POISON_BYTES[which])
         return True
