@@ -26,11 +26,14 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
+
+from .errors import InternalError
+from .faults import cuda_error_code
 
 __all__ = [
     "MODULE_INTERNALS",
@@ -38,9 +41,13 @@ __all__ = [
     "buffers_restored",
     "draws_random",
     "fingerprint",
+    "internal_error",
+    "module_tensors",
     "observing",
     "outside_forward",
+    "plain_parts",
     "poisoned",
+    "quantizes",
     "restoring",
     "unit_roundoff",
 ]
@@ -279,6 +286,65 @@ _OVERWRITES = _packets(
 )
 
 
+def plain_parts(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``t`` as the plain tensors that hold its data, by name: ``t`` itself, or for a wrapper
+    subclass (torchao's quantized weights, a DTensor) its inner tensors (``__tensor_flatten__``),
+    each as ``name.attr``, recursively. A wrapper holds no storage of its own and implements few
+    ops, so its address, its bits and its copies are those of its parts."""
+    if not is_traceable_wrapper_subclass(t):
+        return [(name, t)]
+    attrs, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    parts: list[tuple[str, torch.Tensor]] = []
+    for attr in attrs:
+        inner = getattr(t, attr)
+        if isinstance(inner, torch.Tensor):
+            parts.extend(plain_parts(f"{name}.{attr}", inner))
+    return parts
+
+
+def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` as plain tensors (``plain_parts``), by name, tied
+    ones under each of their names; lazy ones (``nn.LazyLinear`` before its first forward) left out,
+    as they hold nothing yet."""
+    items: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
+    items.extend(module.named_buffers(remove_duplicate=False))
+    lazy = torch.nn.parameter.is_lazy
+    return [part for name, t in items if not lazy(t) for part in plain_parts(name, t)]
+
+
+def quantizes(t: Any, dtype: Any) -> bool:
+    """Whether casting ``t`` to ``dtype`` quantizes: floating values to an integer or float8 dtype."""
+    return (
+        isinstance(dtype, torch.dtype)
+        and dtype != torch.bool
+        and (not (dtype.is_floating_point or dtype.is_complex) or dtype.itemsize == 1)
+        and isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+    )
+
+
+# Reductions a per-tensor scale is taken with (absmax, min and max).
+_REDUCTIONS = frozenset(getattr(aten, n) for n in ("amax", "amin", "max", "min", "aminmax"))
+
+
+def _over_every_element(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether a reduction of ``_REDUCTIONS`` runs over every element of a floating tensor of more
+    than one element (``max()`` with no dimension, ``amax`` over all of them)."""
+    t = args[0] if args else None
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() < 2:
+        return False
+    schema = getattr(func, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dim" not in names:
+        return True  # max(), min(): no dimension to keep
+    at = names.index("dim")
+    dim = args[at] if len(args) > at else (kwargs or {}).get("dim")
+    if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        return True
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return len({int(d) % max(t.dim(), 1) for d in dims}) >= t.dim()
+
+
 def _storage_key(t: torch.Tensor) -> int | None:
     try:
         return int(t.untyped_storage().data_ptr())
@@ -311,6 +377,12 @@ class ForwardObserver:
         #: Called with the names of the module tensors ``make_inputs`` wrote (a weight sync in place),
         #: after each call that wrote any: what the module's forwards start from, not what they write.
         self.on_outside_writes: list[Callable[[list[str]], None]] = []
+        #: The dtypes forwards cast floating values to, quantizing (int8, float8_e4m3fn), by name.
+        self.quantized: dict[str, None] = {}
+        #: The first reduction seen over every element of a floating tensor (``x.abs().amax()``, a
+        #: per-tensor scale), by op name; "" until one is seen. Where the tensor holds the batch's
+        #: rows, padded rows take part in it.
+        self.whole_reduction = ""
         #: Called with the names of the module tensors ``make_inputs`` rebound to new memory
         #: (``param.data = new``): graphs captured before keep reading the old memory.
         self.on_outside_rebinds: list[Callable[[list[str]], None]] = []
@@ -320,10 +392,9 @@ class ForwardObserver:
         self._owners = None
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every parameter and buffer by name, tied ones under each of their names."""
-        items: list[tuple[str, torch.Tensor]] = list(self.module.named_parameters(remove_duplicate=False))
-        items.extend(self.module.named_buffers(remove_duplicate=False))
-        return items
+        """Every parameter and buffer as plain tensors by name (``module_tensors``: a quantized
+        weight as its inner tensors), tied ones under each of their names."""
+        return module_tensors(self.module)
 
     def _owner_map(self) -> dict[int, list[tuple[str, torch.Tensor]]]:
         if self._owners is None:
@@ -358,6 +429,13 @@ class ForwardObserver:
         packet = getattr(func, "overloadpacket", None)
         if packet in _MATMUL or packet in _CONV:
             self._note_precision(args, conv=packet in _CONV)
+        elif packet is aten._to_copy:
+            dtype = kwargs.get("dtype") if kwargs else None
+            if quantizes(args[0] if args else None, dtype):
+                self.quantized.setdefault(str(dtype).replace("torch.", ""), None)
+        elif packet in _REDUCTIONS:
+            if not self.whole_reduction and _over_every_element(func, args, kwargs):
+                self.whole_reduction = str(func)
         elif draws_random(func):
             self.random_ops.setdefault(str(func), None)
 
@@ -458,6 +536,29 @@ _METADATA_ONLY = _packets(
 _NOTHING_READ: dict[Any, bool] = {}
 
 
+def internal_error(step: str, exc: Exception, tensor: str | None = None) -> NoReturn:
+    """Raise ``exc``, which the harness's own bookkeeping raised, as an ``InternalError`` saying
+    ``step``: never as the user's code failing, though it ran inside their make_inputs or forward.
+    A CUDA error or an out-of-memory error goes up as it is (the device's state, told by faults),
+    and so does an ``InternalError`` already told."""
+    if isinstance(exc, (InternalError, torch.OutOfMemoryError)) or cuda_error_code(exc) is not None:
+        raise exc
+    raise InternalError(step, exc, tensor) from exc
+
+
+def _written_name(observer: ForwardObserver, func: Any, args: Any, kwargs: Any) -> str | None:
+    """The module tensor ``func`` writes, by name, for an error message: None when it writes none
+    or finding it fails too. Only read after a failure, never per op."""
+    try:
+        for t in written_tensors(func, args, kwargs or {}):
+            key = _storage_key(t)
+            for name, _ in observer._owner_map().get(key, ()) if key is not None else ():
+                return name
+    except Exception:
+        return None
+    return None
+
+
 class _WritesOutside(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Names the module tensors the block's ops write, without copying or changing anything."""
 
@@ -468,13 +569,20 @@ class _WritesOutside(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for place in _written_arguments(func):
-            value = args[place] if isinstance(place, int) and place < len(args) else kwargs.get(place)
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                key = _storage_key(t) if isinstance(t, torch.Tensor) else None
-                for name, _ in self.observer._owner_map().get(key, ()) if key is not None else ():
-                    self.names.setdefault(name, None)
-        return func(*args, **kwargs)
+        try:
+            for place in _written_arguments(func):
+                value = args[place] if isinstance(place, int) and place < len(args) else kwargs.get(place)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    key = _storage_key(t) if isinstance(t, torch.Tensor) else None
+                    for name, _ in self.observer._owner_map().get(key, ()) if key is not None else ():
+                        self.names.setdefault(name, None)
+        except Exception as exc:  # ours, not make_inputs': said so
+            internal_error(
+                f"observing make_inputs' writes to the module (at {func})",
+                exc,
+                _written_name(self.observer, func, args, kwargs),
+            )
+        return func(*args, **kwargs)  # make_inputs' own op: what it raises is make_inputs'
 
 
 @contextlib.contextmanager
@@ -484,24 +592,42 @@ def outside_forward(observer: ForwardObserver) -> Iterator[None]:
     those it rebinds to new memory (``param.data = new``) to ``observer.on_outside_rebinds``.
 
     A rebinding is told by the storage each tensor had before the block, held until it ends: the
-    allocator cannot hand that memory to the new tensor, so a new address is a new storage."""
-    held = {name: t.untyped_storage() for name, t in observer.tensors() if t.numel()}
+    allocator cannot hand that memory to the new tensor, so a new address is a new storage.
+    What this bookkeeping raises is an ``InternalError``; what the block raises goes up as it is."""
+    name: str | None = None
+    held: dict[str, Any] = {}
+    try:
+        for name, t in observer.tensors():
+            if t.numel():
+                held[name] = t.untyped_storage()
+    except Exception as exc:
+        internal_error("reading the module's tensors before make_inputs", exc, name)
     watch = _WritesOutside(observer)
     with watch:
         yield
-    moved = [
-        name
-        for name, t in observer.tensors()
-        if name in held and t.untyped_storage().data_ptr() != held[name].data_ptr()
-    ]
+    moved: list[str] = []
+    name = None
+    try:
+        for name, t in observer.tensors():
+            if name in held and t.untyped_storage().data_ptr() != held[name].data_ptr():
+                moved.append(name)
+    except Exception as exc:
+        internal_error(
+            "reading the module's tensors after make_inputs (to tell the ones it rebound)", exc, name
+        )
     del held
-    if moved:
-        observer.refresh()
-        for rebound in list(observer.on_outside_rebinds):
-            rebound(moved)
-    if watch.names:
-        for listener in list(observer.on_outside_writes):
-            listener(list(watch.names))
+    try:
+        if moved:
+            observer.refresh()
+            for rebound in list(observer.on_outside_rebinds):
+                rebound(moved)
+        if watch.names:
+            for listener in list(observer.on_outside_writes):
+                listener(list(watch.names))
+    except Exception as exc:
+        internal_error(
+            f"telling the harness which module tensors make_inputs changed ({[*moved, *watch.names]})", exc
+        )
 
 
 def _reads_nothing(func: Any) -> bool:
@@ -524,9 +650,17 @@ class _Observing(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        self.observer.observe(func, args, kwargs)
-        out = func(*args, **kwargs)
-        self.observer.after(func, out)
+        try:
+            self.observer.observe(func, args, kwargs)
+        except Exception as exc:  # ours, not the forward's: said so
+            internal_error(
+                f"observing the forward's op {func}", exc, _written_name(self.observer, func, args, kwargs)
+            )
+        out = func(*args, **kwargs)  # the forward's own op: what it raises is the forward's
+        try:
+            self.observer.after(func, out)
+        except Exception as exc:
+            internal_error(f"observing what the forward's op {func} returned", exc)
         return out
 
 
@@ -590,11 +724,15 @@ def restoring(observer: ForwardObserver) -> Iterator[dict[str, torch.Tensor]]:
     finally:
         observer._open.remove(copies)
         if copies:
-            live = dict(observer.tensors())
-            with torch.no_grad():
-                for name, saved in copies.items():
-                    if name in live:
-                        live[name].copy_(saved)
+            name: str | None = None
+            try:
+                live = dict(observer.tensors())
+                with torch.no_grad():
+                    for name, saved in copies.items():
+                        if name in live:
+                            live[name].copy_(saved)
+            except Exception as exc:  # ours: the forwards ran, putting the module back failed
+                internal_error("putting back the module tensors the forwards wrote", exc, name)
 
 
 #: nn.Module's own bookkeeping attributes: what is not the module's state (the manager's walk over

@@ -41,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .launches import ALLOCATIONS, Launch, Unwritten, no_dispatch_modes, triton_launches
-from .observe import _CONV, _MATMUL, _written_arguments, data_read, unit_roundoff, written_tensors
+from .observe import _CONV, _MATMUL, _written_arguments, data_read, quantizes, unit_roundoff, written_tensors
 
 __all__ = ["NoReference", "Record", "raised"]
 
@@ -76,6 +76,35 @@ _TIERS: dict[torch.dtype, tuple[dict[torch.dtype, torch.dtype], dict[torch.dtype
     torch.float32: (_RAISE32, None),
 }
 _FLOAT32 = 2.0**-24
+_TO_COPY = aten._to_copy.default
+#: Ops whose result is exact in float64 (a selection, a sign, an integer part): the floor's run puts
+#: no noise on them. Noise there would be rounding no op does, and would move an integer-valued
+#: result off its integer, which a cast to int8 after it then truncates a whole step down.
+_ROUNDS_NOTHING = frozenset(
+    getattr(aten, n)
+    for n in (
+        "round",
+        "floor",
+        "ceil",
+        "trunc",
+        "sign",
+        "abs",
+        "neg",
+        "clamp",
+        "clamp_min",
+        "clamp_max",
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "maximum",
+        "minimum",
+        "where",
+        "relu",
+        "_to_copy",
+        "clone",
+    )
+)
 
 #: Ops that gather or copy values without arithmetic: run on the tensor as it is, the result raised
 #: after (an embedding table is not converted whole to read a few of its rows).
@@ -111,12 +140,16 @@ class Record:
     outside: dict[str, str] = field(default_factory=dict)
     #: The precision the block ran in: float64, or float32 for a forward that cannot run in float64.
     tier: str = "float64"
+    #: The dtypes the forward quantized floating values to (int8, float8_e4m3fn), by name: casts that
+    #: stay in the reference, so its result holds that quantization as the module computes it.
+    quantized: dict[str, None] = field(default_factory=dict)
 
     def merge(self, other: Record) -> None:
         self.roundoff = max(self.roundoff, other.roundoff)
         self.fell_back.update(other.fell_back)
         self.lower_writes.update(other.lower_writes)
         self.outside.update(other.outside)
+        self.quantized.update(other.quantized)
         self.tier = other.tier
 
     @property
@@ -125,12 +158,18 @@ class Record:
         base = "float32 (TF32 off)" if self.tier == "float32" else "float64"
         lower = [f"{what}: {held}" for what, held in self.outside.items() if held != self.tier]
         lower += [f"{op} ran in float32 (no {self.tier} kernel)" for op in self.fell_back]
+        kept = (
+            f", with the module's own quantization kept (its casts to {', '.join(self.quantized)})"
+            if self.quantized
+            else ""
+        )
         if self.tier == "float64" and self.roundoff > 2.0**-53 and not lower:
             # A float8 product accumulates in float32: its products hold that precision.
-            return "float32 (TF32 off)" if self.roundoff <= _FLOAT32 else f"unit roundoff {self.roundoff:.3g}"
+            held = "float32 (TF32 off)" if self.roundoff <= _FLOAT32 else f"unit roundoff {self.roundoff:.3g}"
+            return held + kept
         if not lower:
-            return base
-        return f"{base}, except where it holds less ({'; '.join(lower)})"
+            return base + kept
+        return f"{base}, except where it holds less ({'; '.join(lower)}){kept}"
 
 
 def _raised(value: Any, table: dict[torch.dtype, torch.dtype]) -> Any:
@@ -210,6 +249,32 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+# Set on the floor's tensors that carry noise (rounding that can differ between shapes) and on what
+# is computed from them. A pointwise op on values that carry none (the caller's inputs, the weights,
+# an exact scale made from them) rounds the same at every shape: noise there would be rounding no
+# two shapes differ by, and at a tie (x / scale exactly k + 0.5, before a cast to int8) it moves a
+# quantized value a whole step.
+_NOISY = "_pytest_cudagraph_noisy"
+
+
+def _carries_noise(values: Any) -> bool:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if getattr(v, _NOISY, False):
+                return True
+        elif isinstance(v, (list, tuple)) and _carries_noise(v):
+            return True
+    return False
+
+
+def _mark_noisy(out: Any) -> None:
+    if isinstance(out, torch.Tensor):
+        setattr(out, _NOISY, True)
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            _mark_noisy(o)
+
+
 class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -241,11 +306,17 @@ class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
             kind = _kind(func)
         if kind == _VIEW:
             # On the tensor itself, so that a write through the view still lands there.
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if self.noise and _carries_noise(args):
+                _mark_noisy(out)
+            return out
         if self.unwritten.fresh:
             self._check_reads(func, args, kwargs)
         if kind == _WRITE:
-            return self._write(func, args, kwargs)
+            out = self._write(func, args, kwargs)
+            if self.noise and (_carries_noise(args) or _carries_noise(kwargs.values())):
+                _mark_noisy(out)
+            return out
         if kind == _EXACT_OP:
             return _raised(func(*args, **kwargs), self.table)
         if kind == _ALLOC:
@@ -269,6 +340,8 @@ class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     if type(out) is torch.Tensor and out.dtype in table
                     else _raised(out, table)
                 )
+        if func is _TO_COPY and kwargs:
+            self._note_quantizing(args, kwargs.get("dtype"))
         roundoff = 0.0
         try:
             out = self._call(func, kind, args, kwargs, table)
@@ -283,8 +356,21 @@ class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
             roundoff = _FLOAT32
             out = _raised(out, table)
         if self.noise:
-            out = self._jitter(out, max(self.noise, roundoff, self._product_roundoff))
+            noisy = _carries_noise(args) or bool(kwargs and _carries_noise(kwargs.values()))
+            exact = getattr(func, "overloadpacket", None) in _ROUNDS_NOTHING
+            # Noise where rounding can differ between shapes: a product or reduction (its order
+            # follows the shape), an op on values that carry such rounding, or one run in float32.
+            if roundoff or not (exact or (not noisy and torch.Tag.pointwise in func.tags)):
+                out = self._jitter(out, max(self.noise, roundoff, self._product_roundoff))
+                noisy = True
+            if noisy:
+                _mark_noisy(out)
         return out
+
+    def _note_quantizing(self, args: Any, dtype: Any) -> None:
+        """A cast of floating values to an integer or float8 dtype: quantization, which stays."""
+        if args and quantizes(args[0], dtype):
+            self.record.quantized.setdefault(str(dtype).replace("torch.", ""), None)
 
     def _fell_back(self, what: str, exc: BaseException) -> None:
         self.record.fell_back.setdefault(what, _first_line(exc))
@@ -415,6 +501,7 @@ class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if changed is not None:
                 factor = torch.where(changed, factor, torch.ones_like(factor))
             t.mul_(factor)
+            _mark_noisy(t)
 
     def launch(self, launch: Launch) -> Any:
         """A Triton launch in the raised forward: run on the raised tensors (a float32 copy of each

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .. import faults
-from ..errors import EagerFailure, UsageError
+from ..errors import EagerFailure, InternalError, UsageError
 from ..guard import Violation, capturability_table, host_methods_watched
 from ..manager import GraphManager
 from ..manager.layout import MakeInputsError, not_a_module
@@ -324,6 +324,10 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
             ctx.eager(ctx.manager.eager_kwargs(made[desc], batch.num_tokens), desc, captured_path=False)
         except Exception as exc:
             _raise_if_lost(exc)
+            internal = InternalError.found_in(exc)
+            # The harness's bookkeeping under the forward failed: never the forward's.
+            if internal is not None:
+                raise internal from internal.__cause__
             failures.append((desc, exc))
 
     ctx.learn_writes([partial(forward, desc) for desc in shapes])

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..capturability import REFUSED, Table, Verdict, pattern, value_rule
-from ..observe import ForwardObserver
+from ..observe import ForwardObserver, internal_error
 from . import host
 from .host import _while_running
 from .host import as_captured as as_captured
@@ -141,7 +141,10 @@ class CaptureGuard:
 
     def check_dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.observer is not None and not self.suspended:
-            self.observer.observe(func, args, kwargs)
+            try:
+                self.observer.observe(func, args, kwargs)
+            except Exception as exc:  # the harness's own bookkeeping, not the module's op
+                internal_error(f"observing {func} under the capture guard", exc)
         if self._in_host_method:
             return  # already reported under its Python name
         if self.by_provenance:
@@ -312,7 +315,10 @@ class GuardDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 )
             raise
         if self.guard.observer is not None:
-            self.guard.observer.after(func, out)
+            try:
+                self.guard.observer.after(func, out)
+            except Exception as exc:  # the harness's own bookkeeping, not the module's op
+                internal_error(f"observing {func}'s result under the capture guard", exc)
         if self.guard.by_provenance:
             layout = not_strided(tree_flatten(out)[0])
             if layout is not None:

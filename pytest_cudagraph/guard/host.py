@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +34,49 @@ _HOST_METHODS: dict[Any, tuple[str, str]] = {
 }
 
 
+@dataclass(frozen=True)
+class DevicePath:
+    """A library function whose CUDA path a capture cannot hold while its CPU path can, as seen on
+    a GPU: the emulator runs the CPU path, so it reports the function when a forward calls it."""
+
+    #: How the finding names it.
+    op: str
+    #: Why a capture cannot hold it (starts with "a library's CUDA path").
+    reason: str
+    #: What to do instead, each way one that captured on the GPU it was seen on.
+    fix: str
+    #: A fragment of the function's source that shows the path is still there: a release that
+    #: drops it is not reported.
+    fragment: str
+
+
+#: (module, function) -> the path; callers that reach it on CUDA alone are listed with it.
+DEVICE_PATHS: dict[tuple[str, str], DevicePath] = {}
+_TORCHAO_INT_MM = DevicePath(
+    op="torchao's safe_int_mm on CUDA",
+    reason=(
+        "a library's CUDA path, a host sync: outside torch.compile it formats its input ('FakeTensor' in "
+        "input.__repr__()), which reads the tensor to the host (seen on an NVIDIA H200 with torchao 0.18, "
+        "2026-12-03; on the CPU int_scaled_matmul takes another path)"
+    ),
+    fix=(
+        "torchao's dynamic int8 activations reach safe_int_mm on CUDA: quantize the weights only "
+        "(Int8WeightOnlyConfig, which captured on the H200), or use a torchao release whose safe_int_mm does "
+        "not format its input"
+    ),
+    fragment="input.__repr__()",
+)
+DEVICE_PATHS[("torchao.kernel.intmm", "safe_int_mm")] = _TORCHAO_INT_MM
+DEVICE_PATHS[("torchao.kernel.intmm", "int_scaled_matmul")] = _TORCHAO_INT_MM
+#: Where each path's fragment is looked for (the function that holds it).
+_DEVICE_PATH_SOURCE = {_TORCHAO_INT_MM: ("torchao.kernel.intmm", "safe_int_mm")}
+
+
+def device_path_fix(op: str) -> str:
+    """The fix of the device path a finding names as ``op``; "" for any other op."""
+    return next((p.fix for p in DEVICE_PATHS.values() if p.op == op), "")
+
+
 class ActiveGuard(Protocol):
     """What the wrappers and the capturing query ask of an active guard (``CaptureGuard`` has it).
     A protocol here, so that this module, below the guard, never names the guard's own module."""
@@ -41,6 +85,8 @@ class ActiveGuard(Protocol):
     suspended: int
     #: Above zero while a host method runs: the ops beneath it are the same event.
     _in_host_method: int
+    #: Whether the guard emulates a capture on the CPU (where a CUDA-only path does not run).
+    by_provenance: bool
 
     def report(self, op: str, reason: str) -> None: ...
 
@@ -68,6 +114,7 @@ def host_methods_watched() -> Iterator[None]:
         if _PATCH_DEPTH == 1:
             for name, (_original, wrapper) in wrappers.items():
                 setattr(torch.Tensor, name, wrapper)
+            _patch_device_paths()
             for home in _CAPTURE_QUERY_HOMES:
                 original = getattr(home, _CAPTURE_QUERY)
                 _SAVED_QUERIES.append((home, original))
@@ -81,6 +128,9 @@ def host_methods_watched() -> Iterator[None]:
             while _SAVED_QUERIES:
                 home, original = _SAVED_QUERIES.pop()
                 setattr(home, _CAPTURE_QUERY, original)
+            while _SAVED_PATHS:
+                home, name, original = _SAVED_PATHS.pop()
+                setattr(home, name, original)
 
 
 _PATCH_DEPTH = 0
@@ -93,6 +143,52 @@ _CAPTURE_QUERY = "is_current_stream_capturing"
 _CAPTURE_QUERY_HOMES = (torch.cuda, torch.cuda.graphs)
 #: (module, the function replaced there) while the replacement holds.
 _SAVED_QUERIES: list[tuple[Any, Any]] = []
+
+
+#: (module, name, the function replaced there) while the device-path replacements hold.
+_SAVED_PATHS: list[tuple[Any, str, Any]] = []
+
+
+def _patch_device_paths() -> None:
+    """Replace each function of ``DEVICE_PATHS`` wherever a module of its library holds it (``from
+    torchao.kernel import int_scaled_matmul`` binds it in the importer) by a wrapper that reports
+    the path to an emulating guard. Only libraries already imported are touched; none is imported
+    here."""
+    import inspect
+    import sys
+
+    for (module_name, func_name), path in DEVICE_PATHS.items():
+        home = sys.modules.get(module_name)
+        original = getattr(home, func_name, None) if home is not None else None
+        if original is None or getattr(original, "__device_path__", None) is not None:
+            continue
+        source_module, source_name = _DEVICE_PATH_SOURCE[path]
+        try:
+            held = path.fragment in inspect.getsource(getattr(sys.modules[source_module], source_name))
+        except (OSError, TypeError, AttributeError, KeyError):
+            held = False
+        if not held:
+            continue
+        wrapper = _reporting_device_path(original, path)
+        library = module_name.split(".")[0]
+        for name, module in list(sys.modules.items()):
+            if module is None or not (name == library or name.startswith(library + ".")):
+                continue
+            for attr, value in list(getattr(module, "__dict__", {}).items()):
+                if value is original:
+                    _SAVED_PATHS.append((module, attr, original))
+                    setattr(module, attr, wrapper)
+
+
+def _reporting_device_path(func: Any, path: DevicePath) -> Any:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _ACTIVE and _ACTIVE[-1].by_provenance:
+            _ACTIVE[-1].report(path.op, path.reason)
+        return func(*args, **kwargs)
+
+    wrapper.__device_path__ = path  # type: ignore[attr-defined]
+    return wrapper
 
 
 #: One entry per active ``as_captured`` block: how many of its exempt modules are running.

@@ -31,7 +31,7 @@ import torch
 from .. import faults
 from ..backends.base import CapturedGraph
 from ..context import running
-from ..errors import CaptureError
+from ..errors import CaptureError, InternalError
 from ..guard import CaptureGuard, Violation, find_violations, host_methods_watched
 from ..observe import MODULE_INTERNALS, outside_forward
 from ..plan import BatchDescriptor, GraphMode
@@ -392,6 +392,8 @@ class Capture:
                             meter.run(self.state.module, kwargs)
                         else:
                             self.state.module(**kwargs)
+                except InternalError:
+                    raise  # the harness's own failure, never the module's warm-up
                 except Exception as exc:
                     staged[desc] = exc
                 else:
@@ -508,6 +510,9 @@ class Capture:
         except CaptureError:
             raise
         except Exception as exc:
+            internal = InternalError.found_in(exc)
+            if internal is not None:  # the harness's own failure: said as one, not as the module's capture
+                raise internal from exc
             where = self.state.tracker.failed_path or (exc.path if isinstance(exc, EagerPieceError) else "")
             raise CaptureError(
                 f"capture of {desc} failed on the {self.state.backend.name} backend"

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_leaves
 from ..backends.base import Backend
 from ..context import running
 from ..errors import CaptureError
+from ..observe import plain_parts
 from ..plan import BatchDescriptor, CaptureConfig, GraphMode
 from ..units import format_bytes
 from .inputs import call_make_inputs
@@ -148,11 +149,12 @@ class _StorageCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if entry is None:
                 if inputs is None:
                     inputs = {
-                        t.untyped_storage().data_ptr()
+                        part.untyped_storage().data_ptr()
                         for t in tree_leaves((args, kwargs))
                         if isinstance(t, torch.Tensor)
                         and t.device.type != "meta"
                         and t.layout == torch.strided
+                        for _, part in plain_parts("", t)
                     }
                 if ptr in inputs:  # a view or an in-place result of something not ours
                     continue

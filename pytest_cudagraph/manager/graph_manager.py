@@ -22,10 +22,12 @@ from ..backends.base import CapturedGraph, resolve_checked
 from ..backends.factory import make_backend
 from ..errors import CaptureError
 from ..guard import ModuleTracker
-from ..observe import ForwardObserver
+from ..observe import ForwardObserver, restoring
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan
 from ..plan.validate import UsageError
 from .capture import Capture
+from .devices import move_to
+from .inputs import call_make_inputs
 from .layout import InputSpec, PadValue, infer_layout, not_a_module
 from .pieces import EagerSpec, resolve_eager_submodules
 from .runtime import Runtime
@@ -127,6 +129,7 @@ class GraphManager:
             )
         plan = CapturePlan(config)
         _check_not_meta(module)
+        _materialise_lazy(module, make_inputs)
         chosen = make_backend(backend, device if device is not None else _module_device(module))
         chosen.measure_device_memory = bool(measure_device_memory)
         chosen.checked = resolve_checked(checked_capture, default=False)
@@ -498,6 +501,102 @@ def _check_not_meta(module: torch.nn.Module) -> None:
                 "run or compared; materialise the module first (module.to_empty(device=...) and load "
                 "its weights, or build it on a real device)"
             )
+
+
+def _lazy_names(module: torch.nn.Module) -> list[str]:
+    """The module's lazy parameters and buffers (``nn.LazyLinear``'s before its first forward), by
+    dotted name, tied ones under each of their names."""
+    tensors: list[tuple[str, torch.Tensor]] = [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+    return [name for name, t in tensors if torch.nn.parameter.is_lazy(t)]
+
+
+def _materialise_lazy(module: torch.nn.Module, make_inputs: Callable[[int, int], Mapping[str, Any]]) -> None:
+    """Where ``module`` holds lazy tensors, one eager forward on ``make_inputs(1, 1)`` (under
+    ``no_grad``, on the module's device) makes them, before anything reads the module.
+
+    The forward is for its effect on the lazy tensors only: what it writes in the tensors that
+    were there before is put back, and each lazy tensor is left as its module's initialisation made
+    it, before that module's forward used it (a lazy batch norm's running statistics as reset, not
+    updated by the batch). A forward that raises, or leaves a tensor lazy, is a ``UsageError`` of one
+    line that says how to materialise the module by hand."""
+    lazy = _lazy_names(module)
+    if not lazy:
+        return
+    inputs = call_make_inputs(make_inputs, 1, 1)  # a broken make_inputs is told as such
+    device = _module_device(module)
+    if device is not None:
+        inputs = move_to(inputs, device)  # .to: no copy where a tensor is on it already
+    if "is_padding" not in inputs and _forward_takes(module, "is_padding"):
+        inputs["is_padding"] = torch.zeros(1, dtype=torch.bool, device=device)
+    lazy_set = set(lazy)
+    # Each lazy tensor as its module's lazy hook (run before the forward, registered when the
+    # module was built, so before ours) initialised it: what the forward's writes are undone to.
+    initialised: dict[str, torch.Tensor] = {}
+
+    def snapshot(prefix: str) -> Callable[[torch.nn.Module, Any], None]:
+        def hook(sub: torch.nn.Module, args: Any) -> None:
+            own = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
+            for name, t in own:
+                full = f"{prefix}.{name}" if prefix else name
+                if full in lazy_set and full not in initialised and not torch.nn.parameter.is_lazy(t):
+                    initialised[full] = t.detach().clone()
+
+        return hook
+
+    holders = {
+        prefix: sub
+        for prefix, sub in module.named_modules(remove_duplicate=False)
+        if any(torch.nn.parameter.is_lazy(t) for t in [*sub.parameters(False), *sub.buffers(False)])
+    }
+    failed: Exception | None = None
+    hooks = [sub.register_forward_pre_hook(snapshot(prefix)) for prefix, sub in holders.items()]
+    try:
+        with torch.no_grad(), restoring(ForwardObserver(module)) as copies:
+            try:
+                module(**inputs)
+            except Exception as exc:  # the user's forward: told below, in one line
+                failed = exc
+            finally:
+                # A copy taken of a lazy tensor holds what its first write found: memory
+                # torch.empty left. Put back what initialisation made instead, or leave it be.
+                for name in [n for n in copies if _under(n, lazy_set)]:
+                    del copies[name]
+                copies.update(initialised)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    still = _lazy_names(module)
+    if failed is None and not still:
+        return
+    named = _some_names(still or lazy)
+    fix = "run one forward on a real batch (module(**make_inputs(n, r))) before handing the module over"
+    if failed is None:
+        raise UsageError(
+            f"module tensor(s) {named} are still lazy (empty until a first forward) after a first eager "
+            f"forward on make_inputs(1, 1): that forward does not use them; {fix}, or drop them"
+        )
+    lines = str(failed).strip().splitlines()
+    first = lines[0] if lines else ""
+    first = first if len(first) <= 200 else f"{first[:197]}..."
+    raise UsageError(
+        f"module tensor(s) {named} {'are' if still else 'were'} lazy (empty until a first forward); "
+        f"a first eager forward on make_inputs(1, 1) to materialise them raised "
+        f"{type(failed).__name__}{': ' if first else ''}{first}; {fix}"
+    ) from failed
+
+
+def _some_names(names: list[str]) -> str:
+    """The first three of ``names``, quoted, and how many more."""
+    shown = ", ".join(repr(n) for n in names[:3])
+    return f"{shown} and {len(names) - 3} more" if len(names) > 3 else shown
+
+
+def _under(name: str, names: set[str]) -> bool:
+    """Whether ``name`` is one of ``names`` or a part of one (``weight.qdata`` of ``weight``)."""
+    return name in names or any(name.startswith(f"{n}.") for n in names)
 
 
 def _check_module_device(module: torch.nn.Module, backend: str, device: torch.device) -> None:

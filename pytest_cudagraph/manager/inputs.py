@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..errors import InternalError
 from ..plan.validate import UsageError
 
 __all__ = ["MakeInputsError", "call_make_inputs"]
@@ -25,9 +26,12 @@ def call_make_inputs(
 ) -> dict[str, Any]:
     try:
         inputs = make_inputs(num_tokens, num_reqs)
-    except MakeInputsError:  # already says which call and what to do
+    except (MakeInputsError, InternalError):  # already says which call and what to do, or that it is ours
         raise
     except Exception as exc:  # the user's code: say which call failed
+        internal = InternalError.found_in(exc)
+        if internal is not None:  # make_inputs raised because the harness's bookkeeping under it failed
+            raise internal from internal.__cause__
         raise MakeInputsError(
             f"make_inputs(num_tokens={num_tokens}, num_reqs={num_reqs}) raised "
             f"{type(exc).__name__}: {exc}. make_inputs must build inputs for any "

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 
 from ..context import running
+from ..errors import InternalError
 from ..observe import restoring
 from ..plan import BatchDescriptor, GraphMode
 from . import tree
@@ -80,6 +81,8 @@ def probe(
                 marker = BatchDescriptor(mode=GraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs)
                 with torch.no_grad(), running(marker):
                     outputs.append(tree.flatten_with_paths(state.module(**kwargs)))
+    except InternalError:
+        raise  # the harness's own failure, never a probe the module cannot take
     except Exception:
         return None
     first, second = outputs

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..backends.base import Backend, CapturedGraph, OpenCapture
 from ..context import running
 from ..guard import CaptureGuard
+from ..observe import plain_parts
 from ..plan import BatchDescriptor
 
 __all__ = [
@@ -137,7 +138,14 @@ class EagerPieceError(RuntimeError):
 
 
 def _storages(values: Any) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)}
+    """The storage addresses of the tensors in ``values``, a wrapper subclass (a quantized weight)
+    by those of its inner tensors."""
+    return {
+        part.untyped_storage().data_ptr()
+        for t in tree_flatten(values)[0]
+        if isinstance(t, torch.Tensor)
+        for _, part in plain_parts("", t)
+    }
 
 
 def own_result(output: Any, reads: set[int]) -> Any:

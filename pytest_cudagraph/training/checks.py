@@ -20,6 +20,7 @@ import torch
 from ..checks.compare import first_difference
 from ..checks.floor import across_shapes
 from ..checks.report import Finding, Outcome
+from ..errors import InternalError
 from ..manager.layout import padded_inputs
 from ..observe import MODULE_INTERNALS, ForwardObserver, observing, unit_roundoff
 from ..plan import BatchDescriptor
@@ -471,6 +472,8 @@ def _real_batches(
 
     try:
         expected = eager_on(sides.eager, unpadded, watched=True)
+    except InternalError:
+        raise  # the harness's own failure, never the module's step
     except Exception as exc:  # BatchNorm over one row, say: the module cannot take the real batch
         return _skip(
             check,

@@ -43,7 +43,7 @@ import torch
 from ..backends.base import Backend
 from ..backends.factory import make_backend
 from ..checks.report import Finding, Outcome, VerifyReport
-from ..errors import EagerFailure
+from ..errors import EagerFailure, InternalError
 from ..guard import CaptureGuard, ModuleTracker, Violation
 from ..manager.layout import infer_layout
 from ..plan import BatchDescriptor, GraphMode
@@ -298,6 +298,10 @@ def _verify_size(
                 copy_.run(loss_fn, warm, opts.autocast)
                 copy_.between()
     except Exception as exc:
+        internal = InternalError.found_in(exc)
+        # The harness's bookkeeping under the step failed: never loss_fn's or forward's.
+        if internal is not None:
+            raise internal from internal.__cause__
         raise EagerFailure(
             f"the training step fails eagerly at {tokens} tokens and {reqs} requests, before anything is "
             f"captured: {type(exc).__name__}: {exc}; fix the step, or leave this size out of capture_sizes"
@@ -336,6 +340,9 @@ def _verify_size(
         else:
             graph = engine.capture(lambda: graphed.run(loss_fn, static, opts.autocast), guard)
     except Exception as exc:
+        internal = InternalError.found_in(exc)
+        if internal is not None:  # ours, not the step's capture failing
+            raise internal from internal.__cause__
         error = exc
     seconds = time.perf_counter() - began
     skipped = graphed.not_graphed() if error is None else ""

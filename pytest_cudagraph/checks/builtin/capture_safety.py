@@ -11,6 +11,7 @@ import torch
 from ... import faults
 from ...context import running
 from ...guard import ModuleTracker, Violation, find_violations
+from ...guard.host import device_path_fix
 from ...plan import Batch, BatchDescriptor
 from ..registry import Check
 from ..report import Finding, Outcome
@@ -44,6 +45,8 @@ _REFUSED = (
 def fix_of(violation: Violation) -> str:
     """How to fix an op a graph cannot hold, by the kind of its reason."""
     reason = violation.reason
+    if reason.startswith("a library's CUDA path"):
+        return device_path_fix(violation.op) or _REFUSED
     if "num_classes" in reason:
         return "pass num_classes= (the number of classes make_inputs can give), so no label is read back"
     if reason.startswith("sparse"):

@@ -54,6 +54,27 @@ def batch_norm_hint(ctx: VerifyContext) -> str:
     )
 
 
+def quantization_fix(ctx: VerifyContext) -> str:
+    """How to fix padding that reaches real rows when the forward quantizes (a cast to int8 or
+    float8 seen): with a reduction over every element of a tensor seen too, a per-tensor scale, which
+    padded rows enter; "" when the forward quantizes nothing."""
+    observer = ctx.observer
+    if not observer.quantized:
+        return ""
+    to = " and ".join(observer.quantized)
+    if observer.whole_reduction:
+        return (
+            f"the forward quantizes to {to} with a scale over every element of a tensor "
+            f"({observer.whole_reduction}): over activations that is one scale for the whole batch, "
+            "which padded rows set for the real ones; quantize per token (one scale per row, "
+            "x.abs().amax(dim=-1, keepdim=True)), or mask the padded rows out of the scale"
+        )
+    return (
+        f"the forward quantizes to {to}: if its scale spans the batch's rows, padded rows set it for "
+        "the real ones; quantize per token (one scale per row)"
+    )
+
+
 def nothing_to_compare(check: str, desc: BatchDescriptor, output: Any, batch: Batch) -> Outcome:
     what = "None" if output is None else f"a {type(output).__name__} with no tensor in it"
     return Outcome(

@@ -232,7 +232,7 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
         floors = {d.path: d.relative for d in leaf_differences(noisy, exact)}
         del noisy
         limits = _limits(floors, roundoff)
-        if ref.record.outside or ref.record.fell_back:
+        if ref.record.outside or ref.record.fell_back or ref.record.quantized:
             # Named once per verification, with the precision that holds at each.
             note = f"padded_size's reference: {ref.record.precision}"
             if note not in ctx.notes:

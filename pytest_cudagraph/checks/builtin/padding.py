@@ -13,7 +13,7 @@ from ..compare import first_difference
 from ..registry import Check
 from ..report import Outcome
 from ..verify_context import VerifyContext, clone_tree
-from .common import batch_norm_hint, finding_of, where_of
+from .common import batch_norm_hint, finding_of, quantization_fix, where_of
 
 # Finite fills are what padded rows hold in an engine: zeros, stale rows of an
 # earlier batch, hidden states of pad tokens. NaN and inf are a strictness on
@@ -207,13 +207,19 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 f"the graph with padded rows of {label}",
                 f"the graph with padded rows of {instead}",
             )
-            finding.fix = _leak_fix(label)
+            quantized = quantization_fix(ctx)
+            finding.fix = quantized or _leak_fix(label)
             return Outcome(
                 "padding_isolation",
                 desc,
                 False,
                 f"real rows change when padded rows of {filled} hold {label} instead of {instead}: padding "
-                f"leaks into real rows ({where_of(diff)}){strict}{batch_norm_hint(ctx)}",
+                f"leaks into real rows ({where_of(diff)}){strict}{batch_norm_hint(ctx)}"
+                + (
+                    f"; the forward quantizes to {' and '.join(ctx.observer.quantized)} (fix below)"
+                    if quantized
+                    else ""
+                ),
                 finding,
                 figures={"fill": label, "nonfinite": bool(strict)},
             )
@@ -250,7 +256,8 @@ PADDING_ISOLATION = Check(
     "the largest value `make_inputs` gives, then other values in its range; inputs whose padding "
     "is declared semantics in `pad_values` (a reserved slot, a square mask) are not filled",
     catches="attention that reads padded keys (bidirectional over the padded sequence), pooling over padded "
-    "rows, batch statistics (a BatchNorm in train mode is named), padded rows writing into state "
+    "rows, batch statistics (a BatchNorm in train mode is named), a quantization scale over the whole batch "
+    "(told to quantize per token), padded rows writing into state "
     "(an expert load counted by the pad id; allow a scratch region with `scratch_state`); strict: "
     "masking by multiplication (`0 * NaN = NaN`)",
     applies="no real batch of the descriptor leaves padded rows; no input has padded rows that can hold "

@@ -20,6 +20,7 @@ MUTANTS: list[Mutant] = [
     *precision.PADDED_SIZE,
     *precision.LAUNCHES,
     *precision.OBSERVE,
+    *precision.QUANTIZED_MODELS,
     *manager.INTEGER_PADDING,
     *capturability.TABLE,
     *capturability.VALUE_RULES,
