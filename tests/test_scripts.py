@@ -73,6 +73,7 @@ SMOKE: dict[str, Smoke] = {
     "scripts/gallery_output.py": Smoke(("--smoke",), r"^    \w+ on emulate \(cpu\).*descriptors captured"),
     "scripts/mutants.py": Smoke(("--list",), r"^compare-all-any\n    .*^\d+ mutants$"),
     "scripts/refresh_docs.py": Smoke(("--list",), r"^[\w-]+ +[\w/]+\.md +python "),
+    "scripts/optimizer_capture.py": Smoke(("--help",), r"--out OUT"),
     "scripts/summarize_report.py": Smoke(
         ("--smoke",), r"^smoke\.py::test_linear: emulate cpu .*\n  \w+: \d+ passed"
     ),
@@ -168,3 +169,21 @@ def test_mutants_modules_stay_small() -> None:
     sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in modules}
     assert len(sizes) > 3
     assert {name: n for name, n in sizes.items() if n > 600} == {}
+
+
+def test_every_mutant_finds_its_snippet_in_the_tree() -> None:
+    """A mutant whose snippet the code no longer holds is stale: it would mutate nothing, and only
+    a real run (minutes) would say so. Each is located as ``scripts/mutants.py`` locates it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from mutants.runner import Stale, locate
+        from mutants.tables import MUTANTS
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    stale = []
+    for mutant in MUTANTS:
+        try:
+            locate(ROOT, mutant)
+        except Stale as exc:
+            stale.append(str(exc))
+    assert stale == []

@@ -52,6 +52,19 @@ def _zero_grads(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
             p.grad.zero_()
 
 
+def _own_gradients(module: torch.nn.Module) -> None:
+    """Every gradient its own tensor before the first graphed backward. Where ``p.grad`` is None,
+    autograd takes the gradient the graph hands it as ``p.grad`` itself, and that is the graph's
+    output: under ``make_graphed_callables`` its static buffer, which the next replay writes before
+    autograd adds it to itself (every gradient exactly twice eager's); under torch.compile's graph
+    trees an output the next run overwrites (read after it: "accessing tensor output of CUDAGraphs
+    that has been overwritten"). Both seen on an NVIDIA H200 with torch 2.11, 2026-12-03."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+
 def _forward_inputs(
     inputs: Mapping[str, Any], params: tuple[frozenset[str], bool]
 ) -> dict[str, torch.Tensor]:
@@ -87,6 +100,7 @@ def graphed_training(*, num_warmup_iters: int = 3) -> _RunnerStep:
     ) -> TrainingStep:
         graphed: dict[tuple[Any, ...], Callable[..., Any]] = {}
         params = _forward_parameters(module)  # read once, not at every step
+        _own_gradients(module)
 
         def run(inputs: Mapping[str, Any]) -> torch.Tensor:
             taken = _forward_inputs(inputs, params)
@@ -124,6 +138,7 @@ def compiled_training(*, recompile_limit: int = 64) -> _RunnerStep:
 
         compiled = torch.compile(module, mode="reduce-overhead", dynamic=False)
         params = _forward_parameters(module)  # read once, not at every step
+        _own_gradients(module)
         reasons: list[str] = []
 
         def record(messages: Iterable[str]) -> None:
@@ -136,7 +151,9 @@ def compiled_training(*, recompile_limit: int = 64) -> _RunnerStep:
             with skips_recorded(record), dynamo_config.patch(recompile_limit=limit):
                 loss = loss_fn(compiled(**_forward_inputs(inputs, params)), inputs)
                 loss.backward()  # type: ignore[no-untyped-call]
-            return loss.detach()
+            # A copy: what the graph trees hand out is overwritten by their next run, and the loss
+            # is read after it (held to eager's).
+            return loss.detach().clone()
 
         return TrainingStep(
             run,

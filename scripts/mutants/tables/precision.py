@@ -53,7 +53,7 @@ PADDED_SIZE: list[Mutant] = [
     Mutant(
         "reference-floor-without-noise",
         PS,
-        "        noisy = runs.real(floor_at, noise=roundoff)",
+        "        noisy = runs.real(floor_at, noise=base)",
         "        noisy = runs.real(floor_at, noise=1e-3)",
         REFERENCE_TESTS,
         "the floor is measured with noise far above rounding: an error just above the limit passes",
@@ -101,8 +101,9 @@ PADDED_SIZE: list[Mutant] = [
     Mutant(
         "precision-views-copied",
         PR,
-        "        if kind == _VIEW:\n            # On the tensor itself, so that a write through the view still lands there.\n            return func(*args, **kwargs)",
-        "        if kind == _VIEW:\n            return _raised(func(*[_raised(a, _RAISE) for a in args], **kwargs), _RAISE)",
+        "        if kind == _VIEW:\n            # On the tensor itself, so that a write through the view still lands there.\n"
+        "            out = func(*args, **kwargs)",
+        "        if kind == _VIEW:\n            out = _raised(func(*[_raised(a, _RAISE) for a in args], **kwargs), _RAISE)",
         PRECISION_TESTS,
         "a view of the module's state is a float64 copy: writes through it are lost",
     ),
