@@ -84,6 +84,15 @@ class InternalError(RuntimeError):
         return (type(self), (self.step, None, self.tensor, self.cause))
 
     @staticmethod
+    def raise_if_in(exc: BaseException) -> None:
+        """Raise the ``InternalError`` ``exc`` is or came from (``found_in``), chained to its own
+        cause; return when there is none. Where the user's exceptions are wrapped (make_inputs,
+        forward, loss_fn, a capture), this goes first: the harness's failure is never theirs."""
+        internal = InternalError.found_in(exc)
+        if internal is not None:
+            raise internal from internal.__cause__
+
+    @staticmethod
     def found_in(exc: BaseException) -> InternalError | None:
         """``exc`` if it is an ``InternalError``, else the first one it came from (its ``__cause__``
         or ``__context__``, at any depth); None if there is none."""

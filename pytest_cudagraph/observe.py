@@ -43,6 +43,7 @@ __all__ = [
     "fingerprint",
     "internal_error",
     "module_tensors",
+    "named_tensors",
     "observing",
     "outside_forward",
     "plain_parts",
@@ -302,14 +303,20 @@ def plain_parts(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return parts
 
 
+def named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` as it holds them, by name, tied ones under each of
+    their names (lazy ones and wrapper subclasses included)."""
+    items: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
+    items.extend(module.named_buffers(remove_duplicate=False))
+    return items
+
+
 def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer of ``module`` as plain tensors (``plain_parts``), by name, tied
     ones under each of their names; lazy ones (``nn.LazyLinear`` before its first forward) left out,
     as they hold nothing yet."""
-    items: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
-    items.extend(module.named_buffers(remove_duplicate=False))
     lazy = torch.nn.parameter.is_lazy
-    return [part for name, t in items if not lazy(t) for part in plain_parts(name, t)]
+    return [part for name, t in named_tensors(module) if not lazy(t) for part in plain_parts(name, t)]
 
 
 def quantizes(t: Any, dtype: Any) -> bool:

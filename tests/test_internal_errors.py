@@ -49,6 +49,18 @@ def _called_from(frame_depth: int, mode: type) -> bool:
     return isinstance(sys._getframe(frame_depth + 1).f_locals.get("self"), mode)
 
 
+def _break_the_watch_of_make_inputs(monkeypatch: pytest.MonkeyPatch, message: str) -> None:
+    """The bookkeeping that runs on each op of make_inputs (inside the user's call) fails with ``message``."""
+    plain = observe._storage_key
+
+    def storage_key(t: torch.Tensor) -> int | None:
+        if _called_from(1, observe._WritesOutside):
+            raise RuntimeError(message)
+        return plain(t)
+
+    monkeypatch.setattr(observe, "_storage_key", storage_key)
+
+
 def _takes_a_sample(ctx: Any, desc: Any) -> None:
     """A check of the caller's that builds a sample at its descriptor, as the built-in ones do."""
     ctx.make(ctx.exact_batch(desc))
@@ -114,15 +126,9 @@ def test_a_failing_read_after_make_inputs_is_internal_not_make_inputs(
 def test_a_failing_watch_of_make_inputs_writes_is_internal_not_make_inputs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The bookkeeping that runs on each op of make_inputs (inside the user's call) fails.
-    plain = observe._storage_key
-
-    def storage_key(t: torch.Tensor) -> int | None:
-        if _called_from(1, observe._WritesOutside):
-            raise RuntimeError("Attempted to access the data pointer on an invalid python storage")
-        return plain(t)
-
-    monkeypatch.setattr(observe, "_storage_key", storage_key)
+    _break_the_watch_of_make_inputs(
+        monkeypatch, "Attempted to access the data pointer on an invalid python storage"
+    )
     said = _what_verify_said(_mlp(), _make_writing)
     assert said.startswith("InternalError: pytest-cudagraph internal error while observing make_inputs'")
     assert "aten.normal_" in said
@@ -140,14 +146,9 @@ def test_the_internal_error_names_the_module_tensor_it_was_reading(monkeypatch: 
         return _make(num_tokens, num_reqs)
 
     assert _what_verify_said(module, syncing) == ""  # the twin: the sync is the user's right
-    plain = observe._storage_key
-
-    def storage_key(t: torch.Tensor) -> int | None:
-        if _called_from(1, observe._WritesOutside):
-            raise RuntimeError("Attempted to access the data pointer on an invalid python storage")
-        return plain(t)
-
-    monkeypatch.setattr(observe, "_storage_key", storage_key)
+    _break_the_watch_of_make_inputs(
+        monkeypatch, "Attempted to access the data pointer on an invalid python storage"
+    )
     said = _what_verify_said(module, syncing)
     assert said.startswith("InternalError: pytest-cudagraph internal error while observing make_inputs'")
     assert "(reading '0.weight')" in said and "aten.mul_" in said
@@ -158,20 +159,13 @@ def test_an_internal_error_that_make_inputs_wrapped_is_still_internal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # make_inputs catches what its op raised and raises its own: the cause is still ours.
-    plain = observe._storage_key
-
-    def storage_key(t: torch.Tensor) -> int | None:
-        if _called_from(1, observe._WritesOutside):
-            raise RuntimeError("boom")
-        return plain(t)
-
     def wrapping(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
         try:
             return _make_writing(num_tokens, num_reqs)
         except RuntimeError as exc:
             raise ValueError("could not build the batch") from exc
 
-    monkeypatch.setattr(observe, "_storage_key", storage_key)
+    _break_the_watch_of_make_inputs(monkeypatch, "boom")
     said = _what_verify_said(_mlp(), wrapping)
     assert said.startswith("InternalError: pytest-cudagraph internal error")
     assert BLAMES_MAKE_INPUTS not in said and "could not build the batch" not in said

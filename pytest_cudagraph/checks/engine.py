@@ -324,10 +324,7 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
             ctx.eager(ctx.manager.eager_kwargs(made[desc], batch.num_tokens), desc, captured_path=False)
         except Exception as exc:
             _raise_if_lost(exc)
-            internal = InternalError.found_in(exc)
-            # The harness's bookkeeping under the forward failed: never the forward's.
-            if internal is not None:
-                raise internal from internal.__cause__
+            InternalError.raise_if_in(exc)  # the harness's bookkeeping under the forward failed
             failures.append((desc, exc))
 
     ctx.learn_writes([partial(forward, desc) for desc in shapes])

@@ -154,7 +154,6 @@ def _patch_device_paths() -> None:
     torchao.kernel import int_scaled_matmul`` binds it in the importer) by a wrapper that reports
     the path to an emulating guard. Only libraries already imported are touched; none is imported
     here."""
-    import inspect
     import sys
 
     for (module_name, func_name), path in DEVICE_PATHS.items():
@@ -162,22 +161,64 @@ def _patch_device_paths() -> None:
         original = getattr(home, func_name, None) if home is not None else None
         if original is None or getattr(original, "__device_path__", None) is not None:
             continue
-        source_module, source_name = _DEVICE_PATH_SOURCE[path]
-        try:
-            held = path.fragment in inspect.getsource(getattr(sys.modules[source_module], source_name))
-        except (OSError, TypeError, AttributeError, KeyError):
-            held = False
-        if not held:
+        if not _path_still_there(path):
             continue
         wrapper = _reporting_device_path(original, path)
-        library = module_name.split(".")[0]
-        for name, module in list(sys.modules.items()):
-            if module is None or not (name == library or name.startswith(library + ".")):
-                continue
-            for attr, value in list(getattr(module, "__dict__", {}).items()):
-                if value is original:
-                    _SAVED_PATHS.append((module, attr, original))
-                    setattr(module, attr, wrapper)
+        for module, attr in _holders(original, module_name.split(".")[0]):
+            _SAVED_PATHS.append((module, attr, original))
+            setattr(module, attr, wrapper)
+
+
+def _holders(func: Any, library: str) -> list[tuple[Any, str]]:
+    """(module, name) of every module of ``library`` that holds ``func``; the walk over the modules
+    is kept until another module is imported (each guard's entry would otherwise repeat it)."""
+    import sys
+
+    imported = len(sys.modules)
+    known = _HOLDERS.get(func)
+    if known is not None and known[0] == imported:
+        return known[1]
+    found = [
+        (module, attr)
+        for name, module in list(sys.modules.items())
+        if module is not None and (name == library or name.startswith(library + "."))
+        for attr, value in list(getattr(module, "__dict__", {}).items())
+        if value is func
+    ]
+    _HOLDERS[func] = (imported, found)
+    return found
+
+
+#: Per function, its last walk: how many modules were imported then, and the holders found.
+_HOLDERS: dict[Any, tuple[int, list[tuple[Any, str]]]] = {}
+
+
+def _path_still_there(path: DevicePath) -> bool:
+    """Whether the function that holds ``path`` still holds its fragment, read from its source once
+    per function object (a fresh import of another release is a new object, read again): each
+    capture sequence and each ``as_captured`` block enters here, and a source read costs
+    milliseconds."""
+    import inspect
+    import sys
+
+    source_module, source_name = _DEVICE_PATH_SOURCE[path]
+    func = getattr(sys.modules.get(source_module), source_name, None)
+    if func is None:
+        return False
+    func = inspect.unwrap(func)
+    known = _SOURCE_READ.get(path)
+    if known is not None and known[0] is func:
+        return known[1]
+    try:
+        held = path.fragment in inspect.getsource(func)
+    except (OSError, TypeError):
+        held = False
+    _SOURCE_READ[path] = (func, held)
+    return held
+
+
+#: Per path, the function whose source was read and whether the fragment was in it.
+_SOURCE_READ: dict[DevicePath, tuple[Any, bool]] = {}
 
 
 def _reporting_device_path(func: Any, path: DevicePath) -> Any:

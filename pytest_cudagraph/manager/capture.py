@@ -510,9 +510,9 @@ class Capture:
         except CaptureError:
             raise
         except Exception as exc:
-            internal = InternalError.found_in(exc)
-            if internal is not None:  # the harness's own failure: said as one, not as the module's capture
-                raise internal from exc
+            InternalError.raise_if_in(
+                exc
+            )  # the harness's own failure: said as one, not as the module's capture
             where = self.state.tracker.failed_path or (exc.path if isinstance(exc, EagerPieceError) else "")
             raise CaptureError(
                 f"capture of {desc} failed on the {self.state.backend.name} backend"

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_leaves
 from ..backends.base import Backend
 from ..context import running
 from ..errors import CaptureError
-from ..observe import plain_parts
+from ..observe import buffers_restored, plain_parts
 from ..plan import BatchDescriptor, CaptureConfig, GraphMode
 from ..units import format_bytes
 from .inputs import call_make_inputs
@@ -173,8 +173,6 @@ def measure_forward(
     """The footprint of one eager forward, without autograd (as captures run).
 
     The module's buffers are put back afterwards."""
-    from ..observe import buffers_restored
-
     with buffers_restored(module), torch.no_grad():
         if marker is not None:
             with running(marker):

@@ -22,7 +22,7 @@ from ..backends.base import CapturedGraph, resolve_checked
 from ..backends.factory import make_backend
 from ..errors import CaptureError
 from ..guard import ModuleTracker
-from ..observe import ForwardObserver, restoring
+from ..observe import ForwardObserver, named_tensors, restoring
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan
 from ..plan.validate import UsageError
 from .capture import Capture
@@ -506,11 +506,7 @@ def _check_not_meta(module: torch.nn.Module) -> None:
 def _lazy_names(module: torch.nn.Module) -> list[str]:
     """The module's lazy parameters and buffers (``nn.LazyLinear``'s before its first forward), by
     dotted name, tied ones under each of their names."""
-    tensors: list[tuple[str, torch.Tensor]] = [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]
-    return [name for name, t in tensors if torch.nn.parameter.is_lazy(t)]
+    return [name for name, t in named_tensors(module) if torch.nn.parameter.is_lazy(t)]
 
 
 def _materialise_lazy(module: torch.nn.Module, make_inputs: Callable[[int, int], Mapping[str, Any]]) -> None:

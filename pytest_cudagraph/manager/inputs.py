@@ -29,9 +29,7 @@ def call_make_inputs(
     except (MakeInputsError, InternalError):  # already says which call and what to do, or that it is ours
         raise
     except Exception as exc:  # the user's code: say which call failed
-        internal = InternalError.found_in(exc)
-        if internal is not None:  # make_inputs raised because the harness's bookkeeping under it failed
-            raise internal from internal.__cause__
+        InternalError.raise_if_in(exc)  # make_inputs raised because the harness's bookkeeping under it failed
         raise MakeInputsError(
             f"make_inputs(num_tokens={num_tokens}, num_reqs={num_reqs}) raised "
             f"{type(exc).__name__}: {exc}. make_inputs must build inputs for any "

@@ -300,10 +300,7 @@ def _verify_size(
                 copy_.run(loss_fn, warm, opts.autocast)
                 copy_.between()
     except Exception as exc:
-        internal = InternalError.found_in(exc)
-        # The harness's bookkeeping under the step failed: never loss_fn's or forward's.
-        if internal is not None:
-            raise internal from internal.__cause__
+        InternalError.raise_if_in(exc)  # the harness's bookkeeping under the step failed: never loss_fn's
         raise EagerFailure(
             f"the training step fails eagerly at {tokens} tokens and {reqs} requests, before anything is "
             f"captured: {type(exc).__name__}: {exc}; fix the step, or leave this size out of capture_sizes"
@@ -342,9 +339,7 @@ def _verify_size(
         else:
             graph = engine.capture(lambda: graphed.run(loss_fn, static, opts.autocast), guard)
     except Exception as exc:
-        internal = InternalError.found_in(exc)
-        if internal is not None:  # ours, not the step's capture failing
-            raise internal from internal.__cause__
+        InternalError.raise_if_in(exc)  # ours, not the step's capture failing
         error = exc
     seconds = time.perf_counter() - began
     skipped = graphed.not_graphed() if error is None else ""
