@@ -28,7 +28,8 @@ from .compare import CHUNK, leaves
 __all__ = ["REFERENCE_CAP", "LeafDifference", "Queued", "Reference", "leaf_differences", "on_cpu"]
 
 #: Eager across shapes may differ in float64 by this many times the reference's floor (the same
-#: forward with noise of one unit roundoff at every op, at one shape). Measured on an H200
+#: forward with noise of one unit roundoff at every op whose rounding can differ between shapes, at one
+#: shape). Measured on an H200
 #: (docs/scale.md): the difference across shapes of a correct Llama of 1B and 8B parameters is at
 #: most 0.6 times its floor (1.9e-13 at 8B), and a shape-dependent error of 1e-6 moves the logits by
 #: 1.7e-7 or more, six orders of magnitude above it.

@@ -13,7 +13,7 @@ the very computation under test, so it grows with it. Here both forwards run
 in float64 (``precision.raised``), after the graphs are released, where
 rounding moves the logits by about 1e-13, and the limit is measured with the
 module at one shape (the same forward with noise of one unit roundoff at every
-op), which holds no computation of another shape.
+op whose rounding can differ between shapes), which holds no computation of another shape.
 
 Kernels the dispatcher does not see into (Triton, an extension called
 directly) compute in float32 whatever they are handed: the reference finds
@@ -195,7 +195,8 @@ def _fmt(x: float) -> str:
 def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Outcome]:
     """Per descriptor: eager at its padded shape, cut to the real rows, against eager on the real
     batch, both in float64, on the real batches ``real_batches`` ran; held to 64 times the floor
-    of the float64 reference (the same forward with noise of one unit roundoff at every op)."""
+    of the float64 reference (the same forward with noise of one unit roundoff at every op whose
+    rounding can differ between shapes)."""
     ref = ctx.reference
     if ref is None or not ref.ready:
         why = ref.why_not if ref is not None else "the reference was not prepared"
@@ -334,7 +335,8 @@ def _failure(
             f"{shape} differs from eager on those {n} tokens by {_fmt(bad.relative)} (relative rms of {where}), "
             f"in {ctx.reference.record.precision if ctx.reference else 'float64'}, where rounding moves it by "
             f"{_fmt(floors.get(bad.path, 0.0))} (the floor: this forward with noise of one unit roundoff at "
-            f"every op, at one shape; the limit is {REFERENCE_CAP:g}x that, {_fmt(limit)})"
+            f"every op whose rounding can differ between shapes, at one shape; the limit is {REFERENCE_CAP:g}x "
+            f"that, {_fmt(limit)})"
         )
     # Which path: the capture path on the real batch itself, or the padding?
     on_path = runs.real(q, captured_path=True)
@@ -415,7 +417,8 @@ PADDED_SIZE = Check(
     "found when it is read, and what they wrote counts as float32's where its values hold no more. "
     "A forward that refuses float64 (an extension for float32 alone) runs in float32 with TF32 off. "
     "Held to 64 times the reference's floor, measured with the module at one shape (the same forward "
-    "with noise of one unit roundoff of each op's own precision at every op), so a computation of "
+    "with noise of one unit roundoff of each op's own precision at every op whose rounding can differ between "
+    "shapes: a product or reduction, and what is computed from one), so a computation of "
     "another shape cannot hide in it; the report gives the precision and where it holds less, the "
     "floor, the limit and the stage's peak memory apart",
     catches="computations that depend on the padded batch size at any size above float64's rounding: a "
