@@ -122,3 +122,37 @@ def test_a_quantized_mlp_verifies_piecewise(cudagraph_verify):
     """PIECEWISE graphs around an eager submodule read the quantized weights' storages too."""
     report = cudagraph_verify(mlp("token"), make(), mode="PIECEWISE", eager_submodules=["1"], **CONFIG)
     assert report.ok
+
+
+class ScaledOnPaddedSizes(nn.Module):
+    """The per-token quantized MLP with its output scaled by ``1 + error`` where the batch has a
+    multiple of 4 tokens: every captured size past 2, none of the real batches padded to them."""
+
+    def __init__(self, error: float) -> None:
+        super().__init__()
+        self.mlp = mlp("token")
+        self.error = error
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(input)
+        return out * (1.0 + self.error) if input.shape[0] % 4 == 0 else out
+
+
+#: padded_size asks its question of the real batches real_batches queues for it.
+CROSS_SHAPE = ["real_batches", "padded_size"]
+
+
+def test_an_error_just_above_the_quantized_references_limit_is_caught(cudagraph_verify):
+    """The floor's noise goes only where rounding can differ between shapes: the limit it gives a
+    quantized model is float64's, and an error of 4 times that limit on the padded sizes is caught,
+    where one of a sixteenth of it passes."""
+    report = cudagraph_verify(ScaledOnPaddedSizes(0.0), make(), checks=CROSS_SHAPE, **CONFIG)
+    limits = [o.figures["limit"] for o in report.outcomes if o.check == "padded_size" and not o.skipped]
+    limit = max(limits)
+    assert limit < 1e-12, limit
+    passes = cudagraph_verify(ScaledOnPaddedSizes(limit / 16), make(), checks=CROSS_SHAPE, **CONFIG)
+    assert passes.ok
+    with pytest.raises(
+        pytest.fail.Exception, match=r"(?s)FAIL padded_size .*depends on the padded batch size"
+    ):
+        cudagraph_verify(ScaledOnPaddedSizes(4 * limit), make(), checks=CROSS_SHAPE, **CONFIG)
