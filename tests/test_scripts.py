@@ -64,7 +64,10 @@ SMOKE: dict[str, Smoke] = {
         ("--shape", "small", "--backend", "emulate", "--world-size", "1", "--sizes", "1", "--bugs", ""),
         r"^verify: TPLlama on emulate .*all checks passed",
     ),
-    "benchmarks/training_step.py": Smoke(("--help",), r"--layers LAYERS.*--steps STEPS"),
+    "benchmarks/training_step.py": Smoke(
+        ("--cpu-smoke", "--model", "llama-1b"),
+        r"^correct step: passed\n.*^bug \(loss over padded rows\): caught by \[.training_padding.",
+    ),
     "scripts/capturability.py": Smoke(
         ("table", "docs/data/capturability_h200_cases.jsonl.gz", "--out", "{tmp}/table.json"),
         r"^\d+ cases -> \d+ ops, \d+ patterns: .*; wrote ",

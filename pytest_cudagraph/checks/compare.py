@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,15 @@ import torch
 
 from ..manager import tree
 
-__all__ = ["CHUNK", "Difference", "default_tolerance", "first_difference", "largest_difference", "leaves"]
+__all__ = [
+    "CHUNK",
+    "Difference",
+    "default_tolerance",
+    "first_difference",
+    "largest_difference",
+    "last_place",
+    "leaves",
+]
 
 # (rtol, atol) per dtype for real batches against unpadded eager: kernels may
 # sum a different number of rows in another order, so the last bits move.
@@ -209,6 +218,16 @@ def largest_difference(got: torch.Tensor, expected: torch.Tensor, *, ulp: bool =
     widen = g.is_floating_point() and g.dtype not in _INT_VIEW
     max_abs, max_ulp = _largest(g, e, widen, ulp)
     return max_abs or 0.0, max_ulp or 0
+
+
+def last_place(t: torch.Tensor) -> float:
+    """One unit in the last place of ``t``'s largest finite element, in ``t``'s dtype (0.0 for an
+    integer tensor, an empty one, or one of zeros)."""
+    if not t.is_floating_point() or not t.numel():
+        return 0.0
+    finite = t.detach()[torch.isfinite(t.detach())]
+    top = float(finite.abs().max()) if finite.numel() else 0.0
+    return float(torch.finfo(t.dtype).eps) * 2.0 ** math.floor(math.log2(top)) if top > 0 else 0.0
 
 
 def first_difference(

@@ -97,10 +97,28 @@ class _Replica:
                     out[f"optimizer state {key!r} of {names.get(id(owner), '?')}"] = value
         return out
 
-    def snapshot(self) -> dict[str, Any]:
+    def over_the_same_tensors(self) -> _Replica | None:
+        """A copy of this one's Python state (the module's counters and flags, the optimizer's
+        settings) over its very tensors: another eager run from the same start needs the Python
+        state where it was, and a copy of the tensors would cost a whole replica's memory. None for
+        a step the caller wrote, whose closure cannot be copied."""
+        if self.custom is not None:
+            return None
+        memo: dict[int, Any] = {id(t): t for t in self.module.parameters()}
+        memo.update({id(t): t for t in self.module.buffers()})
+        if self.optimizer is not None:
+            for slots in self.optimizer.state.values():
+                memo.update({id(v): v for v in slots.values() if isinstance(v, torch.Tensor)})
+        module = copy.deepcopy(self.module, memo)
+        optimizer = copy.deepcopy(self.optimizer, memo) if self.optimizer is not None else None
+        return _Replica(module, optimizer)
+
+    def snapshot(self, keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
+        """A copy of the state (``keep``: of the names it keeps only, never copying the rest)."""
         return {
             k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.copy(v)
             for k, v in self.state().items()
+            if keep is None or keep(k)
         }
 
     def restore(self, saved: Mapping[str, Any]) -> None:

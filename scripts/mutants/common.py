@@ -115,6 +115,8 @@ INTERNAL_TESTS = ("tests/test_internal_errors.py",)
 TRR = "pytest_cudagraph/training/replicas.py"
 TRM = "pytest_cudagraph/training/compare.py"
 TRV = "pytest_cudagraph/training/verify.py"
+TRJ = "pytest_cudagraph/training/rounding.py"
+ROUNDING_TESTS = ("tests/test_training_rounding.py",)
 TRAINING_TESTS = ("tests/test_training.py", "examples/training/test_training_gallery.py")
 
 EXACT = "return ((g == e) & _same_sign(g, e)) | both_nan"

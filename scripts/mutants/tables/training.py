@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..common import CAPTURABILITY, CB, EM, TRAINING_TESTS, TRC, TRM, TRR, TRV, Mutant
+from ..common import CAPTURABILITY, CB, EM, ROUNDING_TESTS, TRAINING_TESTS, TRC, TRJ, TRM, TRR, TRV, Mutant
 
 TRAINING: list[Mutant] = [
     # -- issue #31: training graphs ---------------------------------------------------------------
@@ -24,12 +24,52 @@ TRAINING: list[Mutant] = [
         "replays that train differently from eager pass",
     ),
     Mutant(
-        "training-tolerance-for-all",
+        "training-floor-unbounded",
+        TRM,
+        "        bound = FLOOR_FACTOR * max(drift, floor)",
+        "        bound = 1e30",
+        (*TRAINING_TESTS, *ROUNDING_TESTS),
+        "a tensor that differs beyond what eager moves by (run again, or with its rounding moved) passes",
+    ),
+    Mutant(
+        "training-floor-from-a-later-state",
         TRC,
-        "            if loose is None:\n                notes.append",
-        "            if True:\n                notes.append",
-        TRAINING_TESTS,
-        "a gradient beyond the dtype's tolerance passes as another kernel's rounding",
+        "    third = twin.over_the_same_tensors()",
+        "    third = twin if twin.custom is None else None",
+        ROUNDING_TESTS,
+        "the rounding floor runs from the Python state the eager runs left, and holds a gain counted in Python",
+    ),
+    Mutant(
+        "training-jitter-moves-nothing",
+        TRJ,
+        "        return (x + sign * u * (x.abs() + rms)).to(out.dtype)",
+        "        return out",
+        ROUNDING_TESTS,
+        "the rounding floor measures nothing: another kernel under capture is a false alarm",
+    ),
+    Mutant(
+        "training-floor-without-last-place",
+        TRC,
+        "            least = last_place(w) if counted else 0.0",
+        "            least = 0.0",
+        ROUNDING_TESTS,
+        "a loss whose upstream moves cancel has no floor: another kernel under capture is a false alarm in fp32",
+    ),
+    Mutant(
+        "training-padding-first-look-final",
+        TRC,
+        "        return _held(replay(stressed), replay(base), widest(stressed, base))",
+        "        return found",
+        ROUNDING_TESTS,
+        "noise two replays agreed on by chance is a finding of padded rows",
+    ),
+    Mutant(
+        "training-padding-no-reruns",
+        TRC,
+        "RERUNS = 3",
+        "RERUNS = 0",
+        ROUNDING_TESTS,
+        "noise that the stressed step's two runs and the base's two agree on by chance is a finding of padded rows",
     ),
     Mutant(
         "training-grads-unread",
@@ -94,7 +134,7 @@ TRAINING_PADDING: list[Mutant] = [
     Mutant(
         "training-floor-always",
         TRM,
-        "    if _difference(again, want) is None:\n        return _difference(got, want)",
+        "    if rounding is None and _difference(again, want) is None:\n        return _difference(got, want)",
         "    if False:\n        return _difference(got, want)",
         TRAINING_TESTS,
         "a step eager reproduces bit for bit is held only within a tolerance",
@@ -119,7 +159,7 @@ TRAINING_PADDING: list[Mutant] = [
     Mutant(
         "training-between-skipped",
         TRC,
-        "        loss = graph.output.detach().clone()\n        sides.graphed.between()",
+        "        loss = graph.output.detach().clone()\n        graphed.between()",
         "        loss = graph.output.detach().clone()",
         TRAINING_TESTS,
         "the loop's code between replays never runs on the graph's side",
@@ -127,8 +167,8 @@ TRAINING_PADDING: list[Mutant] = [
     Mutant(
         "training-host-draw-unnamed",
         TRC,
-        "    if first_difference(again, once, rtol=0.0, atol=0.0) is not None:",
-        "    if False:",
+        '        if k == 0 and first_difference(again["loss"], want["loss"], rtol=0.0, atol=0.0) is not None:',
+        "        if False:",
         TRAINING_TESTS,
         "a value drawn on the host and frozen at capture (a dropout seed) passes within eager's own drift",
     ),
