@@ -82,8 +82,8 @@ TRAINING: list[Mutant] = [
     Mutant(
         "training-padding-unfilled",
         TRC,
-        "                if full > rows:",
-        "                if False:",
+        "            if full > rows:",
+        "            if False:",
         TRAINING_TESTS,
         "padded rows that reach the loss or a BatchNorm's statistics pass",
     ),
