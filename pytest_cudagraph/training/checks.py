@@ -94,7 +94,6 @@ def _replay_matches_eager(
     make_inputs: Callable[[int, int], Mapping[str, Any]],
     loss_fn: LossFn,
     load: Callable[[Mapping[str, Any]], None],
-    start: Mapping[str, Any],
     desc: BatchDescriptor,
     opts: _Options,
 ) -> Outcome:

@@ -369,7 +369,7 @@ def _verify_size(
     written = {name: p.grad for name, p in graphed.params()}
     graphed.restore(start)  # the emulator's capture ran the step; CUDA's did not
     sides = _Sides(graphed, eager, twin, written)
-    out.append(_replay_matches_eager(graph, sides, make_inputs, loss_fn, load, start, desc, opts))
+    out.append(_replay_matches_eager(graph, sides, make_inputs, loss_fn, load, desc, opts))
     out.append(_padding(graph, graphed, specs, make_inputs, load, start, desc, opts, declared))
     out.append(_real_batches(graph, sides, specs, make_inputs, loss_fn, load, start, desc, opts))
     return out, seconds, int(getattr(graph, "nbytes", 0))
