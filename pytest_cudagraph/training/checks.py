@@ -143,7 +143,7 @@ def _replay_matches_eager(
         counted = 0
         if third is not None:
             # The third copy writes the twin's tensors: its buffers are put back before the twin runs.
-            buffers = {key: v.clone() for key, v in twin.state().items() if key.startswith("buffer ")}
+            buffers = twin.snapshot(lambda key: key.startswith("buffer "))
             _set_random_state(began)
             with jittered(opts.seed + k) as mode:
                 made = _eager_step(third, loss_fn, batch, opts)
@@ -172,14 +172,12 @@ def _replay_matches_eager(
         def floor(
             key: str, want: Mapping[str, Any] = want, moved: Mapping[str, Any] = moved, counted: int = counted
         ) -> float:
-            w, m = want.get(key), moved.get(key)
-            if not (isinstance(w, torch.Tensor) and isinstance(m, torch.Tensor) and w.shape == m.shape):
-                return 0.0
+            w = want.get(key)
             # At least one unit in the last place of the tensor's largest element, where the step
             # rounds in a kernel's order at all: the last op's own rounding, which the moves made
             # upstream can cancel in a tensor of few elements (a loss that is a ratio of two sums).
-            least = last_place(w) if counted else 0.0
-            return max(largest_difference(m, w, ulp=False)[0], least)
+            least = last_place(w) if counted and isinstance(w, torch.Tensor) else 0.0
+            return max(_spread(moved.get(key), w), least)
 
         part = {key: v for key, v in got.items() if key in want}
         diff = _held(part, want, again, floor if third is not None else None, drifts)

@@ -29,33 +29,27 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..observe import _CONV, _MATMUL, _fp32_roundoff, _written_arguments, unit_roundoff
-
-aten = torch.ops.aten
+from ..observe import _CONV, _MATMUL, _fp32_roundoff, _packets, _written_arguments, unit_roundoff
 
 #: Reductions and accumulating scatters, beside the products of observe: their result's rounding
 #: depends on the order the kernel adds in (split reductions, atomics, an embedding's backward that
 #: groups by index). Pointwise ops, and their backward, round the same in any kernel: none here.
-_REORDERS = frozenset(
-    getattr(aten, n)
-    for n in (
-        "sum",
-        "mean",
-        "nansum",
-        "embedding_dense_backward",
-        "embedding_backward",
-        "index_add",
-        "scatter_add",
-        "scatter_reduce",
-        "index_put",
-        "_index_put_impl",
-        "index_reduce",
-        "native_layer_norm_backward",
-        "native_group_norm_backward",
-        "native_batch_norm_backward",
-        "_fused_rms_norm_backward",
-    )
-    if hasattr(aten, n)
+_REORDERS = _packets(
+    "sum",
+    "mean",
+    "nansum",
+    "embedding_dense_backward",
+    "embedding_backward",
+    "index_add",
+    "scatter_add",
+    "scatter_reduce",
+    "index_put",
+    "_index_put_impl",
+    "index_reduce",
+    "native_layer_norm_backward",
+    "native_group_norm_backward",
+    "native_batch_norm_backward",
+    "_fused_rms_norm_backward",
 )
 
 _KINDS: dict[Any, str] = {}

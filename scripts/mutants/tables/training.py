@@ -50,7 +50,7 @@ TRAINING: list[Mutant] = [
     Mutant(
         "training-floor-without-last-place",
         TRC,
-        "            least = last_place(w) if counted else 0.0",
+        "            least = last_place(w) if counted and isinstance(w, torch.Tensor) else 0.0",
         "            least = 0.0",
         ROUNDING_TESTS,
         "a loss whose upstream moves cancel has no floor: another kernel under capture is a false alarm in fp32",
