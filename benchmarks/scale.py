@@ -6,16 +6,16 @@ by 8), in one process:
 
 - **hand**: a hand-written ``torch.cuda.CUDAGraph`` loop, every size warmed up
   on a side stream and captured into one pool, largest first, run twice: the
-  first loop of the process pays for lazy kernel loading, so the second is
-  the baseline of the ratios;
+  first loop of the process pays for lazy kernel loading, so the median of
+  the next three (``--hand-runs``) is the baseline of the ratios;
 - **verify**: ``verify(mode="FULL")`` of every descriptor (``exhaustive=True``);
 - **quick**: ``verify(exhaustive=False)``;
 - **bug**: quick verification of the same model with a small systematic bug
   (logits scaled by 3 % for batches of the largest capture size: a Python
   branch on the token count, which the graph padded to 512 takes for 505
   real tokens and eager on 505 tokens does not), which must be caught;
-- **errors**: quick verification with a 1 % error inside the stack (the last
-  layer's MLP output times 1.01) and a 0.1 % logit scale, each on the padded
+- **errors**: quick verification with a 0.1 % error inside the stack (the last
+  layer's MLP output times 1.001) and a 0.1 % logit scale, each on the padded
   sizes only (``Planted``: a token count that is a multiple of 8);
 - **limits**: the detection-limit table: for each kind of error of
   ``ERROR_KINDS`` (on the padded sizes only), the smallest caught when the
@@ -244,6 +244,21 @@ def hand_loop(model: nn.Module, sizes: list[int], vocab: int) -> dict[str, Any]:
     return {"seconds": seconds, "peak": peak, "before": before, "graphs": len(sizes)}
 
 
+def hand_median(model: nn.Module, sizes: list[int], vocab: int, *, runs: int = 3) -> dict[str, Any]:
+    """The hand loop's figure: the median of ``runs`` warm loops, after a first one that pays for lazy
+    kernel loading and cuBLAS's set-up at every shape (kept as ``cold_seconds``). One loop is no
+    figure: on the H200 a single warm loop moved between 1.6 and 4.5 s from run to run."""
+    cold = hand_loop(model, sizes, vocab)
+    loops = [hand_loop(model, sizes, vocab) for _ in range(runs)]
+    median = sorted(loops, key=lambda r: r["seconds"])[len(loops) // 2]
+    return {
+        **median,
+        "runs": [r["seconds"] for r in loops],
+        "peak": max(r["peak"] for r in loops),
+        "cold_seconds": cold["seconds"],
+    }
+
+
 def verified(
     module: nn.Module,
     sizes: list[int],
@@ -392,8 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--parts",
         default="hand,verify,quick,bug,errors,limits",
-        help="comma-separated: hand, verify, quick, bug, errors (a 1 %% error inside the stack and a 0.1 %% "
+        help="comma-separated: hand, verify, quick, bug, errors (a 0.1 %% error inside the stack and a 0.1 %% "
         "logit scale on the padded sizes), limits (the detection-limit table)",
+    )
+    parser.add_argument(
+        "--hand-runs", type=int, default=3, help="warm hand loops whose median the ratios use (default 3)"
     )
     parser.add_argument("--resnet", action="store_true", help="also torchvision's resnet18 (fp32, TF32 on)")
     parser.add_argument("--out", help="write the results as JSON here")
@@ -425,12 +443,11 @@ def main(argv: list[str] | None = None) -> int:
         if cuda and "hand" in parts:
             # The first loop of a process pays for lazy kernel loading and cuBLAS's set-up at every
             # shape; the second is the hand loop's own cost, and the one the ratios use.
-            cold = hand_loop(model, sizes, vocab)
-            row["hand"] = hand_loop(model, sizes, vocab)
-            row["hand"]["cold_seconds"] = cold["seconds"]
+            row["hand"] = hand_median(model, sizes, vocab, runs=args.hand_runs)
             print(
-                f"  hand   {row['hand']['seconds']:7.2f} s  peak {format_bytes(row['hand']['peak'])} "
-                f"(the first loop of the process: {cold['seconds']:.2f} s)",
+                f"  hand   {row['hand']['seconds']:7.2f} s  peak {format_bytes(row['hand']['peak'])} (the median "
+                f"of {len(row['hand']['runs'])} warm loops: {', '.join(f'{s:.2f}' for s in row['hand']['runs'])} s; "
+                f"the first loop of the process: {row['hand']['cold_seconds']:.2f} s)",
                 flush=True,
             )
         for part, exhaustive in (("verify", True), ("quick", False)):
@@ -443,8 +460,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             _print("bug", row["bug"], row.get("hand"))
         if "errors" in parts:
-            # The issue's two errors, each on the padded sizes only, in quick verification.
-            for kind, e in (("mlp_scale", 0.01), ("logit_scale", 0.001)):
+            # Two errors of a tenth of a percent, each on the padded sizes only, in quick verification:
+            # inside the stack (the last layer's MLP output) and on the logits (issues #38 and #48).
+            for kind, e in (("mlp_scale", 0.001), ("logit_scale", 0.001)):
                 row[f"{kind} {e:g}"] = verified_planted(
                     model, kind, e, sizes, vocab, device, exhaustive=False
                 )

@@ -53,6 +53,17 @@ __all__ = [
     "unit_roundoff",
 ]
 
+
+class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A ``TorchDispatchMode`` that is never compiled: without ``_should_skip_dynamo``, torch wraps every
+    call of ``__torch_dispatch__`` (each op of a forward) in a guard against Dynamo, which costs
+    more than the bookkeeping of most of the modes here. Every mode of the package derives from it."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
 aten = torch.ops.aten
 
 #: The unit roundoff (half the gap between 1 and the next value) of each floating dtype.
@@ -303,20 +314,45 @@ def plain_parts(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return parts
 
 
-def named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def named_tensors(
+    module: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]] | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer of ``module`` as it holds them, by name, tied ones under each of
-    their names (lazy ones and wrapper subclasses included)."""
-    items: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
-    items.extend(module.named_buffers(remove_duplicate=False))
+    their names (lazy ones and wrapper subclasses included): ``named_parameters`` then
+    ``named_buffers``, with ``remove_duplicate=False``, in their order.
+
+    ``modules``: ``module.named_modules(remove_duplicate=False)`` read once before (an observer
+    keeps it), so that a walk reads each submodule's tables as they are now without walking the
+    tree again: this runs around every ``make_inputs`` call, hundreds of times a verification."""
+    if modules is None:
+        modules = list(module.named_modules(remove_duplicate=False))
+    items: list[tuple[str, torch.Tensor]] = []
+    append = items.append
+    for table in ("_parameters", "_buffers"):
+        for prefix, sub in modules:
+            for key, value in getattr(sub, table).items():
+                if value is not None:
+                    append((f"{prefix}.{key}" if prefix else key, value))
     return items
 
 
-def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def module_tensors(
+    module: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]] | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer of ``module`` as plain tensors (``plain_parts``), by name, tied
     ones under each of their names; lazy ones (``nn.LazyLinear`` before its first forward) left out,
-    as they hold nothing yet."""
+    as they hold nothing yet. ``modules`` as ``named_tensors`` takes it."""
     lazy = torch.nn.parameter.is_lazy
-    return [part for name, t in named_tensors(module) if not lazy(t) for part in plain_parts(name, t)]
+    wrapper = is_traceable_wrapper_subclass
+    found: list[tuple[str, torch.Tensor]] = []
+    for name, t in named_tensors(module, modules):
+        if lazy(t):
+            continue
+        if wrapper(t):
+            found.extend(plain_parts(name, t))
+        else:
+            found.append((name, t))
+    return found
 
 
 def quantizes(t: Any, dtype: Any) -> bool:
@@ -379,6 +415,8 @@ class ForwardObserver:
         self.unwritten_read: tuple[str, str] | None = None
         # storage address -> the (name, tensor) pairs that live there; made on first use
         self._owners: dict[int, list[tuple[str, torch.Tensor]]] | None = None
+        # the submodules by name, read once until refresh(): see tensors()
+        self._modules: list[tuple[str, torch.nn.Module]] | None = None
         # copies taken before first writes, one dict per open ``restoring`` block
         self._open: list[dict[str, torch.Tensor]] = []
         #: Called with the names of the module tensors ``make_inputs`` wrote (a weight sync in place),
@@ -395,13 +433,17 @@ class ForwardObserver:
         self.on_outside_rebinds: list[Callable[[list[str]], None]] = []
 
     def refresh(self) -> None:
-        """Read the module's tensors again (after parameters or buffers were replaced)."""
+        """Read the module's tensors again (after parameters or buffers, or submodules, were replaced)."""
         self._owners = None
+        self._modules = None
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every parameter and buffer as plain tensors by name (``module_tensors``: a quantized
-        weight as its inner tensors), tied ones under each of their names."""
-        return module_tensors(self.module)
+        weight as its inner tensors), tied ones under each of their names: each submodule's tables
+        read now, the submodules as the last ``refresh`` found them."""
+        if self._modules is None:
+            self._modules = list(self.module.named_modules(remove_duplicate=False))
+        return module_tensors(self.module, self._modules)
 
     def _owner_map(self) -> dict[int, list[tuple[str, torch.Tensor]]]:
         if self._owners is None:
@@ -566,7 +608,7 @@ def _written_name(observer: ForwardObserver, func: Any, args: Any, kwargs: Any) 
     return None
 
 
-class _WritesOutside(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class _WritesOutside(DispatchMode):  # type: ignore[no-untyped-call]
     """Names the module tensors the block's ops write, without copying or changing anything."""
 
     def __init__(self, observer: ForwardObserver) -> None:
@@ -650,7 +692,7 @@ def _reads_nothing(func: Any) -> bool:
     return found
 
 
-class _Observing(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class _Observing(DispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, observer: ForwardObserver) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.observer = observer
@@ -671,7 +713,7 @@ class _Observing(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
-class _Poisoning(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class _Poisoning(DispatchMode):  # type: ignore[no-untyped-call]
     """Fills the memory ``torch.empty`` and kin hand back with a value of its own."""
 
     def __init__(self, which: int) -> None:

@@ -38,10 +38,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .launches import ALLOCATIONS, Launch, Unwritten, no_dispatch_modes, triton_launches
-from .observe import _CONV, _MATMUL, _written_arguments, data_read, quantizes, unit_roundoff, written_tensors
+from .observe import (
+    _CONV,
+    _MATMUL,
+    DispatchMode,
+    _written_arguments,
+    data_read,
+    quantizes,
+    unit_roundoff,
+    written_tensors,
+)
 
 __all__ = ["NoReference", "Record", "raised"]
 
@@ -187,10 +195,13 @@ def _raised(value: Any, table: dict[torch.dtype, torch.dtype]) -> Any:
 
 
 def _needs_raising(value: Any, table: dict[torch.dtype, torch.dtype]) -> bool:
-    """Whether ``_raised`` would change ``value`` (a tensor or dtype of a lower precision, or a list)."""
+    """Whether ``_raised`` may change ``value``: a tensor of a lower precision, a dtype, or a list that
+    ``_raised`` walks (one of tensors or lists; a list of sizes or dimensions it leaves alone)."""
     if type(value) is torch.Tensor or isinstance(value, torch.Tensor):
         return value.dtype in table
-    return isinstance(value, (torch.dtype, list, tuple))
+    if isinstance(value, (list, tuple)):
+        return bool(value) and isinstance(value[0], (torch.Tensor, list, tuple))
+    return isinstance(value, torch.dtype)
 
 
 def _lowered(value: Any, dtype: torch.dtype) -> Any:
@@ -275,13 +286,7 @@ def _mark_noisy(out: Any) -> None:
             _mark_noisy(o)
 
 
-class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # Never compiled: without it, torch wraps every call of __torch_dispatch__ (each op) in a
-        # guard against Dynamo that costs more than the op's own bookkeeping here.
-        return False
-
+class _Raising(DispatchMode):
     def __init__(self, record: Record, noise: float, seed: int, to: torch.dtype = torch.float64) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.record = record
@@ -324,12 +329,15 @@ class _Raising(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.unwritten.allocated(func, out)
             return out
         table = self.table
-        if (
-            kind == _PLAIN
-            and not kwargs
-            and not self.noise
-            and not any(_needs_raising(a, table) for a in args)
-        ):
+        if kind == _PLAIN and not kwargs and not self.noise:
+            plain = True
+            for a in args:  # a loop, not any() over a generator: this runs for most ops of a forward
+                if _needs_raising(a, table):
+                    plain = False
+                    break
+        else:
+            plain = False
+        if plain:
             try:
                 out = func(*args)
             except Exception:

@@ -28,6 +28,7 @@ Run it (CPU work: one thread per pytest process)::
 
     OMP_NUM_THREADS=1 python scripts/mutants.py              # every mutant, whole suite for survivors
     OMP_NUM_THREADS=1 python scripts/mutants.py --fast       # targeted tests only
+    python scripts/mutants.py --cuda --fast                  # on a GPU: the mutants of CUDA-only code
     python scripts/mutants.py --list                         # the mutants
     python scripts/mutants.py --only compare-all-any --only suite-address-identity
     python scripts/mutants.py --jobs 4                       # mutants in parallel

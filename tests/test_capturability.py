@@ -382,3 +382,20 @@ def test_the_value_rules_answer_as_this_gpu_does() -> None:
         if seen != [HELD if captured else REFUSED]:
             wrong.append((label, seen, captured))
     assert not wrong
+
+
+def test_the_device_captures_fast_path_keeps_every_verdict_the_table_and_the_rules_give() -> None:
+    # The guard on a device (meta stands in for CUDA: not the CPU) skips building the pattern of an
+    # op whose table refuses nothing without a host tensor, when no argument is on the host: the
+    # rules alone decide then. What the table refuses, what the rules refuse, what both hold.
+    aten = torch.ops.aten
+    found = guard.CaptureGuard(guard.ModuleTracker(nn.Identity()), torch.device("meta"))
+    a = torch.empty(3, 3, device="meta")
+    found.check_dispatch(aten.cholesky.default, (a,), {})  # refused by the table alone
+    found.check_dispatch(aten.add.Tensor, (a, a), {})  # held
+    found.check_dispatch(aten.mul.Tensor, (a, a.bool()), {})  # held, with a boolean operand
+    found.check_dispatch(aten.nonzero.default, (a,), {})  # refused by the rules (and the table)
+    found.check_dispatch(aten.add.Tensor, (a, torch.ones(3, 3)), {})  # a host tensor on the device's path
+    ops = [v.op for v in found.violations]
+    assert ops == ["aten.cholesky.default", "aten.nonzero.default", "aten.add.Tensor"], ops
+    assert "learned on" in found.violations[0].reason

@@ -143,6 +143,32 @@ def test_real_batches_holds_the_graph_to_eager_at_its_padded_shape_bit_for_bit()
     )
 
 
+def test_real_batches_takes_fresh_inputs_eager_run_at_the_padded_shape_and_still_holds_the_graph(
+    llama,
+) -> None:
+    # fresh_inputs ran eager at the padded shape of each descriptor's most padded batch, the very
+    # forward real_batches would run next (issue #48): taken, not run again, for a module that
+    # writes nothing and draws nothing. The graph still runs the batch through run().
+    report = _verify(Logits(llama), ["fresh_inputs", *BOTH])
+    assert report.ok, report.format()
+    assert report.costs["real_batches"].forwards == 0
+    assert report.costs["real_batches"].replays == len(SIZES)
+    # A graph that serves the batch otherwise than eager does is still caught there: IdentityMemo
+    # returns what it computed at warm-up whatever the inputs, which fresh_inputs names first.
+    from tests.bugs import IdentityMemo, token_inputs
+
+    torch.manual_seed(0)
+    report = verify(
+        IdentityMemo(),
+        token_inputs(),
+        capture_sizes=(1, 2, 4, 8),
+        max_num_reqs=4,
+        backend="emulate",
+        checks=["fresh_inputs", *BOTH],
+    )
+    assert {"fresh_inputs", "real_batches"} <= {o.check for o in report.failures}, report.format()
+
+
 def test_an_error_just_above_the_limit_is_caught_and_one_well_below_passes(llama) -> None:
     limit = _reference(_verify(Logits(llama), BOTH))["limit"]
     above = _planted(llama, "logit_scale", 4 * limit, BOTH)

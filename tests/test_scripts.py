@@ -180,11 +180,11 @@ def test_every_mutant_finds_its_snippet_in_the_tree() -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         from mutants.runner import Stale, locate
-        from mutants.tables import MUTANTS
+        from mutants.tables import CUDA_MUTANTS, MUTANTS
     finally:
         sys.path.remove(str(ROOT / "scripts"))
     stale = []
-    for mutant in MUTANTS:
+    for mutant in [*MUTANTS, *CUDA_MUTANTS]:
         try:
             locate(ROOT, mutant)
         except Stale as exc:

@@ -297,8 +297,9 @@ class CudaBackend(Backend):
         #: costs about a millisecond a call); benchmarks turn it on.
         self.measure_device_memory = False
         #: Checked capture: every op goes through the guard's dispatch mode,
-        #: which names an uncapturable op before the device sees it and keeps
-        #: every tensor the graph reads alive with it. The fast capture (the
+        #: which keeps every tensor the graph reads alive with it, and (with
+        #: ``CaptureGuard.rules``: the sequence's first capture) names an
+        #: uncapturable op before the device sees it. The fast capture (the
         #: manager's default; see resolve_checked) costs what a hand-written
         #: loop does and relies on the capture failing loudly, then on an
         #: eager diagnosis.

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..guard import SPARSE_REASON, CaptureGuard, call_site, not_strided
@@ -53,7 +52,7 @@ from ..launches import (
     storage_bytes,
     triton_launches,
 )
-from ..observe import data_read, written_tensors
+from ..observe import DispatchMode, data_read, written_tensors
 from .base import POISON_BYTES, Backend, CapturedGraph, OpenCapture
 
 __all__ = ["EmulateBackend", "EmulatedGraph"]
@@ -257,7 +256,7 @@ class _View:
         return t
 
 
-class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class _Recorder(DispatchMode):
     def __init__(self, guard: CaptureGuard) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.guard = guard
@@ -600,14 +599,6 @@ class EmulatedGraph(CapturedGraph):
 
 class _EmulatedCapture(OpenCapture):
     def __init__(self, pool: _Pool | None, guard: CaptureGuard, *, grad_enabled: bool = False) -> None:
-        # The first op under a dispatch mode imports torch._dynamo, whose
-        # import calls torch.fx.wrap, which keeps its own frame in a local: a
-        # cycle that holds every frame below it, the forward's among them.
-        # The manager captures with gc off, so the first graph's
-        # intermediates would stay alive and hold their pool memory. Imported
-        # here, outside the forward, it costs what it would cost anyway.
-        import torch._dynamo
-
         self.pool = pool
         self.recorder: _Recorder | None = _Recorder(guard)
         self.stack = contextlib.ExitStack()
@@ -713,6 +704,14 @@ class EmulateBackend(Backend):
     capture_executes = True
 
     def __init__(self, device: torch.device) -> None:
+        # A forward that imports torch._dynamo (the first op under a dispatch mode that does not
+        # skip Dynamo, or the module's own code) runs torch.fx.wrap, which keeps its own frame in a
+        # local: a cycle that holds every frame below it, the forward's among them. The manager
+        # captures with gc off, so the first graph's intermediates would stay alive and hold their
+        # pool memory. Imported here, before any capture, it costs what it would cost anyway, and
+        # is not counted as the first capture's time.
+        import torch._dynamo  # noqa: F401
+
         self.device = device
         self._pool: _Pool | None = None
 

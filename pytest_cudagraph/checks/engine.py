@@ -43,6 +43,12 @@ __all__ = [
     "verify",
 ]
 
+#: How a CUDA capture after the checked sequence's first was guarded (capture_safety's figures).
+LIGHT_CAPTURE = (
+    "every op of its capture observed, the rules left to the device: an op it refuses fails the capture, "
+    "named by that op and an eager run under the full guard"
+)
+
 #: The built-in checks of a module's graphs, in the order they run (the
 #: dispatch check, which concerns the plan, is ``DISPATCH_CHECK``).
 CHECKS: tuple[str, ...] = tuple(name for name in BUILTIN.names() if name != DISPATCH_CHECK)
@@ -568,9 +574,15 @@ def _run(
             )
             blocked[desc] = f"not captured: its capture failed ({CAPTURE_CHECK} says why)"
         if capture_check is not None:
+            every_op = manager.guarded_every_op
             report.add(
                 [
-                    Outcome(CAPTURE_CHECK, d, True, figures={"guarded": "every op of its capture"})
+                    Outcome(
+                        CAPTURE_CHECK,
+                        d,
+                        True,
+                        figures={"guarded": "every op of its capture" if d in every_op else LIGHT_CAPTURE},
+                    )
                     for d in to_capture
                     if d not in manager.capture_failures
                 ]
@@ -595,6 +607,7 @@ def _run(
                 report.add([_named(ctx, outcome)])
         # Nothing a descriptor kept outlives its checks: the eager run state reuses, the capture sample.
         ctx.exact_eager.pop(desc, None)
+        ctx.fresh_eager.pop(desc, None)
         manager.drop_sample(desc)
     for check in (c for c in runnable if c.scope == "module"):
         if not captured:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -335,6 +336,19 @@ class ModuleState:
         return outs
 
 
+@dataclass(frozen=True)
+class FreshEager:
+    """An eager run ``fresh_inputs`` made at a descriptor's padded shape, kept for ``real_batches``."""
+
+    #: The real batch, the inputs make_inputs gave for it, and the padded inputs the eager run read
+    #: (copied before it ran: a forward may write its inputs).
+    batch: Batch
+    inputs: dict[str, Any]
+    padded: dict[str, Any]
+    #: What eager returned, whole (not cut to the real rows).
+    output: Any
+
+
 class VerifyContext(ModuleState):
     """Helpers shared by the checks; one per ``verify`` call."""
 
@@ -379,6 +393,10 @@ class VerifyContext(ModuleState):
         #: The float64 reference of the cross-shape question (``padded_size``): None when that check
         #: does not run; ``real_batches`` queues its batches there when the module runs in float64.
         self.reference: Reference | None = None
+        #: Per descriptor, ``fresh_inputs``' eager run at the padded shape of the descriptor's most
+        #: padded real batch, where it passed and ``real_batches`` would run the very same forward
+        #: next (``shares_eager``); ``real_batches`` takes it, and it is dropped when the descriptor is done.
+        self.fresh_eager: dict[BatchDescriptor, FreshEager] = {}
 
     def uninitialized(self) -> str:
         """Why the module's results are undefined, when a forward reads memory nobody wrote (``""``
@@ -407,6 +425,24 @@ class VerifyContext(ModuleState):
                         "with torch.zeros"
                     )
         return self._uninitialized
+
+    def shares_eager(self, desc: BatchDescriptor) -> bool:
+        """Whether ``fresh_inputs``' eager run at the padded shape is the one ``real_batches`` would
+        make next, so that it can be kept for it rather than run again: the float64 reference
+        runs (``real_batches`` then holds the graph to eager at its padded shape on one batch, the
+        most padded, which is the one ``fresh_inputs`` runs), and nothing can make two eager runs of
+        the same inputs differ but the kernels: the module draws no random numbers, writes no
+        state of its own (tensors or Python values), and ``make_inputs`` writes none either (a weight
+        sync between the two checks would change what eager computes)."""
+        return (
+            self.reference is not None
+            and self.reference.ready
+            and self.given_batches is None
+            and not self.module_is_random(desc)
+            and not self.observer.written
+            and not self.python_written
+            and not self.synced
+        )
 
     def module_is_random(self, desc: BatchDescriptor) -> bool:
         """Whether the module draws random numbers: told by its use of a generator, op by op, in

@@ -37,11 +37,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..capturability import REFUSED, Table, Verdict, pattern, value_rule
-from ..observe import ForwardObserver, internal_error
+from ..observe import DispatchMode, ForwardObserver, internal_error
 from . import host
 from .host import _while_running
 from .host import as_captured as as_captured
@@ -57,7 +56,9 @@ from .rules import _WHERE_REASON as _WHERE_REASON
 from .rules import _WRITE_REASON as _WRITE_REASON
 from .rules import (
     _WRITES,
+    _any_on_cpu,
     _decisive,
+    _held_on_device,
     _is_masked_fill,
     _is_view,
     _on_cpu,
@@ -95,10 +96,17 @@ class CaptureGuard:
         *,
         on_violation: Callable[[Violation], None] | None = None,
         observer: ForwardObserver | None = None,
+        rules: bool = True,
     ) -> None:
         self.tracker = tracker
         self.device = device
         self.on_violation = on_violation
+        #: Every op is held to the rules and the learned table (``check_dispatch``). False (a CUDA
+        #: capture of the checked sequence after its first, see ``Capture._capture_one``): the ops
+        #: are still observed and what they read kept alive, and the host methods still watched,
+        #: but what a graph cannot hold is left to the device to refuse, then named. The emulator's
+        #: capture always applies them: its CPU refuses nothing.
+        self.rules = rules
         #: Sees every op the guard sees (the module's writes, its precision).
         self.observer = observer
         self.violations: list[Violation] = []
@@ -147,6 +155,8 @@ class CaptureGuard:
                 internal_error(f"observing {func} under the capture guard", exc)
         if self._in_host_method:
             return  # already reported under its Python name
+        if not self.rules:
+            return
         if self.by_provenance:
             layout = not_strided(tensors_in(args, kwargs))
             if layout is not None:
@@ -162,6 +172,14 @@ class CaptureGuard:
                 return  # `t[mask] = 0.0` with a number made on the host: masked_fill_ on a GPU
         table = capturability_table()
         if table is not None and (self.by_provenance or _decisive(table, func)):
+            if not self.by_provenance and _held_on_device(table, func) and not _any_on_cpu(args, kwargs):
+                # The capture's hot path: no host tensor among the arguments, and the table refuses
+                # no pattern of this op without one (nor has it a value rule), so its verdict can only
+                # be held or unknown, and the rules below decide either way unless they find
+                # something; only then is the pattern built, for the verdict that outranks them.
+                found = check_op(func, args, kwargs, self.device)
+                if found is None:
+                    return
             learned = self._learned(table, func, args, kwargs, exact=True)
             if learned is not None:
                 # What a GPU did with this op and these kinds of arguments outranks the rules below,
@@ -285,7 +303,7 @@ class CaptureGuard:
                 host._ACTIVE.pop()
 
 
-class GuardDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class GuardDispatchMode(DispatchMode):
     """A dispatch mode that checks every ATen op against the guard.
 
     With ``keep_alive`` it also collects every tensor an op reads that was not

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..capturability import HELD, VALUE_RULES, VALUE_RULES_SOURCE, Table, Verdict, load_table
+from ..capturability import HELD, REFUSED, VALUE_RULES, VALUE_RULES_SOURCE, Table, Verdict, load_table
 
 aten = torch.ops.aten
 
@@ -233,6 +233,35 @@ def _decisive(table: Table, func: Any) -> bool:
             or any(v.kind != HELD or "h" in p or "b" in p for p, v in entry.items())
         )
     return bool(found)
+
+
+def _held_on_device(table: Table, func: Any) -> bool:
+    """Whether every verdict the table holds for ``func`` on arguments that are all on the device
+    (a pattern without ``h``) is held or depends, and no value rule looks at its arguments: then
+    for such a call the table can only agree with the rules or stay silent. Memoised on the table."""
+    key = ("held on device", func)
+    found = table.memo.get(key)
+    if found is None:
+        entry = table.ops.get(str(func), {})
+        packet = getattr(func, "overloadpacket", None)
+        found = table.memo[key] = str(packet) not in VALUE_RULES and not any(
+            v.kind == REFUSED for p, v in entry.items() if "h" not in p
+        )
+    return bool(found)
+
+
+def _any_on_cpu(args: Any, kwargs: Any) -> bool:
+    """Whether a tensor among an ATen op's arguments (directly or in one flat list) is on the CPU."""
+    for group in (args, kwargs.values() if kwargs else ()):
+        for value in group:
+            if isinstance(value, torch.Tensor):
+                if value.device.type == "cpu":
+                    return True
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+                        return True
+    return False
 
 
 def _on_cpu(t: torch.Tensor) -> bool:

@@ -189,6 +189,7 @@ class Capture:
             self.release()
         self.state.hot.clear()
         self.state.capture_failures = {}
+        self.state.guarded_every_op = set()
         # From here on run() may run eagerly (a failed or refused capture);
         # before any capture() it is a mistake (see run_batch).
         self.state.capture_called = True
@@ -444,9 +445,22 @@ class Capture:
 
         self.state.tracker.failed_path = ""
         holders = self.state.holders
+        # The checked CUDA capture holds its sequence's first graph to the guard's rules op by op;
+        # each later one still goes through the guard's dispatch mode (every op observed, what it
+        # reads kept alive, the host methods watched) but leaves what a graph cannot hold to the
+        # device, which fails the capture on it: the op is then named by its failure and by the
+        # eager run under the full guard below. At real size the rules on every op of every capture
+        # cost more than the captures themselves (issue #48).
+        light = self._light()
         guard = CaptureGuard(
-            self.state.tracker, self.state.device, on_violation=_raise_violation, observer=self.state.observer
+            self.state.tracker,
+            self.state.device,
+            on_violation=_raise_violation,
+            observer=self.state.observer,
+            rules=not light,
         )
+        if not light and (self.state.backend.checked or self.state.backend.name != "cuda"):
+            self.state.guarded_every_op.add(desc)  # the fast CUDA capture has no guard on its ops
         try:
             try:
                 # Capture runs as fast as the module allows: no hooks on
@@ -530,6 +544,13 @@ class Capture:
             output_rows.out_dims(graph.output, desc.num_tokens, reqs, self.state.probed_rows),
             sample if self.state.backend.checked else None,
         )
+
+    def _light(self) -> bool:
+        """Whether the next capture is one of the checked CUDA sequence's later ones, whose ops the
+        guard observes without its rules (see ``_capture_one``): not the sequence's first, nor on
+        the emulator (whose capture holds every op to the rules)."""
+        backend = self.state.backend
+        return backend.name == "cuda" and backend.checked and bool(self.state.guarded_every_op)
 
     def _phase(self, name: str, desc: BatchDescriptor) -> Any:
         return faults.phase(name, type(self.state.module).__name__, desc, self.state.device)

@@ -40,13 +40,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..backends.base import Backend
 from ..context import running
 from ..errors import CaptureError
-from ..observe import buffers_restored, plain_parts
+from ..observe import DispatchMode, buffers_restored, plain_parts
 from ..plan import BatchDescriptor, CaptureConfig, GraphMode
 from ..units import format_bytes
 from .inputs import call_make_inputs
@@ -112,7 +111,7 @@ class Footprint:
     output: int
 
 
-class _StorageCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class _StorageCounter(DispatchMode):
     """Counts the storages ops create (not views, not in-place results), and
     how many bytes of them are alive, by a finalizer on each tensor."""
 

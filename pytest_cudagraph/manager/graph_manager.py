@@ -58,10 +58,17 @@ class GraphManager:
     ``checked_capture`` (CUDA): False (the default) captures as fast as a
     hand-written loop; an op that cannot be captured fails the capture, and
     the manager then names it, with its submodule, by an eager run under the
-    guard. True routes every op of the capture through the guard, which names
-    such an op before the device sees it and keeps every tensor the graph
-    reads alive with it (``verify()`` and the plugin's fixtures capture this
-    way). ``PYTEST_CUDAGRAPH_CAPTURE=fast|checked`` overrides both.
+    guard. True warms each descriptor up just before its capture (vLLM's
+    order) and routes every op of every capture through the guard's dispatch
+    mode, which observes it (what it writes, draws, reads unwritten) and keeps
+    every tensor the graph reads alive with it; the sequence's first capture
+    also holds each op to the guard's rules, which name an op a graph cannot
+    hold before the device sees it, while a later one leaves that to the
+    device, whose refusal fails the capture and is named by the op that failed
+    and an eager run under the full guard (``guarded_every_op`` lists the
+    captures held to the rules). ``verify()`` and the plugin's fixtures
+    capture this way.
+    ``PYTEST_CUDAGRAPH_CAPTURE=fast|checked`` overrides both.
 
     ``measure_device_memory=True`` also records, per graph, the device memory
     the driver took (``device_memory``), at about a millisecond a capture.
@@ -269,6 +276,12 @@ class GraphManager:
         """Descriptors whose capture failed under ``capture(keep_going=True)``, with why; reset by each
         capture()."""
         return self.state.capture_failures
+
+    @property
+    def guarded_every_op(self) -> frozenset[BatchDescriptor]:
+        """Descriptors of the last capture() whose every op was held to the guard's rules: every one on
+        the emulator; with ``checked_capture`` on CUDA, the sequence's first (see ``checked_capture``)."""
+        return frozenset(self.state.guarded_every_op)
 
     @property
     def capture_seconds(self) -> float:

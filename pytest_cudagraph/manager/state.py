@@ -73,6 +73,9 @@ class ManagerState:
     #: The tensors they held after the fast capture's warm-ups; None until walked.
     walked: list[Any] | None = None
     capture_seconds: float = 0.0
+    #: Descriptors of the last capture() whose every op was held to the guard's rules (every one on
+    #: the emulator; on CUDA the checked sequence's first): see ``Capture._capture_one``.
+    guarded_every_op: set[BatchDescriptor] = field(default_factory=set)
     # -- written by the runtime part ----------------------------------------------
     #: (descriptor tokens, its request rows, real tokens, real requests) -> views to load.
     plans: dict[tuple[int, int, int, int], LoadPlan] = field(default_factory=dict)

@@ -27,9 +27,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..observe import _CONV, _MATMUL, _fp32_roundoff, _packets, _written_arguments, unit_roundoff
+from ..observe import (
+    _CONV,
+    _MATMUL,
+    DispatchMode,
+    _fp32_roundoff,
+    _packets,
+    _written_arguments,
+    unit_roundoff,
+)
 
 #: Reductions and accumulating scatters, beside the products of observe: their result's rounding
 #: depends on the order the kernel adds in (split reductions, atomics, an embedding's backward that
@@ -75,7 +82,7 @@ def _kind(func: Any) -> str:
     return found
 
 
-class _Jitter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class _Jitter(DispatchMode):
     def __init__(self, seed: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.seed = seed

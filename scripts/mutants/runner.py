@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .common import PACKAGE, PYTEST, REPO, WHOLE_SUITE, Mutant
-from .tables import MUTANTS
+from .tables import CUDA_MUTANTS, MUTANTS
 
 DESCRIPTION = 'Mutation testing: does the suite notice when the code that says "equal" (or any check) lies?'
 
@@ -250,6 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only", action="append", default=[], metavar="ID", help="run this mutant (repeatable)"
     )
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument(
+        "--cuda",
+        action="store_true",
+        help="the mutants of code that runs only on CUDA, killed by CUDA tests (needs a GPU)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default 1)")
     parser.add_argument("--fast", action="store_true", help="targeted tests only, not the whole suite")
     parser.add_argument("--tree", type=Path, default=REPO, help="the repository to copy (default: this one)")
@@ -258,14 +263,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the mutated copies (paths on stderr)")
     args = parser.parse_args(argv)
 
-    ids = [m.id for m in MUTANTS]
+    table = CUDA_MUTANTS if args.cuda else MUTANTS
+    if args.cuda and not args.list:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--cuda runs CUDA tests: this machine has no CUDA device")
+    ids = [m.id for m in [*MUTANTS, *CUDA_MUTANTS]]
     duplicates = {i for i in ids if ids.count(i) > 1}
     if duplicates:
         parser.error(f"duplicate mutant ids {sorted(duplicates)}")
     unknown = [i for i in args.only if i not in ids]
     if unknown:
         parser.error(f"unknown mutant(s) {unknown}; see --list")
-    selected = [m for m in MUTANTS if not args.only or m.id in args.only]
+    unknown = [i for i in args.only if i not in [m.id for m in table]]
+    if unknown:
+        parser.error(f"mutant(s) {unknown} are not in the {'CUDA' if args.cuda else 'CPU'} table; see --list")
+    selected = [m for m in table if not args.only or m.id in args.only]
     if args.list:
         for m in selected:
             print(

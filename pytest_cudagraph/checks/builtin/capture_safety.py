@@ -135,7 +135,9 @@ CAPTURE_SAFETY = Check(
     capture_safety,
     scope="before_capture",
     compares="every op of each descriptor's capture goes through a guard that stops at the first op a graph "
-    "cannot hold, before the device runs it; a descriptor it stops is then run eagerly under the "
+    "cannot hold, before the device runs it (on CUDA the sequence's first capture; a later one goes through "
+    "the guard without its rules, and an op the device refuses fails it, named by that op and by the eager "
+    "run below); a descriptor it stops is then run eagerly under the "
     "guard, which lists every such op with its submodule and its call site (`file:line in "
     "function`, the first frame outside torch and this plugin). The guard asks first the table of "
     "what a CUDA capture holds, op by op and by the kinds of its arguments, learned on a GPU from "

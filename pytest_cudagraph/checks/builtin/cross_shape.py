@@ -51,10 +51,15 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     totals: dict[str, Any] = {"batches": len(batches), "max_abs": 0.0, "floor_measured": 0, "floor_max": 0.0}
     if reference is not None:
         totals["reference"] = "padded_size"
+    # fresh_inputs' eager run at the padded shape of the most padded batch, where it is the one this
+    # check would make next (``ctx.shares_eager``): the same inputs, state and seed.
+    shared = ctx.fresh_eager.pop(desc, None) if reference is not None else None
     for i, batch in enumerate(batches):
+        if shared is not None and (i or shared.batch != batch):
+            shared = None
         # make_inputs first, then the snapshot, as every check does: a make_inputs that updates the
         # module (a weight sync between batches) is part of the state both runs start from.
-        inputs = ctx.make(batch)
+        inputs = shared.inputs if shared is not None else ctx.make(batch)
         with ctx.preserved_state() as state0:
             ctx.seed_all(ctx.seed)
             got = ctx.run(clone_tree(inputs), batch)
@@ -63,11 +68,14 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             if reference is not None:
                 # The same program as the graph: eager on the inputs the graph read, padding included,
                 # queued for the reference before eager runs (a forward may write its inputs in place).
-                padded_inputs = ctx.load(desc, clone_tree(inputs), batch)
+                padded_inputs = (
+                    shared.padded if shared is not None else ctx.load(desc, clone_tree(inputs), batch)
+                )
                 reference.queue(
                     desc, batch, inputs, padded_inputs, ctx.manager.output_dims(desc), first=i == 0
                 )
-                at_padded = ctx.manager.cut_output(desc, ctx.eager(padded_inputs, desc), batch)
+                eager = shared.output if shared is not None else ctx.eager(padded_inputs, desc)
+                at_padded = ctx.manager.cut_output(desc, eager, batch)
                 diff = first_difference(got, at_padded)
                 verdict = Verdict(
                     diff is None, diff, "" if diff is None else _not_the_program(ctx, desc, diff)
@@ -235,5 +243,7 @@ REAL_BATCHES = Check(
     "eager on its capture path differs from eager as users run it",
     applies="no real batch dispatches to the descriptor; the module draws random numbers, told by its use "
     "of a generator (the `rng` check covers them). With the float64 reference it runs each descriptor's "
-    "smallest real batch only: its largest, a batch of the graph's own size, is what `fresh_inputs` holds",
+    "smallest real batch only: its largest, a batch of the graph's own size, is what `fresh_inputs` holds; "
+    "and for a module that writes and draws nothing, the eager run at the padded shape is `fresh_inputs`' own "
+    "(the same inputs, state and seed), not run again",
 )

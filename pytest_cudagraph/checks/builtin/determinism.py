@@ -18,25 +18,29 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
     inputs = ctx.make(batch)
 
-    # Three replays of the same inputs from one state and seed, the graphs' free memory (their
-    # intermediates between replays) poisoned just before each: one poison twice, then the other.
-    # The first two must agree (state outside registered buffers and nondeterministic kernels make
-    # them differ); a graph that reads what nobody wrote gives one result per poison, where plain
-    # replays read whatever the last one left. A backend that cannot poison replays plainly.
-    poisons = (0, 0, 1)
+    # Replays of the same inputs from one state and seed, the graphs' free memory (their
+    # intermediates between replays) poisoned just before each: one poison, then the other. Where
+    # they agree, the graph neither reads what nobody wrote (it would give one result per poison,
+    # where plain replays read whatever the last one left) nor runs nondeterministic kernels or
+    # keeps state outside registered buffers. Where they differ, a third replay with the first
+    # poison tells which: it agrees with the first (the poison decided) or not (the graph does
+    # not repeat itself). Two replays where a graph passes, as the three (one poison twice, then
+    # the other) that always ran before issue #48. A backend that cannot poison replays plainly.
     poisonable = True
 
-    def poisoned(i: int) -> Any:
+    def poisoned(which: int) -> Any:
         nonlocal poisonable
         ctx.load(desc, inputs, batch)
-        poisonable = ctx.manager.poison_free(poisons[i]) and poisonable
+        poisonable = ctx.manager.poison_free(which) and poisonable
         return ctx.replay(desc)
 
-    outs = ctx.from_one_state(poisoned, len(poisons))
+    outs = ctx.from_one_state(poisoned, 2)  # poison 0, then poison 1
     diff = first_difference(outs[1], outs[0])
     graph_diff = None
-    if poisonable and diff is None:
-        graph_diff = first_difference(outs[2], outs[0])
+    if poisonable and diff is not None:
+        again = ctx.from_one_state(lambda _: poisoned(0), 1)[0]
+        repeated = first_difference(again, outs[0])
+        graph_diff, diff = (diff, None) if repeated is None else (None, repeated)
     read_poison = (
         f"with the graph's free memory poisoned one way before each of two replays of the same inputs they agree, "
         f"and poisoned the other way they differ ({where_of(graph_diff)})"

@@ -13,22 +13,29 @@ from ..compare import first_difference, leaves
 from ..divergence import locate_divergence
 from ..registry import Check
 from ..report import Finding, Outcome
-from ..verify_context import VerifyContext, python_values
+from ..verify_context import FreshEager, VerifyContext, clone_tree, python_values
 from .common import finding_of, nothing_to_compare, opaque_output, where_of
 
 
 def _compare_padded(
-    ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: dict[str, Any], check: str, fresh: bool
+    ctx: VerifyContext,
+    desc: BatchDescriptor,
+    batch: Batch,
+    inputs: dict[str, Any],
+    check: str,
+    fresh: bool,
+    share: bool = False,
 ) -> Outcome:
+    """Replay against eager at the captured shape on ``inputs`` loaded for ``batch``, bit for bit.
+    ``share``: where they agree, the eager run is kept for ``real_batches`` (``ctx.fresh_eager``)."""
     with ctx.preserved_state() as state0:
         padded = ctx.load(desc, inputs, batch)
         ctx.seed_all(ctx.seed)
         graph = ctx.replay(desc)
         ctx.restore(state0)
-        before = python_values(ctx.module)
         ctx.seed_all(ctx.seed)
+        read = clone_tree(padded) if share else None
         eager = ctx.eager(padded, desc)
-        after = python_values(ctx.module)
         if not fresh:
             # The state check compares run() with this very eager run at the captured shape: kept
             # for it (the inputs as eager left them, the state it started from and the state it
@@ -42,9 +49,19 @@ def _compare_padded(
         ):
             return nothing_to_compare(check, desc, eager, batch)  # told once, by replay_matches_eager
         if diff is None:
+            if read is not None:
+                ctx.fresh_eager[desc] = FreshEager(batch, inputs, read, eager)
             return Outcome(check, desc, True, figures={"real_batch": batch.shape()})
         if diff.opaque:
             return opaque_output(check, desc, diff, batch)
+        # Why they differ, from here on: eager again from the same state and seed, the module's plain
+        # Python values read around it (read only now: walking the module tree on every comparison
+        # that passes costs more, at real size, than the comparison does).
+        ctx.restore(state0)
+        before = python_values(ctx.module)
+        ctx.seed_all(ctx.seed)
+        again = ctx.eager(padded, desc)
+        after = python_values(ctx.module)
         changed = [k for k in after if before.get(k, object()) != after[k]]
         if changed:
             name = changed[0]
@@ -60,9 +77,6 @@ def _compare_padded(
         uninitialized = ctx.uninitialized()
         if uninitialized:
             return Outcome(check, desc, False, f"{uninitialized} ({where_of(diff)})", finding_of(diff, batch))
-        ctx.restore(state0)
-        ctx.seed_all(ctx.seed)
-        again = ctx.eager(padded, desc)
         if first_difference(again, eager) is not None:
             return Outcome(
                 check,
@@ -204,7 +218,15 @@ def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         ctx.load(desc, first, batch)
         ctx.replay(desc)
     try:
-        outcome = _compare_padded(ctx, desc, batch, second, "fresh_inputs", fresh=True)
+        outcome = _compare_padded(
+            ctx,
+            desc,
+            batch,
+            second,
+            "fresh_inputs",
+            fresh=True,
+            share=not made and batch == ctx.padded_batch(desc) and ctx.shares_eager(desc),
+        )
     except Exception as exc:
         if not made:
             raise

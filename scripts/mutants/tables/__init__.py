@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from ..common import Mutant
 from . import capturability, checks, manager, plan, plugin, precision, runner, training
+from .cuda import CUDA_MUTANTS
+
+__all__ = ["CUDA_MUTANTS", "MUTANTS"]
 
 MUTANTS: list[Mutant] = [
     *checks.COMPARE,

@@ -30,6 +30,18 @@ TABLE: list[Mutant] = [
         CAPTURABILITY,
         "an op the table does not cover passes in silence",
     ),
+    # -- issue #48: the device capture's fast path ----------------------------------------------------
+    Mutant(
+        "guard-device-fast-path-trusts-the-table",
+        "pytest_cudagraph/guard/rules.py",
+        'v.kind == REFUSED for p, v in entry.items() if "h" not in p',
+        'False and v.kind == REFUSED for p, v in entry.items() if "h" not in p',
+        (
+            "tests/test_capturability.py::"
+            "test_the_device_captures_fast_path_keeps_every_verdict_the_table_and_the_rules_give",
+        ),
+        "on a device the guard skips the table for an op it refuses without a host tensor (cholesky)",
+    ),
 ]
 
 VALUE_RULES: list[Mutant] = [

@@ -273,8 +273,8 @@ BUILTIN: list[Mutant] = [
     Mutant(
         "suite-determinism",
         S,
-        "outs = ctx.from_one_state(poisoned, len(poisons))\n    diff = first_difference(outs[1], outs[0])",
-        "outs = ctx.from_one_state(poisoned, len(poisons))\n    diff = None",
+        "    diff = first_difference(outs[1], outs[0])\n    graph_diff = None\n",
+        "    diff = None\n    graph_diff = None\n",
         (*sensitivity("test_determinism_catches_a_difference_in_one_column"), pair("UnregisteredState")),
         "two replays never compared",
     ),

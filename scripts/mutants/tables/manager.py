@@ -202,9 +202,11 @@ INTEGER_PADDING: list[Mutant] = [
     Mutant(
         "suite-snapshot-before-make",
         S,
-        "        inputs = ctx.make(batch)\n        with ctx.preserved_state() as state0:\n"
+        "        inputs = shared.inputs if shared is not None else ctx.make(batch)\n"
+        "        with ctx.preserved_state() as state0:\n"
         "            ctx.seed_all(ctx.seed)\n            got = ctx.run(",
-        "        with ctx.preserved_state() as state0:\n            inputs = ctx.make(batch)\n"
+        "        with ctx.preserved_state() as state0:\n"
+        "            inputs = shared.inputs if shared is not None else ctx.make(batch)\n"
         "            ctx.seed_all(ctx.seed)\n            got = ctx.run(",
         DIAGNOSES,
         "real_batches snapshots before make_inputs, the other checks after it",
@@ -220,9 +222,46 @@ INTEGER_PADDING: list[Mutant] = [
     Mutant(
         "suite-graph-poison-unread",
         S,
-        "        graph_diff = first_difference(outs[2], outs[0])",
-        "        graph_diff = None",
+        "        graph_diff, diff = (diff, None) if repeated is None else (None, repeated)",
+        "        graph_diff, diff = None, repeated",
         DIAGNOSES,
         "replays that read graph memory nobody wrote, below the dispatcher, pass determinism",
+    ),
+    Mutant(
+        "suite-determinism-no-third-replay",
+        S,
+        "    if poisonable and diff is not None:\n",
+        "    if False:\n",
+        DIAGNOSES,
+        "replays that differ with the poison are told as nondeterministic, not as reading unwritten memory",
+    ),
+    # -- issue #48: fewer forwards at real size ----------------------------------------------------------
+    Mutant(
+        "suite-python-state-never-read",
+        S,
+        "        changed = [k for k in after if before.get(k, object()) != after[k]]\n",
+        "        changed = []\n",
+        (pair("PythonCounter"),),
+        "replay_matches_eager reads the module's Python values nowhere (read only when replay and eager differ)",
+    ),
+    Mutant(
+        "suite-real-batches-shared-eager-other-inputs",
+        S,
+        "        inputs = shared.inputs if shared is not None else ctx.make(batch)\n",
+        "        inputs = ctx.make(batch)\n",
+        (
+            "tests/test_reference.py::"
+            "test_real_batches_takes_fresh_inputs_eager_run_at_the_padded_shape_and_still_holds_the_graph",
+        ),
+        "real_batches takes fresh_inputs' eager run but runs the graph on inputs of its own",
+    ),
+    Mutant(
+        "manager-run-returns-graph-memory",
+        GM,
+        "            cut = [t.clone() if isinstance(t, torch.Tensor) else t for t in cut]",
+        "            cut = list(cut)",
+        (twin("BufferCounter"),),
+        "run() hands out views of graph memory: output_lifetime holds the copy out on the smallest and "
+        "largest graph of each mode",
     ),
 ]
