@@ -57,7 +57,8 @@ __all__ = [
 class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """A ``TorchDispatchMode`` that is never compiled: without ``_should_skip_dynamo``, torch wraps every
     call of ``__torch_dispatch__`` (each op of a forward) in a guard against Dynamo, which costs
-    more than the bookkeeping of most of the modes here. Every mode of the package derives from it."""
+    more than the bookkeeping of most of the modes here. Every dispatch mode of the package derives
+    from it."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -608,7 +609,7 @@ def _written_name(observer: ForwardObserver, func: Any, args: Any, kwargs: Any) 
     return None
 
 
-class _WritesOutside(DispatchMode):  # type: ignore[no-untyped-call]
+class _WritesOutside(DispatchMode):
     """Names the module tensors the block's ops write, without copying or changing anything."""
 
     def __init__(self, observer: ForwardObserver) -> None:
@@ -692,7 +693,7 @@ def _reads_nothing(func: Any) -> bool:
     return found
 
 
-class _Observing(DispatchMode):  # type: ignore[no-untyped-call]
+class _Observing(DispatchMode):
     def __init__(self, observer: ForwardObserver) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.observer = observer
@@ -713,7 +714,7 @@ class _Observing(DispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
-class _Poisoning(DispatchMode):  # type: ignore[no-untyped-call]
+class _Poisoning(DispatchMode):
     """Fills the memory ``torch.empty`` and kin hand back with a value of its own."""
 
     def __init__(self, which: int) -> None:

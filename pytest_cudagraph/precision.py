@@ -329,14 +329,12 @@ class _Raising(DispatchMode):
             self.unwritten.allocated(func, out)
             return out
         table = self.table
-        if kind == _PLAIN and not kwargs and not self.noise:
-            plain = True
+        plain = kind == _PLAIN and not kwargs and not self.noise
+        if plain:
             for a in args:  # a loop, not any() over a generator: this runs for most ops of a forward
                 if _needs_raising(a, table):
                     plain = False
                     break
-        else:
-            plain = False
         if plain:
             try:
                 out = func(*args)

@@ -124,18 +124,22 @@ def test_the_floor_of_the_modules_own_precision_misses_what_float64_catches(llam
     assert report.ok, report.format()
 
 
-def test_real_batches_holds_the_graph_to_eager_at_its_padded_shape_bit_for_bit() -> None:
+def _verify_identity_memo(checks: list[str]) -> Any:
     from tests.bugs import IdentityMemo, token_inputs
 
     torch.manual_seed(0)
-    report = verify(
+    return verify(
         IdentityMemo(),
         token_inputs(),
         capture_sizes=(1, 2, 4, 8),
         max_num_reqs=4,
         backend="emulate",
-        checks=BOTH,
+        checks=checks,
     )
+
+
+def test_real_batches_holds_the_graph_to_eager_at_its_padded_shape_bit_for_bit() -> None:
+    report = _verify_identity_memo(BOTH)
     failed = [o for o in report.failures if o.check == "real_batches"]
     assert failed, report.format()
     assert "the graph's real rows differ from eager at its padded shape on the inputs the graph read" in (
@@ -155,17 +159,7 @@ def test_real_batches_takes_fresh_inputs_eager_run_at_the_padded_shape_and_still
     assert report.costs["real_batches"].replays == len(SIZES)
     # A graph that serves the batch otherwise than eager does is still caught there: IdentityMemo
     # returns what it computed at warm-up whatever the inputs, which fresh_inputs names first.
-    from tests.bugs import IdentityMemo, token_inputs
-
-    torch.manual_seed(0)
-    report = verify(
-        IdentityMemo(),
-        token_inputs(),
-        capture_sizes=(1, 2, 4, 8),
-        max_num_reqs=4,
-        backend="emulate",
-        checks=["fresh_inputs", *BOTH],
-    )
+    report = _verify_identity_memo(["fresh_inputs", *BOTH])
     assert {"fresh_inputs", "real_batches"} <= {o.check for o in report.failures}, report.format()
 
 

@@ -251,17 +251,8 @@ def _held_on_device(table: Table, func: Any) -> bool:
 
 
 def _any_on_cpu(args: Any, kwargs: Any) -> bool:
-    """Whether a tensor among an ATen op's arguments (directly or in one flat list) is on the CPU."""
-    for group in (args, kwargs.values() if kwargs else ()):
-        for value in group:
-            if isinstance(value, torch.Tensor):
-                if value.device.type == "cpu":
-                    return True
-            elif isinstance(value, (list, tuple)):
-                for v in value:
-                    if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-                        return True
-    return False
+    """Whether a tensor among an ATen op's arguments (``tensors_in``'s) is on the CPU."""
+    return any(_on_cpu(t) for t in tensors_in(args, kwargs))
 
 
 def _on_cpu(t: torch.Tensor) -> bool:
