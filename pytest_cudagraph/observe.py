@@ -396,6 +396,29 @@ def _storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
+# What ``ForwardObserver`` notes of an op, decided once per op (it runs for every op of a forward):
+# bits of the kinds below, 0 for an op with nothing to note (most of them).
+_K_WRITES, _K_PRODUCT, _K_CONV, _K_TO_COPY, _K_REDUCTION, _K_RANDOM, _K_ALLOCATES = (1 << i for i in range(7))
+_OBSERVED: dict[Any, int] = {}
+
+
+def _observed_kind(func: Any) -> int:
+    packet = getattr(func, "overloadpacket", None)
+    kind = _K_WRITES if _written_arguments(func) else 0
+    if packet in _MATMUL or packet in _CONV:
+        kind |= _K_PRODUCT | (_K_CONV if packet in _CONV else 0)
+    elif packet is aten._to_copy:
+        kind |= _K_TO_COPY
+    elif packet in _REDUCTIONS:
+        kind |= _K_REDUCTION
+    elif draws_random(func):
+        kind |= _K_RANDOM
+    if packet in _ALLOCATES:
+        kind |= _K_ALLOCATES
+    _OBSERVED[func] = kind
+    return kind
+
+
 class ForwardObserver:
     """What the forwards it sees do to ``module``: the parameters and buffers
     they write (``written``, by dotted name, in the order first written) and
@@ -460,9 +483,13 @@ class ForwardObserver:
         """One op about to run (called before it runs, so a copy taken here holds the old value)."""
         if self._fresh:
             self._reads_fresh(func, args, kwargs)
-        places = _written_arguments(func)
-        if places:
-            for place in places:
+        kind = _OBSERVED.get(func)
+        if kind is None:
+            kind = _observed_kind(func)
+        if not kind:
+            return  # most ops of a forward: nothing here to note
+        if kind & _K_WRITES:
+            for place in _written_arguments(func):
                 value = (
                     args[place]
                     if isinstance(place, int) and place < len(args)
@@ -476,22 +503,24 @@ class ForwardObserver:
                     for v in value:
                         if isinstance(v, torch.Tensor):
                             self._wrote(v)
-        packet = getattr(func, "overloadpacket", None)
-        if packet in _MATMUL or packet in _CONV:
-            self._note_precision(args, conv=packet in _CONV)
-        elif packet is aten._to_copy:
+        if kind & _K_PRODUCT:
+            self._note_precision(args, conv=bool(kind & _K_CONV))
+        elif kind & _K_TO_COPY:
             dtype = kwargs.get("dtype") if kwargs else None
             if quantizes(args[0] if args else None, dtype):
                 self.quantized.setdefault(str(dtype).replace("torch.", ""), None)
-        elif packet in _REDUCTIONS:
+        elif kind & _K_REDUCTION:
             if not self.whole_reduction and _over_every_element(func, args, kwargs):
                 self.whole_reduction = str(func)
-        elif draws_random(func):
+        elif kind & _K_RANDOM:
             self.random_ops.setdefault(str(func), None)
 
     def after(self, func: Any, out: Any) -> None:
         """One op that ran: memory it handed back unwritten (``torch.empty``) is watched for reads."""
-        if getattr(func, "overloadpacket", None) not in _ALLOCATES or not isinstance(out, torch.Tensor):
+        kind = _OBSERVED.get(func)
+        if kind is None:
+            kind = _observed_kind(func)
+        if not kind & _K_ALLOCATES or not isinstance(out, torch.Tensor):
             return
         key = _storage_key(out)
         if key is None or not out.numel():

@@ -254,6 +254,7 @@ def test_a_replay_reading_graph_memory_nobody_wrote_is_named_though_no_op_is_see
 
     # Blind to torch.empty, as to an extension's own buffer: neither seen read nor poisoned eagerly.
     monkeypatch.setattr(observe, "_ALLOCATES", frozenset())
+    monkeypatch.setattr(observe, "_OBSERVED", {})  # what the observer decided of each op, with it
     torch.manual_seed(0)
     report = verify(
         SplitKIntoEmpty().to(device),

@@ -171,3 +171,39 @@ def test_an_error_just_above_the_limit_is_caught_and_one_well_below_passes(llama
     )
     below = _planted(llama, "logit_scale", limit / 16, BOTH)
     assert below.ok, below.format()
+
+
+def test_leaf_differences_read_later_name_the_place_and_values_of_what_differs() -> None:
+    """The reference's comparison is queued on the device and read once every forward is queued
+    (``pending_differences``): what it reads then names the same place and values as before, with
+    the leaves themselves gone."""
+    from pytest_cudagraph.checks.reference import leaf_differences, pending_differences
+
+    expected = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    got = expected.clone()
+    got[2, 1] += 0.5
+    got[0, 3] -= 0.25
+    pending = pending_differences({"logits": got}, {"logits": expected})
+    del got
+    (diff,) = pending.read()
+    assert diff.path == "['logits']" and not diff.why
+    assert diff.index == (2, 1) and diff.got == 9.5 and diff.expected == 9.0
+    assert diff.relative == pytest.approx(((0.5**2 + 0.25**2) / float((expected**2).sum())) ** 0.5)
+
+    nan_where_finite = expected.clone()
+    nan_where_finite[1, 2] = float("nan")
+    nan_where_finite[2, 3] += 100.0  # a larger finite difference elsewhere: the non-finite one is named
+    (diff,) = leaf_differences(nan_where_finite, expected)
+    assert diff.why == "non-finite where the other is finite" and diff.relative == float("inf")
+    assert diff.index == (1, 2) and diff.expected == 6.0 and diff.got != diff.got  # NaN
+
+    both = expected.clone()
+    both[0, 0] = float("inf")
+    other = expected.clone()
+    other[0, 0] = float("-inf")
+    (diff,) = leaf_differences(both, other)
+    assert diff.why == "another non-finite value" and diff.index == (0, 0)
+    assert (diff.got, diff.expected) == (float("inf"), float("-inf"))
+
+    (same,) = leaf_differences(expected, expected.clone())
+    assert same.relative == 0.0 and not same.why

@@ -608,6 +608,8 @@ def _run(
         # Nothing a descriptor kept outlives its checks: the eager run state reuses, the capture sample.
         ctx.exact_eager.pop(desc, None)
         ctx.fresh_eager.pop(desc, None)
+        ctx.seed_free.discard(desc)
+        ctx.padding_base.pop(desc, None)
         manager.drop_sample(desc)
     for check in (c for c in runnable if c.scope == "module"):
         if not captured:

@@ -13,6 +13,7 @@ the padded size cannot hide in it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,16 @@ from ..plan import Batch, BatchDescriptor
 from ..precision import Record
 from .compare import CHUNK, leaves
 
-__all__ = ["REFERENCE_CAP", "LeafDifference", "Queued", "Reference", "leaf_differences", "on_cpu"]
+__all__ = [
+    "REFERENCE_CAP",
+    "LeafDifference",
+    "PendingDifferences",
+    "Queued",
+    "Reference",
+    "leaf_differences",
+    "on_cpu",
+    "pending_differences",
+]
 
 #: Eager across shapes may differ in float64 by this many times the reference's floor (the same
 #: forward with noise of one unit roundoff at every op whose rounding can differ between shapes, at one
@@ -99,11 +109,12 @@ class LeafDifference:
     expected: Any = None
 
 
-def _relative(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, tuple[int, ...] | None, str]:
-    """(relative rms, index of the largest difference, why) over finite elements, in pieces of rows
-    whose sums stay on the device: one synchronization for the whole leaf."""
-    g = got.detach().reshape(-1)
-    e = expected.detach().reshape(-1).to(g.device)
+def _relative_sums(g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """What ``_relative`` reads of two flattened leaves of one shape (``g.numel() > 0``), left on the
+    device: the sum of d*d and of e*e over finite elements, the largest |d| and its index, the index
+    of the first non-finite mismatch (-1: none), and both values at the index a finding names (that
+    mismatch, else the largest difference). Made in pieces of rows; read with one synchronization,
+    when the caller is ready to wait (``PendingDifferences.read``)."""
     sums = torch.zeros(2, dtype=torch.float64, device=g.device)  # sum of d*d, sum of e*e
     worst = torch.full((2,), -1.0, dtype=torch.float64, device=g.device)  # largest |d|, its index
     mismatch = torch.full((1,), -1, dtype=torch.int64, device=g.device)  # first non-finite mismatch
@@ -122,54 +133,100 @@ def _relative(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, tuple[i
             m, i = d.abs().max(0)
             better = m > worst[0]
             worst = torch.where(better, torch.stack((m, (i + start).double())), worst)
-    dd, ee, largest, where, first = (*sums.tolist(), *worst.tolist(), int(mismatch.item()))
-    shape = got.shape
-    index: tuple[int, ...] | None
+    at = torch.where(mismatch >= 0, mismatch, worst[1:].long().clamp(min=0))
+    return torch.cat((sums, worst, mismatch.double(), g[at].double(), e[at].double()))
+
+
+def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
+
+
+def _relative(sums: list[float], shape: torch.Size) -> tuple[float, tuple[int, ...] | None, str, Any, Any]:
+    """(relative rms over finite elements, index of the largest difference, why, and the two values
+    there) from ``_relative_sums`` read off the device."""
+    dd, ee, largest, where, first, got, expected = sums
     if first >= 0:
-        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), shape))
-        finite = bool(torch.isfinite(g[first])) or bool(torch.isfinite(e[first]))
+        finite = math.isfinite(got) or math.isfinite(expected)
         return (
             float("inf"),
-            index,
+            _unravel(int(first), shape),
             "non-finite where the other is finite" if finite else "another non-finite value",
+            got,
+            expected,
         )
-    index = (
-        tuple(int(i) for i in torch.unravel_index(torch.tensor(int(where)), shape)) if largest >= 0 else None
-    )
+    index = _unravel(int(where), shape) if largest >= 0 else None
     if ee == 0.0:
-        return (0.0 if dd == 0.0 else float("inf")), index, ""
-    return (dd / ee) ** 0.5, index, ""
+        return (0.0 if dd == 0.0 else float("inf")), index, "", got, expected
+    return (dd / ee) ** 0.5, index, "", got, expected
+
+
+class PendingDifferences:
+    """``leaf_differences``' answer before it is read off the device: the floating leaves' sums still
+    there (no synchronization yet, so the next forward can be queued behind them), every other leaf
+    decided. ``read()`` waits for the sums once."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[str, LeafDifference | tuple[torch.Tensor, torch.Size]]] = []
+
+    def add(self, path: str, found: LeafDifference | tuple[torch.Tensor, torch.Size]) -> None:
+        self._items.append((path, found))
+
+    def read(self) -> list[LeafDifference]:
+        found = []
+        for path, item in self._items:
+            if isinstance(item, LeafDifference):
+                found.append(item)
+                continue
+            sums, shape = item
+            relative, index, why, got, expected = _relative(sums.tolist(), shape)
+            diff = LeafDifference(path, relative, why, index)
+            if index is not None:
+                diff.got, diff.expected = got, expected
+            found.append(diff)
+        return found
 
 
 def leaf_differences(got: Any, expected: Any) -> list[LeafDifference]:
     """Per tensor leaf of ``expected``, how far ``got`` is from it (floating leaves: the relative
     rms; integer and bool leaves: equal or not)."""
-    found: list[LeafDifference] = []
+    return pending_differences(got, expected).read()
+
+
+def pending_differences(got: Any, expected: Any) -> PendingDifferences:
+    """``leaf_differences`` without waiting for the device on floating leaves: read them with
+    ``.read()`` (the leaves themselves need not be kept)."""
+    found = PendingDifferences()
     got_leaves = dict(leaves(got))
     for path, e in leaves(expected):
         if not isinstance(e, torch.Tensor):
             continue
         g = got_leaves.get(path)
         if not isinstance(g, torch.Tensor):
-            found.append(
-                LeafDifference(path, float("inf"), "missing where eager on the real batch has a tensor")
+            found.add(
+                path, LeafDifference(path, float("inf"), "missing where eager on the real batch has a tensor")
             )
             continue
         if tuple(g.shape) != tuple(e.shape):
-            found.append(
+            found.add(
+                path,
                 LeafDifference(
                     path,
                     float("inf"),
                     f"shape {list(g.shape)} where eager on the real batch has {list(e.shape)}: the output is "
                     "cut to the real rows wrongly",
-                )
+                ),
             )
             continue
         if not (e.is_floating_point() or e.is_complex()):
             off = g.to(e.device) != e
             if bool(off.any()):
                 at = tuple(int(i) for i in torch.unravel_index(off.reshape(-1).nonzero()[0, 0], e.shape))
-                found.append(
+                found.add(
+                    path,
                     LeafDifference(
                         path,
                         float("inf"),
@@ -177,16 +234,16 @@ def leaf_differences(got: Any, expected: Any) -> list[LeafDifference]:
                         at,
                         g[at].item(),
                         e[at].item(),
-                    )
+                    ),
                 )
             else:
-                found.append(LeafDifference(path, 0.0))
+                found.add(path, LeafDifference(path, 0.0))
             continue
         if e.is_complex():
             g, e = torch.view_as_real(g), torch.view_as_real(e)
-        relative, index, why = _relative(g, e)
-        diff = LeafDifference(path, relative, why, index)
-        if index is not None:
-            diff.got, diff.expected = g[index].item(), e.to(g.device)[index].item()
-        found.append(diff)
+        if not g.numel():
+            found.add(path, LeafDifference(path, 0.0))
+            continue
+        flat_g = g.detach().reshape(-1)
+        found.add(path, (_relative_sums(flat_g, e.detach().reshape(-1).to(flat_g.device)), g.shape))
     return found

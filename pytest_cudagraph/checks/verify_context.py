@@ -397,6 +397,15 @@ class VerifyContext(ModuleState):
         #: padded real batch, where it passed and ``real_batches`` would run the very same forward
         #: next (``shares_eager``); ``real_batches`` takes it, and it is dropped when the descriptor is done.
         self.fresh_eager: dict[BatchDescriptor, FreshEager] = {}
+        #: Descriptors whose graph ``determinism`` replayed under two seeds (and two poisons) with
+        #: the same result, for a module that draws nothing: ``rng``'s question there ("the graph
+        #: draws nothing either") is answered by those replays; dropped when the descriptor is done.
+        self.seed_free: set[BatchDescriptor] = set()
+        #: Per descriptor, ``real_batches``' run of ``fresh_inputs``' inputs at its most padded batch,
+        #: where it shared that check's eager run (``shares_eager``): the batch, the inputs and the
+        #: graph's real rows, with every padded row at its pad value, which is ``padding_isolation``'s
+        #: base where each floating input pads with zeros; dropped when the descriptor is done.
+        self.padding_base: dict[BatchDescriptor, tuple[Batch, dict[str, Any], Any]] = {}
 
     def uninitialized(self) -> str:
         """Why the module's results are undefined, when a forward reads memory nobody wrote (``""``
@@ -557,11 +566,13 @@ class VerifyContext(ModuleState):
         padded: dict[str, Any] = clone_tree(self.manager.forward_inputs(desc.num_tokens, reqs))
         return padded
 
-    def replay(self, desc: BatchDescriptor) -> Any:
-        """Replay on whatever the static buffers hold; a copy of the full output."""
+    def replay(self, desc: BatchDescriptor, *, wait: bool = True) -> Any:
+        """Replay on whatever the static buffers hold; a copy of the full output. ``wait=False``:
+        queued, not waited for (the caller's phase waits)."""
         with self.phase("replay", desc):
             out = self.manager.replay(desc)
-            self.manager.synchronize()
+            if wait:
+                self.manager.synchronize()
             return clone_tree(out)
 
     def phase(self, name: str, desc: Any) -> Any:

@@ -342,14 +342,17 @@ class GuardDispatchMode(DispatchMode):
             if layout is not None:
                 self.guard.report(str(func), SPARSE_REASON.format(layout=layout))
         if self.keep_alive is not None:
+            made, kept = self._made, self._kept
             for t in tensors_in(args, kwargs):
                 key = _address(t)
-                if key not in self._made and key not in self._kept:
-                    self._kept.add(key)
+                if key not in made and key not in kept:
+                    kept.add(key)
                     self.keep_alive.append(t)
-            outs = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ()
-            for t in tensors_in(outs, None):
-                self._made.add(_address(t))
+            if isinstance(out, torch.Tensor):
+                made.add(_address(out))
+            elif isinstance(out, (list, tuple)):
+                for t in tensors_in(out, None):
+                    made.add(_address(t))
         return out
 
 

@@ -81,6 +81,8 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                     diff is None, diff, "" if diff is None else _not_the_program(ctx, desc, diff)
                 )
                 if verdict.passed:
+                    if shared is not None:
+                        ctx.padding_base[desc] = (batch, inputs, clone_tree(got))
                     continue
                 return _real_batch_failure(ctx, desc, batch, inputs, verdict, totals, against_real=False)
             # As users run the module without graphs: a capture-only path

@@ -26,16 +26,31 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     # poison tells which: it agrees with the first (the poison decided) or not (the graph does
     # not repeat itself). Two replays where a graph passes, as the three (one poison twice, then
     # the other) that always ran before issue #48. A backend that cannot poison replays plainly.
+    #
+    # For a module that draws nothing (seen op by op), the second replay also takes another seed.
+    # Where the two agree, the graph draws nothing either: rng's question for such a module, which
+    # it then takes from here (``ctx.seed_free``) instead of replaying twice more. Where they
+    # differ, the second replay runs again under the first's seed, and everything below is judged
+    # on replays of one seed, as before.
     poisonable = True
+    two_seeds = not ctx.module_is_random(desc)
 
-    def poisoned(which: int) -> Any:
+    def poisoned(which: int, seed: int | None = None) -> Any:
         nonlocal poisonable
         ctx.load(desc, inputs, batch)
         poisonable = ctx.manager.poison_free(which) and poisonable
+        if seed is not None:
+            ctx.seed_all(seed)
         return ctx.replay(desc)
 
-    outs = ctx.from_one_state(poisoned, 2)  # poison 0, then poison 1
+    # poison 0, then poison 1 (under the next seed, for a module that draws nothing)
+    outs = ctx.from_one_state(lambda i: poisoned(i, ctx.seed + i if two_seeds else None), 2)
     diff = first_difference(outs[1], outs[0])
+    if two_seeds and diff is None:
+        ctx.seed_free.add(desc)
+    elif two_seeds:
+        outs[1] = ctx.from_one_state(lambda _: poisoned(1), 1)[0]
+        diff = first_difference(outs[1], outs[0])
     graph_diff = None
     if poisonable and diff is not None:
         again = ctx.from_one_state(lambda _: poisoned(0), 1)[0]
@@ -92,10 +107,20 @@ def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             message="the forward reads memory nobody wrote, so draws cannot be compared (determinism reports it)",
         )
     batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
-    inputs = ctx.make(batch)
     if not ctx.module_is_random(desc):
         # Eager draws nothing: the graph must not either. Replays alone say so;
         # where they disagree the full comparison below tells why.
+        if desc in ctx.seed_free:
+            # determinism replayed this graph under two seeds, with the same result
+            return Outcome(
+                "rng",
+                desc,
+                True,
+                message="the module draws no random numbers",
+                figures={"random": False, "replays": "determinism's, under two seeds"},
+            )
+        inputs = ctx.make(batch)
+
         def replayed() -> Any:
             ctx.load(desc, inputs, batch)
             return ctx.replay(desc)
@@ -110,6 +135,8 @@ def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             return Outcome(
                 "rng", desc, True, message="the module draws no random numbers", figures={"random": False}
             )
+    else:
+        inputs = ctx.make(batch)
     draws: dict[tuple[str, int], Any] = {}
     with ctx.preserved_state() as state0:
         padded = ctx.load(desc, inputs, batch)
@@ -176,8 +203,10 @@ DETERMINISM = Check(
     "before anything wrote it, confirmed by two eager runs with that memory poisoned two ways, is "
     "named with the op that made it (and every other failure of the module says so first); and "
     "replays with the graphs' free pool memory (their intermediates between replays) poisoned one "
-    "way, twice, then the other way, all agree: which finds a replay reading what "
-    "nobody wrote where no op the dispatcher sees does (an extension's own buffer)",
+    "way, then the other, agree (where they differ, a third with the first poison tells a read of "
+    "what nobody wrote, below the dispatcher, from a graph that does not repeat itself). For a "
+    "module seen drawing nothing the second replay also takes the next seed, which answers `rng` "
+    "there; where that pair differs, the second runs again under the first seed",
     catches="state kept outside registered buffers, nondeterministic kernels, a split-K sum into "
     "`torch.empty`, in eager or only in the graph",
     applies="never",
@@ -189,7 +218,8 @@ RNG = Check(
     rng,
     compares="with a seeded generator, replay draws equal eager draws, and successive replays draw fresh "
     "values; a module is random when its forwards use a generator (seen op by op), never because "
-    "two runs differ (Python state, put back between runs, and unwritten memory do that)",
+    "two runs differ (Python state, put back between runs, and unwritten memory do that). For a "
+    "module that draws nothing, two replays under two seeds agree (`determinism`'s, where it ran)",
     catches="seeding inside `forward`, generators a graph does not advance",
     applies="eager itself is not reproducible under one seed (the `determinism` and replay checks say why)",
 )

@@ -40,7 +40,15 @@ from ...plan import BatchDescriptor
 from ...precision import NoReference, Record, raised
 from ..divergence import recording, where_runs_part
 from ..floor import cut_leaf
-from ..reference import REFERENCE_CAP, LeafDifference, Queued, Reference, leaf_differences
+from ..reference import (
+    REFERENCE_CAP,
+    LeafDifference,
+    PendingDifferences,
+    Queued,
+    Reference,
+    leaf_differences,
+    pending_differences,
+)
 from ..registry import Check
 from ..report import Finding, Outcome
 from ..verify_context import VerifyContext, clone_tree
@@ -52,8 +60,18 @@ CHECK = "padded_size"
 
 
 def _on(value: Any, device: torch.device) -> Any:
-    """A fresh copy of queued inputs on ``device``: each run gets its own (a forward may write them)."""
-    return tree.tree_map(lambda t: t.to(device, copy=True) if isinstance(t, torch.Tensor) else t, value)
+    """A fresh copy of queued inputs on ``device``: each run gets its own (a forward may write them).
+    To a GPU through pinned memory, without waiting: a copy from pageable memory waits for the
+    device to finish what it was given, and the reference's forwards are queued back to back."""
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if device.type == "cuda" and t.device.type == "cpu":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device, copy=True)
+
+    return tree.tree_map(copy, value)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -243,6 +261,22 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
             "floor": max(floors.values(), default=0.0),
             "limit": max(limits.values(), default=REFERENCE_CAP * roundoff),
         }
+        # Every batch's two forwards queued one after the other, nothing read off the device in
+        # between (no phase waits for it either), so the next forward's Python runs while the device
+        # still computes this one; the largest and smallest batches in turn, a forward whose
+        # arithmetic outlasts its Python beside one whose Python outlasts its arithmetic. Read once
+        # every forward is queued; a failure runs its batch again for the diagnosis.
+        pending: dict[int, PendingDifferences | str] = {}
+        work = [q for desc in descs for q in ref.queued.get(desc, []) if id(q) not in refused]
+        with faults.synchronizing(False):
+            for q in _alternating(work):
+                expected, why = (exact, "") if q is floor_at else _attempt(partial(runs.real, q), q)
+                got, why = (None, why) if why else _attempt(partial(runs.padded, q), q, padded=True)
+                pending[id(q)] = why or pending_differences(got, expected)
+                del got, expected
+        del exact
+        with ctx.phase("the float64 reference's results read", None):
+            read = {key: p if isinstance(p, str) else p.read() for key, p in pending.items()}
         for desc in descs:
             queued = ref.queued.get(desc, [])
             if not queued:
@@ -252,20 +286,19 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
             failed: Outcome | None = None
             why_not: list[str] = []
             for q in queued:
-                if id(q) in refused:
-                    why_not.append(refused[id(q)])
-                    continue
-                expected, why = (exact, "") if q is floor_at else _attempt(partial(runs.real, q), q)
-                got, why = (None, why) if why else _attempt(partial(runs.padded, q), q, padded=True)
-                if why:
-                    why_not.append(why)
+                found = refused.get(id(q)) or read[id(q)]
+                if isinstance(found, str):
+                    why_not.append(found)
                     continue
                 compared += 1
-                diffs = leaf_differences(got, expected)
-                worst_relative = max([worst_relative, *(d.relative for d in diffs if not d.why)])
-                bad = _worst(diffs, limits, roundoff)
+                worst_relative = max([worst_relative, *(d.relative for d in found if not d.why)])
+                bad = _worst(found, limits, roundoff)
                 if bad is not None:
+                    # The diagnosis compares the two runs with a third: made again, from the same
+                    # state and seed (they were not kept while the other batches ran).
+                    expected, got = runs.real(q), runs.padded(q)
                     failed = _failure(ctx, runs, q, bad, expected, got, limits, floors, roundoff)
+                    del expected, got
                     break
             figures = {**figures_all, "relative_rms": worst_relative, "batches": compared}
             if failed is not None:
@@ -276,6 +309,17 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
             else:
                 outcomes.append(Outcome(CHECK, desc, True, figures=figures))
     return outcomes
+
+
+def _alternating(items: list[Queued]) -> list[Queued]:
+    """``items`` from the largest and the smallest in turn (by the tokens of their two forwards)."""
+    ordered = sorted(items, key=lambda q: -(q.batch.num_tokens + q.desc.num_tokens))
+    out = []
+    while ordered:
+        out.append(ordered.pop(0))
+        if ordered:
+            out.append(ordered.pop())
+    return out
 
 
 def _attempt(run: Callable[[], Any], q: Queued, *, padded: bool = False) -> tuple[Any, str]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ... import faults
 from ...plan import Batch, BatchDescriptor
 from ..compare import first_difference, leaves
 from ..divergence import locate_divergence
@@ -30,12 +31,15 @@ def _compare_padded(
     ``share``: where they agree, the eager run is kept for ``real_batches`` (``ctx.fresh_eager``)."""
     with ctx.preserved_state() as state0:
         padded = ctx.load(desc, inputs, batch)
-        ctx.seed_all(ctx.seed)
-        graph = ctx.replay(desc)
-        ctx.restore(state0)
-        ctx.seed_all(ctx.seed)
-        read = clone_tree(padded) if share else None
-        eager = ctx.eager(padded, desc)
+        # The replay is queued and eager's Python runs while the device replays (one phase for both,
+        # which waits for the device at its end: an error of either shows there).
+        with ctx.phase("replay, then eager on its inputs", desc), faults.synchronizing(False):
+            ctx.seed_all(ctx.seed)
+            graph = ctx.replay(desc, wait=False)
+            ctx.restore(state0)
+            ctx.seed_all(ctx.seed)
+            read = clone_tree(padded) if share else None
+            eager = ctx.eager(padded, desc)
         if not fresh:
             # The state check compares run() with this very eager run at the captured shape: kept
             # for it (the inputs as eager left them, the state it started from and the state it
@@ -213,10 +217,11 @@ def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 f"each). {_RETURN_FRESH}",
                 Finding(real_batch=batch.shape()),
             )
-    # Replay once on one new set, then check a second one.
-    with ctx.preserved_state():
-        ctx.load(desc, first, batch)
-        ctx.replay(desc)
+    # The second set is the one compared: the first only tells whether make_inputs draws. (A replay
+    # on the first set before the comparison, which every verification paid until issue #48, added
+    # nothing: what a replay leaves in graph memory for the next is determinism's to find, with
+    # that memory poisoned two ways, and replay_matches_eager's replay of the capture's inputs came
+    # just before.)
     try:
         outcome = _compare_padded(
             ctx,

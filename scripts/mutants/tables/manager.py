@@ -90,8 +90,8 @@ INTEGER_PADDING: list[Mutant] = [
     Mutant(
         "observe-randomness-unseen",
         OB,
-        "        elif draws_random(func):",
-        "        elif False:",
+        "    elif draws_random(func):\n        kind |= _K_RANDOM",
+        "    elif False:\n        kind |= _K_RANDOM",
         (*DIAGNOSES, pair("ReseedsInForward")),
         "no module draws random numbers: real_batches runs on noise",
     ),
@@ -263,5 +263,59 @@ INTEGER_PADDING: list[Mutant] = [
         (twin("BufferCounter"),),
         "run() hands out views of graph memory: output_lifetime holds the copy out on the smallest and "
         "largest graph of each mode",
+    ),
+    Mutant(
+        "suite-seed-free-although-replays-differ",
+        S,
+        "    if two_seeds and diff is None:\n        ctx.seed_free.add(desc)\n",
+        "    if two_seeds:\n        ctx.seed_free.add(desc)\n",
+        (
+            "tests/test_shared_runs.py::"
+            "test_a_graph_whose_result_follows_the_seed_unseen_is_left_to_rng_and_determinism_judges_one_seed",
+        ),
+        "rng takes determinism's replays as seed-free where they differed under two seeds",
+    ),
+    Mutant(
+        "suite-determinism-one-seed-told-two",
+        S,
+        "lambda i: poisoned(i, ctx.seed + i if two_seeds else None)",
+        "lambda i: poisoned(i, ctx.seed if two_seeds else None)",
+        (
+            "tests/test_shared_runs.py::"
+            "test_a_graph_whose_result_follows_the_seed_unseen_is_left_to_rng_and_determinism_judges_one_seed",
+        ),
+        "determinism's second replay under the first's seed, taken by rng as two seeds",
+    ),
+    Mutant(
+        "suite-state-shortcut-with-written-state",
+        S,
+        "    if kept is not None and not ctx.observer.written:\n",
+        "    if kept is not None:\n",
+        ("tests/test_shared_runs.py::test_state_still_catches_state_and_inputs_after_replay_matches_eager",),
+        "state skips run() for a module whose forwards write state",
+    ),
+    Mutant(
+        "suite-state-shortcut-over-mutated-inputs",
+        S,
+        "        if first_difference(kept[0], ctx.load(desc, ctx.manager.capture_sample(desc), batch)) is None:\n",
+        "        if True:\n",
+        ("tests/test_shared_runs.py::test_state_still_catches_state_and_inputs_after_replay_matches_eager",),
+        "state skips run() where eager wrote its inputs",
+    ),
+    Mutant(
+        "suite-padding-base-other-inputs",
+        S,
+        "    inputs = base[1] if base is not None else ctx.make(batch)\n",
+        "    inputs = ctx.make(batch)\n",
+        (twin("MaskBySelect0"), "tests/test_shared_runs.py"),
+        "padding_isolation fills the padded rows of other inputs than real_batches ran its base on",
+    ),
+    Mutant(
+        "suite-padding-base-never-taken",
+        S,
+        "            if base is not None and not results:\n",
+        "            if False:\n",
+        ("tests/test_shared_runs.py",),
+        "padding_isolation replays its base though real_batches ran it",
     ),
 ]

@@ -74,6 +74,33 @@ PADDED_SIZE: list[Mutant] = [
         (pair("PlannedPerRequestCount"), "tests/test_verdicts.py"),
         "a module that computes otherwise under capture is named as a padded-size computation",
     ),
+    # -- issue #48: the reference's forwards queued back to back, read once --------------------------
+    Mutant(
+        "reference-padded-run-uncompared",
+        PS,
+        "pending[id(q)] = why or pending_differences(got, expected)",
+        "pending[id(q)] = why or pending_differences(expected, expected)",
+        (*REFERENCE_TESTS, pair("DynamicNTKRotary")),
+        "the queued comparison holds eager on the real batch to itself",
+    ),
+    Mutant(
+        "reference-diagnosis-on-other-runs",
+        PS,
+        "expected, got = runs.real(q), runs.padded(q)",
+        "expected, got = runs.real(q), runs.real(q)",
+        (pair("PlannedPerRequestCount"), "tests/test_verdicts.py"),
+        "a failure's diagnosis, run again after the queue is read, compares the real batch with itself",
+    ),
+    Mutant(
+        "reference-named-at-the-largest-not-the-non-finite",
+        RF,
+        "at = torch.where(mismatch >= 0, mismatch, worst[1:].long().clamp(min=0))",
+        "at = worst[1:].long().clamp(min=0)",
+        (
+            "tests/test_reference.py::test_leaf_differences_read_later_name_the_place_and_values_of_what_differs",
+        ),
+        "a non-finite mismatch is reported with the values of the largest finite difference",
+    ),
     Mutant(
         "reference-submodule-unnamed",
         PS,
