@@ -527,7 +527,12 @@ def _print(part: str, r: dict[str, Any], hand: dict[str, Any] | None) -> None:
         print(
             f"         reference {ref['precision']}: floor {ref['floor']:.2g}, limit {ref['limit']:.2g}, largest "
             f"difference across shapes {ref['largest_difference']:.2g}; stage peak "
-            f"{format_bytes(r['reference_peak'])} ({format_bytes(r['reference_before'])} before)",
+            f"{format_bytes(r['reference_peak'])} ({format_bytes(r['reference_before'])} before)"
+            + (
+                f", x{r['reference_peak'] / hand['peak']:.3f} the hand loop's"
+                if hand and r["reference_peak"]
+                else ""
+            ),
             flush=True,
         )
     elif ref["skipped"]:

@@ -109,16 +109,19 @@ def test_a_precision_torch_refuses_to_tell_is_taken_as_the_looser(monkeypatch: p
     assert _fp32_roundoff(torch.device("cpu"), conv=False) == 2.0**-24
 
 
-def test_a_fingerprint_changes_with_any_element_and_with_a_swap() -> None:
-    t = torch.randn(100, 30).to(torch.bfloat16)
+@pytest.mark.parametrize("shape", [(100, 30), (300, 1000)], ids=["short", "rows-of-65521-and-a-tail"])
+def test_a_fingerprint_changes_with_any_element_and_with_a_swap(shape: tuple[int, int]) -> None:
+    # 300 x 1000 is summed as four rows of 65521 and a partial row: a swap in each part.
+    t = torch.randn(*shape).to(torch.bfloat16)
     base = fingerprint(t)
     assert fingerprint(t.clone()) == base
     changed = t.clone()
     changed[7, 3] = changed[7, 3] + 1
     assert fingerprint(changed) != base
-    swapped = t.clone()
-    swapped[0, 0], swapped[0, 1] = t[0, 1], t[0, 0]
-    assert not torch.equal(swapped, t) and fingerprint(swapped) != base
+    for row in {0, shape[0] - 1}:
+        swapped = t.clone()
+        swapped[row, 0], swapped[row, 1] = t[row, 1], t[row, 0]
+        assert not torch.equal(swapped, t) and fingerprint(swapped) != base
 
 
 def _copied(ctx: Any, desc: Any) -> Any:

@@ -1,12 +1,14 @@
 """Runs one check makes that another takes instead of making its own (issue #48), and what each
 must still catch: ``determinism``'s two replays, under two seeds for a module that draws nothing,
-answer ``rng``'s question there. CPU emulator, library API (``verify``).
+answer ``rng``'s question there; ``fresh_inputs``' replay, the graphs' free memory poisoned the
+first way before it, is ``determinism``'s first. CPU emulator, library API (``verify``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,7 +59,59 @@ def test_rng_takes_determinisms_replays_for_a_module_that_draws_nothing() -> Non
     assert rng and all(o.passed and not o.skipped and o.figures.get("random") is False for o in rng)
     assert all(o.figures.get("replays") == "determinism's, under two seeds" for o in rng)
     assert report.costs["rng"].replays == 0
-    assert report.costs["determinism"].replays == 2 * len(rng)  # two a descriptor, as before
+    # two a descriptor, the first fresh_inputs' (below)
+    assert report.costs["determinism"].replays == len(rng)
+
+
+def test_determinism_takes_fresh_inputs_replay_made_with_the_first_poison(monkeypatch: Any) -> None:
+    from pytest_cudagraph.manager.graph_manager import GraphManager
+
+    events: list[tuple[str, Any]] = []
+    poison, replay = GraphManager.poison_free, GraphManager.replay
+
+    def poison_free(self: GraphManager, which: int) -> bool:
+        events.append(("poison", which))
+        return poison(self, which)
+
+    def replayed(self: GraphManager, desc: Any) -> Any:
+        out = replay(self, desc)
+        events.append(("replay", desc))
+        return out
+
+    monkeypatch.setattr(GraphManager, "poison_free", poison_free)
+    monkeypatch.setattr(GraphManager, "replay", replayed)
+    report = _verify(Plain(), checks=["fresh_inputs", "determinism"])
+    assert report.ok, report.format()
+    determinism = _outcomes(report, "determinism")
+    assert determinism and report.costs["determinism"].replays == len(determinism)
+    # Per descriptor: fresh_inputs' replay right after the first poison, then determinism's one
+    # replay right after the second: the two replays it compares, one poison each.
+    assert [e for e in events if e[0] == "poison"] == [("poison", 0), ("poison", 1)] * len(determinism)
+    for i, event in enumerate(events):
+        if event[0] == "poison":
+            assert events[i + 1][0] == "replay"
+    # Alone, determinism makes both its replays (both poisons) itself.
+    events.clear()
+    report = _verify(Plain(), checks=["determinism"])
+    assert report.costs["determinism"].replays == 2 * len(_outcomes(report, "determinism"))
+
+
+def test_determinism_still_names_a_read_of_graph_memory_nobody_wrote_after_fresh_inputs(
+    monkeypatch: Any,
+) -> None:
+    from examples.buggy.uninitialized import SplitKIntoEmpty, SplitKIntoWritten
+    from pytest_cudagraph import observe
+
+    # Blind to torch.empty, as to an extension's own buffer (tests/test_diagnoses.py).
+    monkeypatch.setattr(observe, "_ALLOCATES", frozenset())
+    monkeypatch.setattr(observe, "_OBSERVED", {})
+    report = _verify(SplitKIntoEmpty(), checks=["fresh_inputs", "determinism"])
+    told = _outcomes(report, "determinism")
+    assert told and not any(o.passed for o in told), report.format()
+    assert all(o.message.startswith("a replay reads graph memory nobody wrote") for o in told)
+    report = _verify(SplitKIntoWritten(), checks=["fresh_inputs", "determinism"])
+    assert report.ok, report.format()
+    assert report.costs["determinism"].replays == len(_outcomes(report, "determinism"))
 
 
 def test_rng_replays_on_its_own_without_determinism() -> None:
@@ -67,17 +121,21 @@ def test_rng_replays_on_its_own_without_determinism() -> None:
     assert report.costs["rng"].replays == 2 * len(rng)
 
 
-def test_a_graph_whose_result_follows_the_seed_unseen_is_left_to_rng_and_determinism_judges_one_seed() -> (
-    None
-):
-    report = _verify(OpaqueNoise(), checks=["determinism", "rng"])
+@pytest.mark.parametrize("after_fresh", [False, True], ids=["alone", "after-fresh_inputs"])
+def test_a_graph_whose_result_follows_the_seed_unseen_is_left_to_rng_and_determinism_judges_one_seed(
+    after_fresh: bool,
+) -> None:
+    checks = ["fresh_inputs", "determinism", "rng"] if after_fresh else ["determinism", "rng"]
+    report = _verify(OpaqueNoise(), checks=checks)
     determinism, rng = _outcomes(report, "determinism"), _outcomes(report, "rng")
     # Replays under one seed agree: determinism passes, judged as before.
     assert determinism and all(o.passed and not o.skipped for o in determinism), report.format()
     # Under two seeds they differ: rng does not take them as "draws nothing", and finds the draws.
     assert rng and all(o.passed and o.figures.get("random") is True for o in rng), report.format()
     assert all("replays" not in o.figures for o in rng)
-    assert report.costs["determinism"].replays == 3 * len(determinism)  # the second again, one seed
+    # The second again, under one seed; after fresh_inputs, first the replay whose print differed
+    # from fresh_inputs' (under the next seed), then all three of its own.
+    assert report.costs["determinism"].replays == (4 if after_fresh else 3) * len(determinism)
 
 
 # -- state: no run of its own where nothing can end otherwise -------------------------------------------
@@ -139,3 +197,64 @@ def test_padding_isolation_takes_real_batches_run_as_its_base_and_still_catches_
     )
     leak = _verify(PoolsPaddedRows())
     assert any(o.check == "padding_isolation" for o in leak.failures), leak.format()
+
+
+# -- replay_matches_eager: the capture's warm-up as its eager run ----------------------------------------
+def test_replay_matches_eager_takes_the_capture_warm_up_as_its_eager_run() -> None:
+    report = _verify(Plain(), checks=["replay_matches_eager"])
+    told = _outcomes(report, "replay_matches_eager")
+    assert told and all(o.passed for o in told), report.format()
+    assert all(o.figures.get("eager") == "the capture's warm-up, by its print" for o in told)
+    assert report.costs["replay_matches_eager"].forwards == 0
+    assert report.costs["replay_matches_eager"].replays == len(told)
+
+
+def test_a_replay_unlike_the_warm_up_is_compared_with_eager_and_told(monkeypatch: Any) -> None:
+    from pytest_cudagraph.manager.graph_manager import GraphManager
+
+    replay = GraphManager.replay
+
+    def off_by_one_place(self: GraphManager, desc: Any) -> Any:
+        # A graph that gets one element wrong by one unit in the last place.
+        out = replay(self, desc)
+        out.view(-1)[3] = torch.nextafter(out.view(-1)[3], torch.tensor(float("inf")))
+        return out
+
+    monkeypatch.setattr(GraphManager, "replay", off_by_one_place)
+    report = _verify(Plain(), checks=["replay_matches_eager"])
+    told = _outcomes(report, "replay_matches_eager")
+    assert told and not any(o.passed for o in told), report.format()
+    assert all(
+        o.message.startswith("replay differs from eager on the inputs the graph was captured with")
+        for o in told
+    )
+    assert all(o.finding is not None and o.finding.index == (0, 3) for o in told), told[0].finding
+
+
+class BranchesOnCapturing(Base):
+    """Takes another branch while a graph is captured (as transformers builds its attention mask
+    another way): a warm-up off the capture's path would not be the graph's program."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        try:  # as transformers asks: a CPU-only build raises outside a capture
+            capturing = bool(torch.cuda.is_current_stream_capturing())
+        except Exception:
+            capturing = False
+        return y * 2 if capturing else y
+
+
+def test_the_warm_up_taken_for_eager_runs_on_the_path_a_capture_takes() -> None:
+    report = _verify(BranchesOnCapturing(), checks=["replay_matches_eager"])
+    told = _outcomes(report, "replay_matches_eager")
+    assert told and all(o.passed for o in told), report.format()
+    assert all(o.figures.get("eager") == "the capture's warm-up, by its print" for o in told)
+    assert report.costs["replay_matches_eager"].forwards == 0
+
+
+def test_a_warm_up_that_writes_its_input_is_not_taken_for_eager() -> None:
+    from tests.test_check_sensitivity import MutatesOneElement
+
+    report = _verify(MutatesOneElement(), checks=["replay_matches_eager"])
+    told = _outcomes(report, "replay_matches_eager")
+    assert told and all("eager" not in o.figures for o in told), report.format()

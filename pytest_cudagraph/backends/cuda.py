@@ -305,6 +305,10 @@ class CudaBackend(Backend):
         #: eager diagnosis.
         self.checked = False
         self._pool: Any = None
+        #: The pool's free blocks as byte views, found once per layout of the pool (``poison_free``),
+        #: with the key of that layout: the pool, the bytes the allocator reserves, the captures so far.
+        self._free_blocks: tuple[tuple[Any, int, int], list[torch.Tensor]] | None = None
+        self._captures = 0
         # Separate streams for warm-up and capture. PyTorch caches one cuBLAS
         # workspace per stream, and destroying *any* graph captured on a
         # stream drops that stream's workspace. A workspace first allocated
@@ -411,6 +415,7 @@ class CudaBackend(Backend):
         return self._open(guard, whole=False)
 
     def _open(self, guard: CaptureGuard, *, whole: bool) -> _CudaCapture:
+        self._captures += 1  # the pool's layout may change: poison_free looks again
         if self._pool is None:
             # One pool for every graph of this manager: smaller graphs,
             # captured after larger ones, reuse the larger ones' memory.
@@ -446,6 +451,7 @@ class CudaBackend(Backend):
         # fresh pool instead of reusing a handle whose last user died (which
         # trips the allocator's "use_count > 0" assertion).
         self._pool = None
+        self._free_blocks = None
         self._reserved_after = None
         # The capture stream's cuBLAS workspace was allocated in that pool
         # (see begin): while cuBLAS holds it, the pool is never freed. Every
@@ -467,11 +473,17 @@ class CudaBackend(Backend):
         pool = self._pool
         if pool is None:
             return True
-        snapshot = getattr(torch.cuda, "memory_snapshot", None)
-        if snapshot is None:
-            return False
-        torch.cuda.synchronize(self.index)
-        with _OnDevice(self.index):
+        # The blocks are found once for a layout of the pool: between captures nothing allocates in
+        # it (replays allocate nothing), and a segment handed back to the driver changes what the
+        # allocator reserves. A verification poisons twice a descriptor, and the snapshot walks
+        # every segment of the device (an 8B model's weights included) and syncs it.
+        key = (tuple(pool), torch.cuda.memory_reserved(self.index), self._captures)
+        if self._free_blocks is None or self._free_blocks[0] != key:
+            snapshot = getattr(torch.cuda, "memory_snapshot", None)
+            if snapshot is None:
+                return False
+            torch.cuda.synchronize(self.index)
+            blocks = []
             for segment in snapshot():
                 if segment.get("device") != self.index or tuple(segment.get("segment_pool_id", ())) != tuple(
                     pool
@@ -482,8 +494,12 @@ class CudaBackend(Backend):
                     size = block["size"]
                     start = block.get("address", address)
                     if block["state"] == "inactive" and size:
-                        _device_bytes(start, size, self.index).fill_(POISON_BYTES[which])
+                        blocks.append(_device_bytes(start, size, self.index))
                     address = start + size
+            self._free_blocks = (key, blocks)
+        with _OnDevice(self.index):
+            for block_bytes in self._free_blocks[1]:
+                block_bytes.fill_(POISON_BYTES[which])
         return True
 
 

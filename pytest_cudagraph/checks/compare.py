@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..manager import tree
+from ..observe import bit_sums
 
 __all__ = [
     "CHUNK",
@@ -19,6 +20,8 @@ __all__ = [
     "largest_difference",
     "last_place",
     "leaves",
+    "same_print",
+    "tree_print",
 ]
 
 # (rtol, atol) per dtype for real batches against unpadded eager: kernels may
@@ -68,6 +71,44 @@ def leaves(value: Any) -> list[tuple[str, Any]]:
     """(path, leaf) pairs: ``['logits']``, ``[1]``, ``.logits`` (a dataclass's
     or namedtuple's field); dataclasses are walked, not compared whole."""
     return tree.flatten_with_paths(value)
+
+
+#: A print of an output tree (``tree_print``): each leaf's path and what it is (a tensor's shape,
+#: dtype, device and the strides that address memory; any other leaf itself), and the bit sums
+#: of its tensors (``observe.bit_sums``) on the device, not yet read.
+TreePrint = tuple[tuple[Any, ...], list[torch.Tensor]]
+
+#: Leaves other than tensors that a print holds as they are (compared with ==).
+_PLAIN_LEAVES = (type(None), bool, int, float, str)
+
+
+def tree_print(value: Any) -> TreePrint | None:
+    """A print of ``value`` that ``same_print`` holds to bit-for-bit equality, as
+    ``first_difference(..., check_strides=True)`` does, short of a contrived collision of the sums,
+    and stricter on NaN (two NaNs of other bit patterns differ here): queued work, read when
+    compared. None where a leaf is neither a strided tensor nor a plain value."""
+    meta: list[Any] = []
+    sums: list[torch.Tensor] = []
+    for path, leaf in leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.layout != torch.strided or type(leaf) not in (torch.Tensor, torch.nn.Parameter):
+                return None  # a subclass's bits are not its values
+            meta.append((path, tuple(leaf.shape), leaf.dtype, str(leaf.device), _layout(leaf)))
+            sums.append(bit_sums(leaf))
+        elif isinstance(leaf, _PLAIN_LEAVES):
+            meta.append((path, type(leaf), leaf))
+        else:
+            return None
+    return tuple(meta), sums
+
+
+def same_print(a: TreePrint, b: TreePrint) -> bool:
+    """Whether two prints are of the same tree, bit for bit (one synchronization)."""
+    if a[0] != b[0] or len(a[1]) != len(b[1]):
+        return False
+    if not a[1]:
+        return True
+    return all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
 
 
 def _int_bits(t: torch.Tensor) -> torch.Tensor:

@@ -539,9 +539,17 @@ def _run(
         else:
             runnable.append(check)
     to_capture = [d for d in selected if d not in blocked]
+    ctx.checks_run = frozenset(c.name for c in runnable if c.scope == "descriptor")
     if to_capture:
-        with meter.step("capture"):
-            manager.capture(to_capture, keep_going=True)
+        # replay_matches_eager takes each capture's warm-up, an eager run on the capture's own
+        # inputs, as its eager side where nothing but the kernels could make another differ.
+        watch = "replay_matches_eager" in ctx.checks_run
+        manager.state.warmup_watch = ctx.watch_warmup if watch else None
+        try:
+            with meter.step("capture"):
+                manager.capture(to_capture, keep_going=True)
+        finally:
+            manager.state.warmup_watch = None
         for desc, error in manager.capture_failures.items():
             listed = None
             if capture_check is not None and error.op:
@@ -610,6 +618,8 @@ def _run(
         ctx.fresh_eager.pop(desc, None)
         ctx.seed_free.discard(desc)
         ctx.padding_base.pop(desc, None)
+        ctx.first_replay.pop(desc, None)
+        ctx.warm_prints.pop(desc, None)
         manager.drop_sample(desc)
     for check in (c for c in runnable if c.scope == "module"):
         if not captured:

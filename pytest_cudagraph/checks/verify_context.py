@@ -18,7 +18,7 @@ from ..observe import ForwardObserver, fingerprint, poisoned, restoring
 from ..options import VerifyOptions
 from ..plan import Batch, BatchDescriptor, GraphMode
 from ..plan.properties import exact_batch
-from .compare import Difference, first_difference
+from .compare import Difference, TreePrint, first_difference, tree_print
 from .floor import across_shapes, given
 from .reference import Reference
 
@@ -406,6 +406,20 @@ class VerifyContext(ModuleState):
         #: graph's real rows, with every padded row at its pad value, which is ``padding_isolation``'s
         #: base where each floating input pads with zeros; dropped when the descriptor is done.
         self.padding_base: dict[BatchDescriptor, tuple[Batch, dict[str, Any], Any]] = {}
+        #: The per-descriptor checks this verification runs, by name (set by the engine).
+        self.checks_run: frozenset[str] = frozenset()
+        #: Per descriptor, ``fresh_inputs``' replay, made with the graphs' free memory poisoned the
+        #: first way where it passed and nothing but graph memory can make two replays of the same
+        #: inputs from one state and seed differ (``shares_replay``): the batch, the inputs and the
+        #: print of what the replay returned (not the output: memory of its size held across the
+        #: checks between), which ``determinism`` takes as its first replay; dropped when the
+        #: descriptor is done.
+        self.first_replay: dict[BatchDescriptor, tuple[Batch, dict[str, Any], TreePrint]] = {}
+        #: Per descriptor, prints of its checked capture's warm-up (``watch_warmup``): the inputs it
+        #: read before and after it ran, and its output; ``replay_matches_eager`` takes them.
+        self.warm_prints: dict[
+            BatchDescriptor, tuple[TreePrint | None, TreePrint | None, TreePrint | None]
+        ] = {}
 
     def uninitialized(self) -> str:
         """Why the module's results are undefined, when a forward reads memory nobody wrote (``""``
@@ -447,11 +461,42 @@ class VerifyContext(ModuleState):
             self.reference is not None
             and self.reference.ready
             and self.given_batches is None
-            and not self.module_is_random(desc)
+            and self.repeats_itself(desc)
+        )
+
+    def watch_warmup(
+        self, desc: BatchDescriptor, kwargs: Mapping[str, Any], warm_up: Callable[[], Any]
+    ) -> Any:
+        """The manager's ``warmup_watch``: ``warm_up()``, an eager run at ``desc``'s shape on the
+        capture's own inputs, made on the path a capture takes, with prints of those inputs before
+        and after it and of its output kept (queued sums, read when ``replay_matches_eager``
+        compares)."""
+        before = tree_print(dict(kwargs))
+        # On the path a capture takes, as ``eager`` runs it: the program the graph holds (and what
+        # the capture will run is what the warm-up initialises).
+        with as_captured(self.manager.eager_modules(desc), emulated=self.manager.backend == "emulate"):
+            out = warm_up()
+        self.warm_prints[desc] = (before, tree_print(dict(kwargs)), tree_print(out))
+        return out
+
+    def repeats_itself(self, desc: BatchDescriptor) -> bool:
+        """Whether nothing but the kernels (and a graph's memory) can make two runs of the same inputs
+        differ, one made before another: the module draws no random numbers (seen op by op), and
+        neither it nor ``make_inputs`` writes state of its own (tensors or Python values). Then the
+        capture's warm-up is the eager run ``replay_matches_eager`` would make, and one check's run
+        can stand for another's (``shares_eager``, ``shares_replay``)."""
+        return (
+            not self.module_is_random(desc)
             and not self.observer.written
             and not self.python_written
             and not self.synced
         )
+
+    def shares_replay(self, desc: BatchDescriptor) -> bool:
+        """Whether ``fresh_inputs``' replay can be ``determinism``'s first, the graphs' free memory
+        poisoned the first way before it: ``determinism`` runs, and between the two checks nothing
+        but that memory can change what a replay of the same inputs gives (``repeats_itself``)."""
+        return "determinism" in self.checks_run and self.repeats_itself(desc)
 
     def module_is_random(self, desc: BatchDescriptor) -> bool:
         """Whether the module draws random numbers: told by its use of a generator, op by op, in

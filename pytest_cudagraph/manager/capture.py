@@ -24,6 +24,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -468,7 +469,11 @@ class Capture:
                 # from, by an eager rerun under the tracker.
                 if staged is None:
                     with self._phase("warm-up", desc):
-                        self.state.backend.warmup(forward)
+                        watch = self.state.warmup_watch
+                        if watch is None:
+                            self.state.backend.warmup(forward)
+                        else:
+                            watch(desc, kwargs, partial(self.state.backend.warmup, forward))
                 elif isinstance(staged, Exception):
                     raise staged
                 elif sample is not None and self._reloads(desc):

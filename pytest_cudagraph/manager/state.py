@@ -76,6 +76,11 @@ class ManagerState:
     #: Descriptors of the last capture() whose every op was held to the guard's rules (every one on
     #: the emulator; on CUDA the checked sequence's first): see ``Capture._capture_one``.
     guarded_every_op: set[BatchDescriptor] = field(default_factory=set)
+    #: Where set (by verification), each checked capture's warm-up runs through it:
+    #: ``watch(desc, kwargs, warm_up)`` runs ``warm_up()`` and returns what it returned, free to
+    #: look at the inputs ``kwargs`` before and after and at the output (``replay_matches_eager``
+    #: keeps prints of them: the warm-up is an eager run on the capture's own inputs).
+    warmup_watch: Callable[[BatchDescriptor, Mapping[str, Any], Callable[[], Any]], Any] | None = None
     # -- written by the runtime part ----------------------------------------------
     #: (descriptor tokens, its request rows, real tokens, real requests) -> views to load.
     plans: dict[tuple[int, int, int, int], LoadPlan] = field(default_factory=dict)

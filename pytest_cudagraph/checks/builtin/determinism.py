@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...plan import BatchDescriptor
-from ..compare import first_difference
+from ..compare import Difference, first_difference, same_print, tree_print
 from ..registry import Check
 from ..report import Finding, Outcome
 from ..verify_context import VerifyContext
@@ -15,8 +15,12 @@ from .common import finding_of, where_of
 
 
 def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
-    batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
-    inputs = ctx.make(batch)
+    first = ctx.first_replay.pop(desc, None)
+    if first is not None:
+        batch, inputs, kept = first
+    else:
+        batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
+        inputs = ctx.make(batch)
 
     # Replays of the same inputs from one state and seed, the graphs' free memory (their
     # intermediates between replays) poisoned just before each: one poison, then the other. Where
@@ -43,19 +47,32 @@ def determinism(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             ctx.seed_all(seed)
         return ctx.replay(desc)
 
-    # poison 0, then poison 1 (under the next seed, for a module that draws nothing)
-    outs = ctx.from_one_state(lambda i: poisoned(i, ctx.seed + i if two_seeds else None), 2)
-    diff = first_difference(outs[1], outs[0])
-    if two_seeds and diff is None:
-        ctx.seed_free.add(desc)
-    elif two_seeds:
-        outs[1] = ctx.from_one_state(lambda _: poisoned(1), 1)[0]
+    # poison 0, then poison 1 (under the next seed, for a module that draws nothing). The first may
+    # be fresh_inputs' replay, made of these inputs from one state and seed with the free memory
+    # poisoned the first way just before it (``ctx.shares_replay``: nothing between the two checks
+    # but graph memory can change what a replay gives), kept as its print: where the second has
+    # that print they agree, one replay of the same inputs fewer; where not, both are made here.
+    diff: Difference | None = None
+    graph_diff: Difference | None = None
+    shared = False
+    if first is not None:
+        second = ctx.from_one_state(lambda _: poisoned(1, ctx.seed + 1 if two_seeds else None), 1)[0]
+        printed = tree_print(second)
+        shared = printed is not None and same_print(printed, kept)
+        if shared and two_seeds:
+            ctx.seed_free.add(desc)
+    if not shared:
+        outs = ctx.from_one_state(lambda i: poisoned(i, ctx.seed + i if two_seeds else None), 2)
         diff = first_difference(outs[1], outs[0])
-    graph_diff = None
-    if poisonable and diff is not None:
-        again = ctx.from_one_state(lambda _: poisoned(0), 1)[0]
-        repeated = first_difference(again, outs[0])
-        graph_diff, diff = (diff, None) if repeated is None else (None, repeated)
+        if two_seeds and diff is None:
+            ctx.seed_free.add(desc)
+        elif two_seeds:
+            outs[1] = ctx.from_one_state(lambda _: poisoned(1), 1)[0]
+            diff = first_difference(outs[1], outs[0])
+        if poisonable and diff is not None:
+            again = ctx.from_one_state(lambda _: poisoned(0), 1)[0]
+            repeated = first_difference(again, outs[0])
+            graph_diff, diff = (diff, None) if repeated is None else (None, repeated)
     read_poison = (
         f"with the graph's free memory poisoned one way before each of two replays of the same inputs they agree, "
         f"and poisoned the other way they differ ({where_of(graph_diff)})"
@@ -206,7 +223,8 @@ DETERMINISM = Check(
     "way, then the other, agree (where they differ, a third with the first poison tells a read of "
     "what nobody wrote, below the dispatcher, from a graph that does not repeat itself). For a "
     "module seen drawing nothing the second replay also takes the next seed, which answers `rng` "
-    "there; where that pair differs, the second runs again under the first seed",
+    "there; where that pair differs, the second runs again under the first seed. Where nothing but graph "
+    "memory can change a replay, the first is `fresh_inputs`' replay, made with the first poison",
     catches="state kept outside registered buffers, nondeterministic kernels, a split-K sum into "
     "`torch.empty`, in eager or only in the graph",
     applies="never",

@@ -10,7 +10,7 @@ import torch
 
 from ... import faults
 from ...plan import Batch, BatchDescriptor
-from ..compare import first_difference, leaves
+from ..compare import first_difference, leaves, same_print, tree_print
 from ..divergence import locate_divergence
 from ..registry import Check
 from ..report import Finding, Outcome
@@ -26,11 +26,25 @@ def _compare_padded(
     check: str,
     fresh: bool,
     share: bool = False,
+    poisoned: bool = False,
 ) -> Outcome:
     """Replay against eager at the captured shape on ``inputs`` loaded for ``batch``, bit for bit.
-    ``share``: where they agree, the eager run is kept for ``real_batches`` (``ctx.fresh_eager``)."""
+    ``share``: where they agree, the eager run is kept for ``real_batches`` (``ctx.fresh_eager``).
+    ``poisoned``: the graphs' free memory is poisoned (the first way) just before the replay, which
+    where they agree is kept as ``determinism``'s first replay (``ctx.first_replay``)."""
     with ctx.preserved_state() as state0:
         padded = ctx.load(desc, inputs, batch)
+        if not fresh and _matches_the_warm_up(ctx, desc):
+            # Where it left its inputs as loaded, the state check takes this "eager run" as it would
+            # take the one below: the inputs as they were, no state written.
+            ctx.exact_eager[desc] = (padded, state0, ctx.snapshot())
+            return Outcome(
+                check,
+                desc,
+                True,
+                figures={"real_batch": batch.shape(), "eager": "the capture's warm-up, by its print"},
+            )
+        poisonable = ctx.manager.poison_free(0) if poisoned else False
         # The replay is queued and eager's Python runs while the device replays (one phase for both,
         # which waits for the device at its end: an error of either shows there).
         with ctx.phase("replay, then eager on its inputs", desc), faults.synchronizing(False):
@@ -55,6 +69,9 @@ def _compare_padded(
         if diff is None:
             if read is not None:
                 ctx.fresh_eager[desc] = FreshEager(batch, inputs, read, eager)
+            printed = tree_print(graph) if poisonable else None
+            if printed is not None:
+                ctx.first_replay[desc] = (batch, inputs, printed)
             return Outcome(check, desc, True, figures={"real_batch": batch.shape()})
         if diff.opaque:
             return opaque_output(check, desc, diff, batch)
@@ -101,6 +118,24 @@ def _compare_padded(
     return Outcome(
         check, desc, False, f"{what} ({where_of(diff)})", finding_of(diff, batch, submodule, segment)
     )
+
+
+def _matches_the_warm_up(ctx: VerifyContext, desc: BatchDescriptor) -> bool:
+    """Whether a replay on the capture's inputs (loaded) has the print of the capture's warm-up
+    output, where that warm-up stands for eager: an eager run at this shape on these very inputs,
+    which it left as they were, by a module in which nothing but the kernels can make two eager
+    runs differ (``ctx.repeats_itself``). False sends the check to its own eager run, which tells
+    why they differ, if they do: a warm-up is not on the path a capture takes (``as_captured``),
+    so a module that branches on capturing differs from its warm-up and is compared as before."""
+    warm = ctx.warm_prints.pop(desc, None)
+    if warm is None or not ctx.repeats_itself(desc):
+        return False
+    before, after, out = warm
+    if before is None or after is None or out is None or not out[1] or not same_print(before, after):
+        return False  # a leaf it cannot print, no tensor to compare, or the warm-up wrote an input
+    ctx.seed_all(ctx.seed)
+    replayed = tree_print(ctx.replay(desc))
+    return replayed is not None and same_print(replayed, out)
 
 
 def replay_matches_eager(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
@@ -231,6 +266,7 @@ def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             "fresh_inputs",
             fresh=True,
             share=not made and batch == ctx.padded_batch(desc) and ctx.shares_eager(desc),
+            poisoned=ctx.shares_replay(desc),
         )
     except Exception as exc:
         if not made:
@@ -257,7 +293,11 @@ REPLAY_MATCHES_EAGER = Check(
     "replay_matches_eager",
     replay_matches_eager,
     compares="on the very inputs a graph was captured with, replay equals eager bit for bit (NaN equals NaN, "
-    "-0.0 differs from 0.0; shape, dtype and strides too)",
+    "-0.0 differs from 0.0; shape, dtype and strides too). Where nothing but the kernels can make two eager "
+    "runs differ (no random draws, no state of its own written), the capture's warm-up, an eager run on those "
+    "very inputs that left them as they were, is the eager side, held by a print of its bits (two sums of its "
+    "bit patterns, plain and weighted by position); a replay with another print is compared with an eager "
+    "run of its own on the path a capture takes, which says where and why they differ",
     catches="Python state changed by every forward (named: `inner.calls: 3 -> 4`), nondeterministic eager "
     "(said so instead)",
     applies="never",
@@ -269,7 +309,9 @@ FRESH_INPUTS = Check(
     fresh_inputs,
     compares="after capture, new inputs give replay equal to eager. Where `make_inputs` returns the same "
     "values on every call (`torch.ones`, `arange`), the harness makes its own: fresh floating "
-    "values in the observed range, or integer rows permuted (then drawn) within it",
+    "values in the observed range, or integer rows permuted (then drawn) within it. Where `determinism` runs "
+    "after it on a module in which nothing but graph memory can change a replay, the graphs' free memory is "
+    "poisoned (its first way) before this replay, which `determinism` takes as its first",
     catches="tensors computed at warm-up and memoised (by identity, say), stale buffers, values frozen at "
     "capture",
     applies="never: where no input can be changed (no tensor input, or only integers of one value), the "

@@ -35,4 +35,13 @@ CUDA_MUTANTS: list[Mutant] = [
         LIGHT,
         "the checked sequence's first capture is not held to the rules either",
     ),
+    Mutant(
+        "cuda-poison-one-way",
+        "pytest_cudagraph/backends/cuda.py",
+        "                block_bytes.fill_(POISON_BYTES[which])\n",
+        "                block_bytes.fill_(POISON_BYTES[0])\n",
+        ("tests/test_diagnoses.py::test_a_cuda_replay_reading_an_extension_buffer_nobody_wrote_is_named",),
+        "the graphs' free memory is poisoned one way only (its blocks found once): a replay reading what "
+        "nobody wrote is never told",
+    ),
 ]

@@ -230,8 +230,8 @@ INTEGER_PADDING: list[Mutant] = [
     Mutant(
         "suite-determinism-no-third-replay",
         S,
-        "    if poisonable and diff is not None:\n",
-        "    if False:\n",
+        "        if poisonable and diff is not None:\n",
+        "        if False:\n",
         DIAGNOSES,
         "replays that differ with the poison are told as nondeterministic, not as reading unwritten memory",
     ),
@@ -267,8 +267,8 @@ INTEGER_PADDING: list[Mutant] = [
     Mutant(
         "suite-seed-free-although-replays-differ",
         S,
-        "    if two_seeds and diff is None:\n        ctx.seed_free.add(desc)\n",
-        "    if two_seeds:\n        ctx.seed_free.add(desc)\n",
+        "        if two_seeds and diff is None:\n            ctx.seed_free.add(desc)\n",
+        "        if two_seeds:\n            ctx.seed_free.add(desc)\n",
         (
             "tests/test_shared_runs.py::"
             "test_a_graph_whose_result_follows_the_seed_unseen_is_left_to_rng_and_determinism_judges_one_seed",
@@ -317,5 +317,67 @@ INTEGER_PADDING: list[Mutant] = [
         "            if False:\n",
         ("tests/test_shared_runs.py",),
         "padding_isolation replays its base though real_batches ran it",
+    ),
+    Mutant(
+        "suite-fresh-replay-kept-unpoisoned",
+        S,
+        "        poisonable = ctx.manager.poison_free(0) if poisoned else False\n",
+        "        poisonable = poisoned\n",
+        ("tests/test_shared_runs.py::test_determinism_takes_fresh_inputs_replay_made_with_the_first_poison",),
+        "determinism takes fresh_inputs' replay as its first poisoned one though nothing poisoned it",
+    ),
+    Mutant(
+        "suite-determinism-second-replay-first-poison",
+        S,
+        "        second = ctx.from_one_state(lambda _: poisoned(1, ctx.seed + 1 if two_seeds else None), 1)[0]\n",
+        "        second = ctx.from_one_state(lambda _: poisoned(0, ctx.seed + 1 if two_seeds else None), 1)[0]\n",
+        ("tests/test_shared_runs.py::test_determinism_takes_fresh_inputs_replay_made_with_the_first_poison",),
+        "determinism compares fresh_inputs' replay with one of the same poison",
+    ),
+    Mutant(
+        "suite-warm-up-print-always-same",
+        C,
+        "    return all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))\n",
+        "    return True\n",
+        ("tests/test_shared_runs.py::test_a_replay_unlike_the_warm_up_is_compared_with_eager_and_told",),
+        "replay_matches_eager passes any replay whose leaves have the warm-up's shapes",
+    ),
+    Mutant(
+        "suite-warm-up-over-written-input",
+        S,
+        " or not same_print(before, after):\n",
+        ":\n",
+        (
+            "tests/test_shared_runs.py::test_a_warm_up_that_writes_its_input_is_not_taken_for_eager",
+            "tests/test_shared_runs.py::test_state_still_catches_state_and_inputs_after_replay_matches_eager",
+        ),
+        "replay_matches_eager takes a warm-up that wrote its input for eager, and state takes it",
+    ),
+    Mutant(
+        "suite-warm-up-of-a-module-that-does-not-repeat",
+        S,
+        "    if warm is None or not ctx.repeats_itself(desc):\n",
+        "    if warm is None:\n",
+        ("tests/test_check_sensitivity.py", "tests/test_shared_runs.py", "tests/test_diagnoses.py"),
+        "replay_matches_eager takes the warm-up of a module with state of its own for eager",
+    ),
+    Mutant(
+        "suite-warm-up-off-the-captured-path",
+        X,
+        '        with as_captured(self.manager.eager_modules(desc), emulated=self.manager.backend == "emulate"):\n',
+        "        with contextlib.nullcontext():\n",
+        ("tests/test_shared_runs.py::test_the_warm_up_taken_for_eager_runs_on_the_path_a_capture_takes",),
+        "the warm-up replay_matches_eager takes for eager runs off the path a capture takes",
+    ),
+    Mutant(
+        "suite-determinism-shared-print-unheld",
+        S,
+        "        shared = printed is not None and same_print(printed, kept)\n",
+        "        shared = printed is not None\n",
+        (
+            "tests/test_shared_runs.py::"
+            "test_a_graph_whose_result_follows_the_seed_unseen_is_left_to_rng_and_determinism_judges_one_seed",
+        ),
+        "determinism takes fresh_inputs' replay as agreeing with its own whatever either gave",
     ),
 ]
