@@ -255,6 +255,11 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[int]]:
     device = _triton_device()
     monkeypatch.setattr(precision, "_FAST_DEVICES", {"cuda", device})
     monkeypatch.setattr(precision, "_FAST_MIN_NUMEL", 1)
+    return device, _launches_counted(monkeypatch)
+
+
+def _launches_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The kernel loaded afresh, and the number of elements of each of its launches from here on."""
     monkeypatch.setattr(precision, "_kernel", None)
     sizes: list[int] = []
     on_grid = precision._on_grid
@@ -264,7 +269,7 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[int]]:
         return on_grid(kernel, src, dst, n)
 
     monkeypatch.setattr(precision, "_on_grid", counted)
-    return device, sizes
+    return sizes
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -419,15 +424,7 @@ def test_the_conversion_kernel_and_the_blocks_on_a_gpu(monkeypatch: pytest.Monke
     ``.to()`` gives, and a product with a weight larger than a block raised in blocks, using no
     more memory than a block and the output."""
     pytest.importorskip("triton")
-    monkeypatch.setattr(precision, "_kernel", None)
-    sizes: list[int] = []
-    on_grid = precision._on_grid
-
-    def counted(kernel: Any, src: torch.Tensor, dst: torch.Tensor, n: int) -> Any:
-        sizes.append(n)
-        return on_grid(kernel, src, dst, n)
-
-    monkeypatch.setattr(precision, "_on_grid", counted)
+    sizes = _launches_counted(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = _specials(torch.randn(14336, 4096, device="cuda", generator=gen).to(torch.bfloat16))
     odd = _specials(torch.randn(8191, 4099, device="cuda", generator=gen))  # 33.6M: no multiple of the block

@@ -366,7 +366,7 @@ INTEGER_PADDING: list[Mutant] = [
         X,
         '        with as_captured(self.manager.eager_modules(desc), emulated=self.manager.backend == "emulate"):\n',
         "        with contextlib.nullcontext():\n",
-        ("tests/test_shared_runs.py::test_the_warm_up_taken_for_eager_runs_on_the_path_a_capture_takes",),
+        ("tests/test_shared_runs.py::test_replay_matches_eager_takes_the_capture_warm_up_as_its_eager_run",),
         "the warm-up replay_matches_eager takes for eager runs off the path a capture takes",
     ),
     Mutant(
