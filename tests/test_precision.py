@@ -424,7 +424,15 @@ def test_the_conversion_kernel_and_the_blocks_on_a_gpu(monkeypatch: pytest.Monke
     ``.to()`` gives, and a product with a weight larger than a block raised in blocks, using no
     more memory than a block and the output."""
     pytest.importorskip("triton")
-    sizes = _launches_counted(monkeypatch)
+    monkeypatch.setattr(precision, "_kernel", None)
+    sizes: list[int] = []
+    on_grid = precision._on_grid
+
+    def counted(kernel: Any, src: torch.Tensor, dst: torch.Tensor, n: int) -> Any:
+        sizes.append(n)
+        return on_grid(kernel, src, dst, n)
+
+    monkeypatch.setattr(precision, "_on_grid", counted)
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = _specials(torch.randn(14336, 4096, device="cuda", generator=gen).to(torch.bfloat16))
     odd = _specials(torch.randn(8191, 4099, device="cuda", generator=gen))  # 33.6M: no multiple of the block

@@ -103,7 +103,7 @@ def tree_print(value: Any) -> TreePrint | None:
 
 
 def same_print(a: TreePrint, b: TreePrint) -> bool:
-    """Whether two prints are of the same tree, bit for bit (one synchronization)."""
+    """Whether two prints are of the same tree, bit for bit (a synchronization per tensor leaf)."""
     if a[0] != b[0] or len(a[1]) != len(b[1]):
         return False
     if not a[1]:

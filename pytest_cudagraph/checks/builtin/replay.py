@@ -124,9 +124,9 @@ def _matches_the_warm_up(ctx: VerifyContext, desc: BatchDescriptor) -> bool:
     """Whether a replay on the capture's inputs (loaded) has the print of the capture's warm-up
     output, where that warm-up stands for eager: an eager run at this shape on these very inputs,
     which it left as they were, by a module in which nothing but the kernels can make two eager
-    runs differ (``ctx.repeats_itself``). False sends the check to its own eager run, which tells
-    why they differ, if they do: a warm-up is not on the path a capture takes (``as_captured``),
-    so a module that branches on capturing differs from its warm-up and is compared as before."""
+    runs differ (``ctx.repeats_itself``). The warm-up ran on the path a capture takes
+    (``VerifyContext.watch_warmup``), as the eager run below does. False sends the check to its
+    own eager run, which tells why they differ, if they do."""
     warm = ctx.warm_prints.pop(desc, None)
     if warm is None or not ctx.repeats_itself(desc):
         return False
