@@ -38,6 +38,7 @@ __all__ = [
     "no_dispatch_modes",
     "storage_bytes",
     "triton_launches",
+    "watching_launches",
 ]
 
 aten = torch.ops.aten
@@ -58,6 +59,10 @@ MARKER = 0xFF
 
 Hook = Callable[["Launch"], Any]
 _HOOKS: list[Hook] = []
+#: Watchers see every top-level launch, whoever handles it: each returns a context that is open
+#: while the launch runs (the handling hook's, or Triton's own).
+Watcher = Callable[["Launch"], contextlib.AbstractContextManager[Any]]
+_WATCHERS: list[Watcher] = []
 _PATCHED: set[type] = set()
 _LOCAL = threading.local()
 
@@ -115,11 +120,15 @@ def relaunch(kernel: Any, run: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
 def _wrapped(run: Callable[..., Any]) -> Callable[..., Any]:
     def patched_run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _HOOKS or _depth() or kwargs.get("warmup"):
+        if not (_HOOKS or _WATCHERS) or _depth() or kwargs.get("warmup"):
             # No hook, a launch inside a launch (an autotuner's benchmark, its final run), or a
             # compile-only warm-up: as Triton would.
             return run(self, *args, **kwargs)
-        return _HOOKS[-1](Launch(self, run, args, kwargs))
+        launch = Launch(self, run, args, kwargs)
+        with contextlib.ExitStack() as watched:
+            for watcher in list(_WATCHERS):
+                watched.enter_context(watcher(launch))
+            return _HOOKS[-1](launch) if _HOOKS else launch()
 
     patched_run.__wrapped__ = run  # type: ignore[attr-defined]
     return patched_run
@@ -150,6 +159,18 @@ def triton_launches(hook: Hook) -> Iterator[None]:
         yield
     finally:
         _HOOKS.remove(hook)
+
+
+@contextlib.contextmanager
+def watching_launches(watcher: Watcher) -> Iterator[None]:
+    """Open ``watcher(launch)`` around every top-level Triton launch in the block, whichever hook (or
+    none) runs it: a record of what a forward launches that leaves the launches to their handler."""
+    _patch_triton()
+    _WATCHERS.append(watcher)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(watcher)
 
 
 def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:

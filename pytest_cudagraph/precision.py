@@ -269,11 +269,19 @@ class Record:
         self.tier = other.tier
 
     @property
+    def lower(self) -> list[str]:
+        """The computations that held less than the reference's precision, in words (a kernel outside the
+        dispatcher that kept the reference's own precision holds no less)."""
+        lower = [
+            f"{what}: {held}" for what, held in self.outside.items() if held != f"{self.tier}'s precision"
+        ]
+        return lower + [f"{op} ran in float32 (no {self.tier} kernel)" for op in self.fell_back]
+
+    @property
     def precision(self) -> str:
         """The precision the reference ran at, in words, with the computations that held less."""
         base = "float32 (TF32 off)" if self.tier == "float32" else "float64"
-        lower = [f"{what}: {held}" for what, held in self.outside.items() if held != self.tier]
-        lower += [f"{op} ran in float32 (no {self.tier} kernel)" for op in self.fell_back]
+        lower = self.lower
         kept = (
             f", with the module's own quantization kept (its casts to {', '.join(self.quantized)})"
             if self.quantized

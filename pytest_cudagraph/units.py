@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "format_seconds"]
+__all__ = ["counted", "format_bytes", "format_seconds"]
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun, singular for one (``1 token``, ``5 tokens``, ``1 real row``)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def format_bytes(n: float) -> str:

@@ -24,12 +24,14 @@ from examples.buggy.common import D, token_inputs
 from examples.buggy.device_solver import InvertsInForward, InvertsWithoutCheck
 from examples.buggy.dynamic_rope import DynamicNTKRotary, StaticRotary
 from examples.buggy.expert_load import HashRoutedLoad, MaskedHashRoutedLoad, id_inputs
+from examples.buggy.host_seed import DeviceOffsetSampler, HostOffsetSampler
 from examples.buggy.host_sync import HostSync, HostSyncFixed
 from examples.buggy.host_value import CountsOnDevice, WritesPythonCount
 from examples.buggy.input_mutation import CopiesInput, MutatesInput
 from examples.buggy.list_index import PermutesWithBuffer, PermutesWithList
 from examples.buggy.output_alias import ReturnsStatsBuffer, ReturnsStatsCopy
 from examples.buggy.padding_leak import MaskByMultiply, MaskBySelect, PoolsPaddedRows
+from examples.buggy.python_input import BoundedByMaxSeqLen, ScalesByMaxSeqLen, seq_len_inputs
 from examples.buggy.python_state import BufferCounter, PythonCounter
 from examples.buggy.query_len import PlannedPerGraph, PlannedPerRequestCount
 from examples.buggy.rebound_buffer import RebindsBuffer, UpdatesBufferInPlace
@@ -67,7 +69,12 @@ class Pair:
         return INPUTS[self.inputs](device)
 
 
-INPUTS = {"token_inputs": token_inputs, "id_inputs": id_inputs, "spec_inputs": spec_inputs}
+INPUTS = {
+    "token_inputs": token_inputs,
+    "id_inputs": id_inputs,
+    "spec_inputs": spec_inputs,
+    "seq_len_inputs": seq_len_inputs,
+}
 
 
 PAIRS = [
@@ -123,15 +130,15 @@ PAIRS = [
         "padded_size",
         BatchStatistics,
         TokenStatistics,
-        r"eager at the graph's padded size \(\d+ tokens\), cut to the \d+ real rows, differs from eager on those "
-        r"\d+ tokens by .* in float64.*: a computation depends on the padded batch size",
+        r"eager at the graph's padded size \(\d+ tokens?\), cut to the \d+ real rows?, differs from eager on "
+        r"(those \d+ tokens|that token) by .* in float64.*: a computation depends on the padded batch size",
     ),
     # A rotary table made for the padded length (dynamic NTK scaling).
     Pair(
         "padded_size",
         DynamicNTKRotary,
         StaticRotary,
-        r"differs from eager on those \d+ tokens by .*: a computation depends on the padded batch size",
+        r"differs from eager on (those \d+ tokens|that token) by .*: a computation depends on the padded batch size",
     ),
     # A kernel for float32 alone: the reference runs in float32 with TF32 off.
     Pair(
@@ -207,4 +214,23 @@ PAIRS = [
         r"module tensor 'running' moved: it was rebound to another tensor",
     ),
     Pair("rng", ReseedsInForward, DrawsNoise, r"under the same seed, replay draws differ from eager draws"),
+    # A seed and an offset handed to a kernel as Python numbers: every replay repeats the capture's draw.
+    Pair(
+        "rng",
+        HostOffsetSampler,
+        DeviceOffsetSampler,
+        r"cudagraph_gallery\.hash_noise\.default at \S*examples/buggy/host_seed\.py:\d+ in forward \(offset: (\d+) -> "
+        r"(?!\1)\d+, kept in offset\) is handed host numbers that change on every forward.* every replay repeats "
+        r"the draw made at capture",
+    ),
+    # A Python number among the inputs that decides the result: held per graph at its capture's value.
+    Pair(
+        "padded_size",
+        ScalesByMaxSeqLen,
+        BoundedByMaxSeqLen,
+        r"input 'max_seq_len' is a Python value, which a graph holds at the value its capture was given: "
+        r"FULL-T(\d+)-R\d+ holds max_seq_len=(\d+), this batch has max_seq_len=(?!\2)\d+, and the graph's result "
+        r"depends on it.* Pass it as a tensor input .*, or give it one value for every size",
+        inputs="seq_len_inputs",
+    ),
 ]

@@ -1,11 +1,16 @@
-"""A Python number as an input: a graph freezes it at capture, so each batch's value is lost.
+"""A Python number drawn for every batch (a sampling temperature): each graph holds the value its
+capture was given, so every later batch is scaled by that one.
 
-Caught before capture: the manager refuses an input that changes as a Python
-value and says to pass it as a tensor. It prints:
+Caught by ``padded_size``, which names the input, the value the graph holds and the batch's, and
+says that only a tensor serves it (make_inputs gives another value at the same shape, so no one
+value for every size can). It prints (abridged):
 
-    ValueError: input 'temperature' is a Python value that changes from batch to batch
-    (1.766632777287572 at 7 tokens, 1.6369316044104538 at 11); a graph freezes Python values at capture.
-    Pass it as a tensor, or read the padded shape from pytest_cudagraph.current_descriptor()
+    FAIL padded_size            FULL-T8-R4
+         ...: input 'temperature' is a Python value, which a graph holds at the value its capture was
+         given: FULL-T8-R4 holds temperature=1.86..., this batch has temperature=0.87..., and the graph's
+         result depends on it (...). Pass it as a tensor input (the graph then reads each batch's value
+         from its static buffer): make_inputs gives it another value at the same shape, which no one
+         value can serve
 """
 
 from __future__ import annotations

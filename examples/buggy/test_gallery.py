@@ -48,12 +48,14 @@ def test_strict_padding_bug_passes_finite_padding(cudagraph_verify, cudagraph_de
     assert cudagraph_verify(module, token_inputs(cudagraph_device), **CONFIG, nonfinite_padding=False).ok
 
 
-def test_python_scalar_input_is_refused(cudagraph_verify, cudagraph_device):
+def test_python_scalar_drawn_per_batch_is_held_per_graph_and_named(cudagraph_verify, cudagraph_device):
     module = ScaledByTemperature().to(cudagraph_device)
-    # A usage error: the test fails with its one line, no traceback through the package.
+    # Each graph holds its capture's temperature: the failure names it, and says only a tensor serves it.
     with pytest.raises(
         pytest.fail.Exception,
-        match="cudagraph_verify: input 'temperature' is a Python value that changes from batch to batch",
+        match=r"(?s)FAIL padded_size .*input 'temperature' is a Python value, which a graph holds at the value "
+        r"its capture was given: .*Pass it as a tensor input .*make_inputs gives it another value at the same "
+        r"shape, which no one value can serve",
     ):
         cudagraph_verify(module, scalar_inputs(cudagraph_device), **CONFIG)
     assert cudagraph_verify(module, tensor_inputs(cudagraph_device), **CONFIG).ok

@@ -12,6 +12,9 @@ imported when CUDA is absent), which launches them on CPU tensors.
   row, padded rows included (a per-tensor statistic).
 - ``fake_quant(x, per_token=...)``: int8 round trip with a per-token absmax, or
   the bug: one absmax over every launched row.
+- ``noise_from(x, seed, offset)``: Philox noise seeded from Python numbers (the bug a graph
+  freezes: every replay repeats the capture's draw); ``noise_at(x, seed, offset_tensor)`` reads
+  the offset from device memory and advances it there.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ if not torch.cuda.is_available():
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "fake_quant", "rms_norm", "rms_norm_over_launch"]
+__all__ = ["INTERPRETED", "fake_quant", "noise_at", "noise_from", "rms_norm", "rms_norm_over_launch"]
 
 
 def _interpreted() -> bool:
@@ -136,3 +139,36 @@ def fake_quant(x: torch.Tensor, *, per_token: bool = True) -> torch.Tensor:
     n_rows, d = x.shape
     _fake_quant[(n_rows,)](x, y, n_rows, d, PER_TOKEN=per_token, BLOCK=triton.next_power_of_2(d))
     return y
+
+
+@triton.jit
+def _noise_kernel(y_ptr, n, seed, offset, BLOCK: tl.constexpr):
+    # Philox noise from (seed, offset, element): a sampling kernel as engines write it.
+    for start in range(0, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        tl.store(y_ptr + idx, tl.rand(seed, idx + offset * n), mask=idx < n)
+
+
+@triton.jit
+def _noise_at_kernel(y_ptr, n, seed, offset_ptr, BLOCK: tl.constexpr):
+    # The same draw, its offset read from device memory and advanced there: a graph replays it anew.
+    offset = tl.load(offset_ptr)
+    for start in range(0, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        tl.store(y_ptr + idx, tl.rand(seed, idx + offset * n), mask=idx < n)
+    tl.store(offset_ptr, offset + 1)
+
+
+def noise_from(like: torch.Tensor, seed: int, offset: int) -> torch.Tensor:
+    """Uniform noise shaped like ``like`` from a seed and an offset given as Python numbers: the bug a
+    graph freezes (every replay draws the capture's noise)."""
+    y = torch.empty(like.shape, device=like.device, dtype=torch.float32)
+    _noise_kernel[(1,)](y, like.numel(), seed, offset, BLOCK=256)
+    return y.to(like.dtype)
+
+
+def noise_at(like: torch.Tensor, seed: int, offset: torch.Tensor) -> torch.Tensor:
+    """The same noise, its offset read from (and advanced in) ``offset``, a one-element int64 tensor."""
+    y = torch.empty(like.shape, device=like.device, dtype=torch.float32)
+    _noise_at_kernel[(1,)](y, like.numel(), seed, offset, BLOCK=256)
+    return y.to(like.dtype)

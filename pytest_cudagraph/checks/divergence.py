@@ -9,22 +9,31 @@ inside the graph and holds that submodule's value after a replay.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+import difflib
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import zip_longest
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from .. import faults
-from ..guard.tracker import call_site
+from .. import faults, launches
+from ..guard.tracker import call_site, user_site
 from ..manager import tree
 from ..manager.pieces import SegmentedGraph, piece_of
 from ..plan import BatchDescriptor
 from .compare import first_difference
 from .floor import across_shapes, cut_leaf, given
 
-__all__ = ["Located", "locate_divergence", "parting", "recording", "where_runs_part"]
+__all__ = [
+    "Located",
+    "first_differing_call",
+    "locate_divergence",
+    "parting",
+    "recording",
+    "where_runs_part",
+]
 
 Record = tuple[str, list[torch.Tensor]]
 
@@ -79,43 +88,73 @@ class Located(str):
     branch: str | None = None
 
 
-Site = tuple[str, str]  # (the function called, "path:line in function" of the call in the user's code)
+# (the function called, "path:line in function" of the call: the first frame outside torch and this
+# package, a library's line where a library called it; the user's own frame that led there)
+Site = tuple[str, str, str]
 
 
 class _OpSites(TorchFunctionMode):
-    """Every torch function a forward calls, with its call site: the first frame outside torch and this
-    package (``call_site``). Calls made inside a torch function are not seen (the mode is off there)."""
+    """Every torch function a forward of ``module`` calls, with its call site (``call_site``) and the
+    user's own frame that led there (``user_site``); with no module, every call in the block. Calls
+    made inside a torch function are not seen (the mode is off there), nor those the harness makes
+    around the forward (cutting its output to the real rows)."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.sites: list[Site] = []
+        self.module = module
+        self._inside = 0
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        name = resolve_name(func) or getattr(func, "__qualname__", None) or repr(func)
-        self.sites.append((str(name), call_site()))
+        if self._inside or self.module is None:
+            name = resolve_name(func) or getattr(func, "__qualname__", None) or repr(func)
+            self.sites.append((str(name), call_site(), user_site()))
         return func(*args, **(kwargs or {}))
+
+    def _step(self, by: int) -> None:
+        self._inside += by
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[None]:
+        if self.module is None:
+            with self:
+                yield
+            return
+        enter = self.module.register_forward_pre_hook(lambda _m, _a: self._step(1))
+        leave = self.module.register_forward_hook(lambda _m, _a, _o: self._step(-1))
+        try:
+            with self:
+                yield
+        finally:
+            enter.remove()
+            leave.remove()
 
 
 def parting(
-    graph: list[Site], eager: list[Site], sides: tuple[str, str] = ("the graph", "eager on the real batch")
+    graph: Sequence[tuple[str, ...]],
+    eager: Sequence[tuple[str, ...]],
+    sides: tuple[str, str] = ("the graph", "eager on the real batch"),
 ) -> str:
     """Where two runs' sequences of calls first differ, in words ("" when they do not). The branch
-    that parts them lies after their last common call and before the first that differs."""
+    that parts them lies after their last common call and before the first that differs. A call
+    site inside a library is given with the user's own frame that led there (``Site``'s third part,
+    where given)."""
     for i, (g, e) in enumerate(zip_longest(graph, eager)):
-        if g == e:
+        if g is not None and e is not None and g[:2] == e[:2]:
             continue
+        last = graph[i - 1] if i > 0 else None
         after = (
-            f"; the branch that decides lies after their last common call, {graph[i - 1][0]} at "
-            f"{graph[i - 1][1] or 'a line not known'}, and before"
-            if i > 0
+            f"; the branch that decides lies after their last common call, {last[0]} at "
+            f"{_reached(last[1], _user(last))}, and before"
+            if last is not None
             else "; the branch that decides lies before"
         )
         if g is not None and e is not None:
             return (
                 f"the two runs part at call {i + 1} of the forward: {sides[0]} calls {g[0]} at "
-                f"{g[1] or 'a line not known'}, {sides[1]} calls {e[0]} at {e[1] or 'a line not known'}"
+                f"{_reached(g[1], _user(g))}, {sides[1]} calls {e[0]} at {_reached(e[1], _user(e))}"
                 f"{after} these lines"
             )
         extra, other = sides if g is not None else (sides[1], sides[0])
@@ -123,24 +162,142 @@ def parting(
         assert site is not None
         return (
             f"the two runs part at call {i + 1} of the forward: {extra} calls {site[0]} at "
-            f"{site[1] or 'a line not known'} where {other} has finished{after} that line (a branch or a loop)"
+            f"{_reached(site[1], _user(site))} where {other} has finished{after} that line (a branch or a loop)"
         )
     return ""
+
+
+def _user(site: tuple[str, ...]) -> str:
+    return site[2] if len(site) > 2 else ""
 
 
 def where_runs_part(
     first: Callable[[], Any],
     second: Callable[[], Any],
     sides: tuple[str, str] = ("the graph", "eager on the real batch"),
+    module: torch.nn.Module | None = None,
 ) -> str:
     """Run ``first`` then ``second`` (the caller restores state between them if it must), recording
-    every torch function each calls with its call site, and say where the two first call something
-    else or from another line ("" when nowhere: then no Python branch parts them)."""
-    with _OpSites() as one:
+    every torch function each calls with its call site (in ``module``'s forward, where given), and
+    say where the two first call something else or from another line ("" when nowhere: then no
+    Python branch parts them)."""
+    one, two = _OpSites(module), _OpSites(module)
+    with one.attached():
         first()
-    with _OpSites() as two:
+    with two.attached():
         second()
     return parting(one.sites, two.sites, sides)
+
+
+class _OwnCalls(TorchFunctionMode):
+    """The torch functions (and Triton launches) that the modules of ``chain`` (a submodule and its
+    ancestors) call in their own code, not inside a child, during one forward: each with its call
+    site, the user's frame that led there, and copies of the tensors it returned (a Triton kernel:
+    of the tensors it was handed, which it writes). What the harness calls around the forward
+    (cutting an output to its rows) is not the forward's and is left out."""
+
+    def __init__(self, module: torch.nn.Module, chain: frozenset[str]) -> None:
+        super().__init__()
+        self.module, self.chain = module, chain
+        self.calls: list[tuple[str, str, str, list[torch.Tensor], str]] = []
+        self._stack: list[str] = []
+        self._launching = 0
+
+    def _enter(self, name: str, _m: Any, _a: Any) -> None:
+        self._stack.append(name)
+
+    def _watching(self) -> bool:
+        """Whether the call now made belongs to the watched code: inside the forward (not the harness's
+        work around it), in the own code of a module of the chain."""
+        return bool(self._stack) and self._stack[-1] in self.chain and not self._launching
+
+    def _add(self, name: str, out: Any, *, launch: bool = False) -> None:
+        tensors = [t.detach().clone() for t in tree.leaves(out) if isinstance(t, torch.Tensor)]
+        self.calls.append((name, call_site(launch=launch), user_site(), tensors, self._stack[-1]))
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self._watching():
+            self._add(str(resolve_name(func) or getattr(func, "__qualname__", None) or repr(func)), out)
+        return out
+
+    @contextlib.contextmanager
+    def _launched(self, launch: launches.Launch) -> Iterator[None]:
+        # What runs on the way (Triton's own argument handling, the reference running it on raised
+        # tensors) is the launch's, not calls of the forward: the launch is one call, and its tensors
+        # after it are what it wrote.
+        watching = self._watching()
+        self._launching += 1
+        try:
+            yield
+            if watching:  # still launching: the copies it makes are no calls of the forward either
+                self._add(f"Triton kernel {launch.name}", launch.tensors, launch=True)
+        finally:
+            self._launching -= 1
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[list[tuple[str, str, str, list[torch.Tensor], str]]]:
+        handles = []
+
+        def leave(_m: Any, _a: Any, _o: Any) -> None:  # a hook that returned a value would replace the output
+            self._stack.pop()
+
+        for name, sub in self.module.named_modules():
+            handles.append(sub.register_forward_pre_hook(functools.partial(self._enter, name)))
+            handles.append(sub.register_forward_hook(leave))
+        try:
+            with launches.watching_launches(self._launched), self:
+                yield self.calls
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _owner(path: str) -> str:
+    return f"submodule '{path}'" if path else "the top-level module"
+
+
+def _reached(site: str, user: str) -> str:
+    """A call site, with the user's own frame that led there where the site is a library's."""
+    if not site:
+        return f"a line not known{f', reached from {user}' if user else ''}"
+    return f"{site}, reached from {user}" if user and user != site else site
+
+
+def first_differing_call(
+    module: torch.nn.Module,
+    submodule: str,
+    first: Callable[[], Any],
+    second: Callable[[], Any],
+    differs: Callable[[torch.Tensor, torch.Tensor], bool],
+) -> str | None:
+    """Where the values of two runs first differ: the first call made in ``submodule``'s own code or
+    its ancestors' (what runs before a child whose output differs, a kernel launch among it), matched
+    between the runs by name and call site, whose results ``differs`` (the first run's cut to the
+    second's shape, against the second's). Said as the call and its line, with the user's frame
+    that led there where the line is inside a library; None where no call's results differ."""
+    parts = submodule.split(".") if submodule else []
+    chain = frozenset(["", *(".".join(parts[: i + 1]) for i in range(len(parts)))])
+    records = []
+    for run in (first, second):
+        calls = _OwnCalls(module, chain)
+        with calls.attached():
+            run()
+        records.append(calls.calls)
+    one, two = records
+    matcher = difflib.SequenceMatcher(None, [c[:2] for c in one], [c[:2] for c in two], autojunk=False)
+    for block in matcher.get_matching_blocks():
+        for i in range(block.size):
+            name, site, user, outs, owner = one[block.a + i]
+            theirs = two[block.b + i][3]
+            for a, b in zip(outs, theirs, strict=False):
+                cut = cut_leaf(a, b.shape)
+                if cut is None or not (b.is_floating_point() or b.is_complex()) or not differs(cut, b):
+                    continue
+                return f"{name} at {_reached(site, user)}, in {_owner(owner)}"
+    return None
 
 
 def _branch(
@@ -162,7 +319,9 @@ def _branch(
         ctx.restore(state0)
         ctx.eager_real(inputs, batch, captured_path=False)
 
-    return where_runs_part(graph, eager, ("the graph (eager at its padded shape)", "eager on the real batch"))
+    return where_runs_part(
+        graph, eager, ("the graph (eager at its padded shape)", "eager on the real batch"), ctx.module
+    )
 
 
 def _rows_ndim(graph: torch.Tensor, eager: torch.Tensor) -> int:

@@ -290,6 +290,11 @@ def _verify(
             _check_forward_takes(module, manager.state.inputs)
             with meter.step("learn"):
                 _learn_writes(ctx, selected)
+            if selected and {c.name for c in checks} & _ASK_HOST_NUMBERS:
+                # Whether a kernel is handed host numbers that move on every call (a seed or offset kept
+                # in Python): two eager forwards, once, which these checks read.
+                with meter.step("host_numbers"):
+                    ctx.host_draws()
             with ctx.preserved_state():
                 _run(ctx, report, selected, checks, progress=progress, meter=meter)
             _tell_unseen_writes(ctx, report, checks)
@@ -305,6 +310,10 @@ def _verify(
             if not faults.is_sticky(exc):
                 raise  # else: the context is gone, and the error that took it is on its way up
     return report
+
+
+#: The checks that read ``VerifyContext.host_draws``: rng names what it finds, the others defer to it.
+_ASK_HOST_NUMBERS = frozenset({"rng", "replay_matches_eager", "fresh_inputs", "real_batches", "padded_size"})
 
 
 def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:

@@ -62,9 +62,15 @@ class Finding:
     branch: str | None = None
     #: How to fix what the check found (None: the message says it, or no advice applies).
     fix: str | None = None
+    #: Where the values of the two runs first differ beyond the floor: the call (a torch function, a
+    #: kernel launch) in the user's code or the first divergent submodule's, with its line (None:
+    #: not looked for, or not found). A report leads with it; a branch is then context.
+    first_call: str | None = None
 
     def describe(self) -> str:
         parts: list[str] = []
+        if self.first_call:
+            parts.append(f"values first differ at {self.first_call}")
         if self.real_batch:
             shape = ", ".join(f"{k}={v}" for k, v in self.real_batch.items() if v is not None)
             parts.append(f"real batch ({shape})")
@@ -84,9 +90,11 @@ class Finding:
                 if self.submodule
                 else "first divergent submodule: the top-level module"
             )
-            if self.branch:
+            if self.branch and self.first_call:
+                parts.append(f"context, not the cause: {self.branch}")
+            elif self.branch:
                 parts.append(self.branch)
-            elif self.branch is not None:
+            elif self.branch is not None and not self.first_call:
                 parts.append(
                     "the line of a branch is not known: the graph's program and eager's call the same torch "
                     "functions from the same lines"

@@ -11,13 +11,16 @@ import torch
 
 from .. import faults
 from ..context import running
-from ..guard import as_captured
+from ..errors import InternalError
+from ..guard import as_captured, host_numbers
 from ..manager import GraphManager, tree
-from ..manager.layout import call_make_inputs
+from ..manager.layout import call_make_inputs, same_value
 from ..observe import ForwardObserver, fingerprint, poisoned, restoring
 from ..options import VerifyOptions
 from ..plan import Batch, BatchDescriptor, GraphMode
 from ..plan.properties import exact_batch
+from . import causes
+from .causes import HostNumbers
 from .compare import Difference, TreePrint, first_difference, tree_print
 from .floor import across_shapes, given
 from .reference import Reference
@@ -420,6 +423,14 @@ class VerifyContext(ModuleState):
         self.warm_prints: dict[
             BatchDescriptor, tuple[TreePrint | None, TreePrint | None, TreePrint | None]
         ] = {}
+        #: Per descriptor that was not captured (quick mode's other sizes), the Python values that
+        #: change with the batch as make_inputs gives them at its own shape: what its graph would hold.
+        self._values_at: dict[BatchDescriptor, dict[str, Any]] = {}
+        self._host_draws: list[HostNumbers] | None = None
+        #: Per descriptor captured with replay_matches_eager's watch, the module's plain Python values
+        #: at its capture (``python_now``): what its graph holds of them.
+        self.python_at_capture: dict[BatchDescriptor, dict[str, Any]] = {}
+        self._python_slots: list[tuple[str, dict[str, Any], str]] | None = None
 
     def uninitialized(self) -> str:
         """Why the module's results are undefined, when a forward reads memory nobody wrote (``""``
@@ -449,6 +460,53 @@ class VerifyContext(ModuleState):
                     )
         return self._uninitialized
 
+    def host_draws(self) -> list[HostNumbers]:
+        """Kernels (custom ops, Triton launches) handed Python numbers that move from one forward to the
+        next: two eager runs of the same inputs from the same tensor state and seed, the module's
+        Python attributes left to move between them as they do between calls, hand every op the
+        same numbers unless a seed or offset kept on the host is incremented per call. Found once a
+        verification (two eager forwards at the plan's smallest shape); a forward that raises there
+        shows nothing (capture_safety tells its error)."""
+        if self._host_draws is None:
+            self._host_draws = []
+            desc = min(self.manager.plan.capture_order, key=lambda d: d.num_tokens)
+            batch = self.exact_batch(desc)
+            inputs = self.make(batch)
+            runs: list[list[host_numbers.Call]] = []
+            python: list[tuple[dict[str, Any], dict[str, Any]]] = []
+            with self.preserved_state() as state0:
+                tensors_only = Snapshot(state0)
+                tensors_only.python = {}
+                try:
+                    for i in range(2):
+                        if i:
+                            self.restore(tensors_only)
+                        before = python_values(self.module)
+                        self.seed_all(self.seed)
+                        with host_numbers.recording() as calls:
+                            self.eager_real(clone_tree(inputs), batch, captured_path=False)
+                        runs.append(calls)
+                        python.append((before, python_values(self.module)))
+                except Exception as exc:
+                    if faults.is_sticky(exc):
+                        raise
+                    InternalError.raise_if_in(exc)
+                    return self._host_draws
+            for call, numbers in host_numbers.moved(*runs):
+                if not call.kernel:
+                    continue
+                values = {v for _, a, b in numbers for v in (a, b)}
+                kept = tuple(
+                    name
+                    for before, after in python
+                    for name, value in after.items()
+                    if before.get(name, value) != value and (value in values or before[name] in values)
+                )
+                self._host_draws.append(
+                    causes.HostNumbers(call.op, call.site, numbers, tuple(dict.fromkeys(kept)))
+                )
+        return self._host_draws
+
     def shares_eager(self, desc: BatchDescriptor) -> bool:
         """Whether ``fresh_inputs``' eager run at the padded shape is the one ``real_batches`` would
         make next, so that it can be kept for it rather than run again: the float64 reference
@@ -477,7 +535,48 @@ class VerifyContext(ModuleState):
         with as_captured(self.manager.eager_modules(desc), emulated=self.manager.backend == "emulate"):
             out = warm_up()
         self.warm_prints[desc] = (before, tree_print(dict(kwargs)), tree_print(out))
+        # The Python values this graph holds: what a replay keeps when something else changes them later.
+        self.python_at_capture[desc] = self.python_now()
         return out
+
+    def python_now(self) -> dict[str, Any]:
+        """The module tree's plain Python values now, by dotted name: those ``python_values`` found
+        when first asked, read again (no walk of the module tree: at 8B that walk costs 7.6 ms, once
+        per capture a tenth of a second)."""
+        if self._python_slots is None:
+            self._python_slots = []
+            for dotted in python_values(self.module):
+                path, _, attr = dotted.rpartition(".")
+                owner = self.module.get_submodule(path) if path else self.module
+                self._python_slots.append((dotted, owner.__dict__, attr))
+        return {dotted: held[attr] for dotted, held, attr in self._python_slots if attr in held}
+
+    def changed_since_capture(self, desc: BatchDescriptor) -> dict[str, tuple[Any, Any]]:
+        """The module's Python values that differ now from when ``desc`` was captured, other than those
+        forward itself changes on every call (``python_written``): name -> (at capture, now). Empty
+        where the capture's were not kept (``replay_matches_eager`` not run)."""
+        captured = self.python_at_capture.get(desc)
+        if not captured:
+            return {}
+        now = self.python_now()
+        return {
+            name: (value, now[name])
+            for name, value in captured.items()
+            if name in now and name not in self.python_written and not same_value(value, now[name])
+        }
+
+    @contextlib.contextmanager
+    def python_set(self, values: Mapping[str, Any]) -> Iterator[None]:
+        """The module's Python values set to ``values`` (dotted name -> value) in the block, put back after."""
+        kept = self.python_now()
+        for name, value in values.items():
+            _set_python_value(self.module, name, value)
+        try:
+            yield
+        finally:
+            for name in values:
+                if name in kept:
+                    _set_python_value(self.module, name, kept[name])
 
     def repeats_itself(self, desc: BatchDescriptor) -> bool:
         """Whether nothing but the kernels (and a graph's memory) can make two runs of the same inputs
@@ -605,11 +704,35 @@ class VerifyContext(ModuleState):
 
     # -- running ----------------------------------------------------------
     def load(self, desc: BatchDescriptor, inputs: Mapping[str, Any], batch: Batch) -> dict[str, Any]:
-        """Load a real batch into the static buffers; return a copy of the padded inputs."""
+        """Load a real batch into the static buffers; return a copy of the padded inputs: what a
+        graph of ``desc`` reads, its Python values that change with the batch as its capture
+        gave them (make_inputs at ``desc``'s own shape, for a size that was not captured)."""
         self.manager.load_inputs(desc, inputs, batch)
         reqs = self.manager.capture_reqs(desc)
         padded: dict[str, Any] = clone_tree(self.manager.forward_inputs(desc.num_tokens, reqs))
+        state = self.manager.state
+        if state.value_names and (desc.num_tokens, reqs) not in state.values_at:
+            if desc not in self._values_at:
+                made = self.make(Batch(num_tokens=desc.num_tokens, num_reqs=reqs))
+                self._values_at[desc] = {name: made[name] for name in state.value_names}
+            padded.update(self._values_at[desc])
         return padded
+
+    def values_per_shape(self, desc: BatchDescriptor, held: Mapping[str, tuple[Any, Any]]) -> bool:
+        """Whether make_inputs gives ``desc``'s shape the Python values its graph holds (``held``: name
+        -> (held, the batch's)) again: values set by the shape alone (a max_seq_len), not drawn anew
+        for every batch (a temperature). Asked where a held value decided a result."""
+        made = self.make(Batch(num_tokens=desc.num_tokens, num_reqs=self.manager.capture_reqs(desc)))
+        return all(same_value(made.get(name), at) for name, (at, _) in held.items())
+
+    def held_values(self, padded: Mapping[str, Any], inputs: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """The Python inputs that change with the batch whose value in ``padded`` (what a graph holds
+        from its capture) is not the batch's own (``inputs``): name -> (at capture, in the batch)."""
+        return {
+            name: (padded[name], inputs[name])
+            for name in self.manager.state.value_names
+            if name in padded and name in inputs and not same_value(padded[name], inputs[name])
+        }
 
     def replay(self, desc: BatchDescriptor, *, wait: bool = True) -> Any:
         """Replay on whatever the static buffers hold; a copy of the full output. ``wait=False``:

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import os
 import sys
+import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
@@ -42,25 +43,73 @@ class Violation:
 
 
 # Frames that are machinery, not the caller a violation should name.
-_SKIPPED_DIRS = (
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-    # this package: pytest_cudagraph/, the folder above this one (guard/)
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# this package: pytest_cudagraph/, the folder above this one (guard/)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_SKIPPED_DIRS = (_TORCH_DIR, _PACKAGE_DIR)
+# Triton's package, where installed (found without importing it).
+_TRITON_DIRS = tuple(
+    os.path.join(os.path.abspath(p), "triton") + os.sep
+    for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib"))
+    if p
 )
 _SKIPPED_FILES = frozenset(
     os.path.abspath(m.__file__) for m in (contextlib, functools) if m.__file__ is not None
 )
 
 
-def call_site(frame: FrameType | None = None) -> str:
-    """ "path:line in function" of the first frame outside torch, this package and contextlib/functools.
+def call_site(frame: FrameType | None = None, *, launch: bool = False) -> str:
+    """ "path:line in function" of the first frame outside torch, this package and contextlib/functools
+    (``launch``: and Triton, whose launch machinery stands between a kernel's caller and its launch).
 
     Walked only when a violation is reported: the failure path pays for it.
     """
+    skipped = _SKIPPED_DIRS + _TRITON_DIRS if launch else _SKIPPED_DIRS
     f: FrameType | None = frame if frame is not None else sys._getframe(1)
     while f is not None:
         filename = os.path.abspath(f.f_code.co_filename)
-        if not filename.startswith(_SKIPPED_DIRS) and filename not in _SKIPPED_FILES:
+        if not filename.startswith(skipped) and filename not in _SKIPPED_FILES:
+            return f"{_short_path(filename)}:{f.f_lineno} in {f.f_code.co_name}"
+        f = f.f_back
+    return ""
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where installed libraries and the standard library live: code the user did not write."""
+    found = {
+        os.path.abspath(p) + os.sep
+        for p in (sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+        if p
+    }
+    found.update(
+        os.path.abspath(p) + os.sep for p in sys.path if p.endswith(("site-packages", "dist-packages"))
+    )
+    return tuple(sorted(found))
+
+
+_LIBRARY_DIRS = _library_dirs()
+
+
+def in_library(site_file: str) -> bool:
+    """Whether a file is an installed library's or the standard library's (not the user's own code)."""
+    filename = os.path.abspath(site_file)
+    return filename.startswith(_LIBRARY_DIRS) or any(
+        marker in filename
+        for marker in (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+    )
+
+
+def user_site(frame: FrameType | None = None) -> str:
+    """ "path:line in function" of the first frame in the user's own code: outside torch, this package,
+    installed libraries (site-packages) and the standard library; "" when none is on the stack."""
+    f: FrameType | None = frame if frame is not None else sys._getframe(1)
+    while f is not None:
+        filename = os.path.abspath(f.f_code.co_filename)
+        if (
+            not filename.startswith(_SKIPPED_DIRS)
+            and filename not in _SKIPPED_FILES
+            and not in_library(filename)
+        ):
             return f"{_short_path(filename)}:{f.f_lineno} in {f.f_code.co_name}"
         f = f.f_back
     return ""

@@ -315,6 +315,9 @@ class Capture:
         """
         reqs = self.runtime.capture_reqs(desc)
         sample = self._checked_make_inputs(desc.num_tokens, reqs)
+        if self.state.value_names:
+            # Python values that change with the batch: the graph holds what its own sample gave.
+            self.state.values_at[desc.num_tokens, reqs] = {n: sample[n] for n in self.state.value_names}
         kwargs = self.runtime.forward_inputs(desc.num_tokens, reqs)
         self._load_sample(desc, reqs, sample, kwargs)
         return sample, kwargs
@@ -331,7 +334,7 @@ class Capture:
         layout) goes through ``batch_of`` and ``load_inputs``, which say what
         is wrong or pad what is short.
         """
-        if sample.keys() == self.state.tensor_names:
+        if sample.keys() == self.state.run_names:
             index = self.state.device_index
             exact = True
             for name, spec in self.state.tensor_specs:

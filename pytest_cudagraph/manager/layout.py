@@ -30,6 +30,7 @@ from .inputs import MakeInputsError, call_make_inputs
 
 __all__ = [
     "PROBES",
+    "PYTHON_KINDS",
     "BatchDim",
     "InputSpec",
     "MakeInputsError",
@@ -38,11 +39,19 @@ __all__ = [
     "infer_layout",
     "not_a_module",
     "padded_inputs",
+    "same_value",
 ]
 
 # "multi": several dimensions follow the batch (see InputSpec.dims); code
-# that slices rows of "tokens" and "reqs" inputs leaves it alone.
-Kind = Literal["tokens", "reqs", "fixed", "const", "multi"]
+# that slices rows of "tokens" and "reqs" inputs leaves it alone. "const": a Python value
+# make_inputs gives the same at every shape; "value": a Python number that changes with the batch
+# (a max_seq_len), which each graph holds at the value its capture was given (``PYTHON_KINDS``).
+Kind = Literal["tokens", "reqs", "fixed", "const", "value", "multi"]
+#: The kinds of Python (not tensor) inputs: no static buffer, passed to the forward as they are.
+PYTHON_KINDS = frozenset({"const", "value"})
+#: The Python values an input may change with the batch and still be held per graph: numbers
+#: and flags, which a graph freezes at capture and a check can hold to what eager does with another.
+_NUMBERS = (bool, int, float)
 CountKind = Literal["tokens", "reqs"]
 PadValue = int | float | bool | Literal["edge"]
 # One dimension that follows the batch: (its index, the count it follows, c)
@@ -109,7 +118,7 @@ class InputSpec:
     trailing: tuple[int, ...] = ()
     pad: PadValue = 0
     buffer: torch.Tensor | None = None
-    value: Any = None  # "const": the Python value frozen into every graph
+    value: Any = None  # "const": the Python value frozen into every graph; "value": at the largest batch
     dim: int = 0  # the dimension kind and offset describe
     dims: tuple[BatchDim, ...] = ()
 
@@ -118,6 +127,11 @@ class InputSpec:
         if not self.dims and self.kind in ("tokens", "reqs"):
             kind: CountKind = "tokens" if self.kind == "tokens" else "reqs"
             self.dims = ((self.dim, kind, self.offset),)
+
+    @property
+    def is_python(self) -> bool:
+        """A Python value, not a tensor: no buffer, passed to the forward as it is."""
+        return self.kind in PYTHON_KINDS
 
     @property
     def following(self) -> frozenset[int]:
@@ -139,7 +153,7 @@ class InputSpec:
     def shape_at(self, num_tokens: int, num_reqs: int) -> tuple[int, ...]:
         """This input's full shape for a batch of that shape."""
         if self.buffer is None:
-            return (self.rows(num_tokens, num_reqs), *self.trailing) if self.kind != "const" else ()
+            return (self.rows(num_tokens, num_reqs), *self.trailing) if not self.is_python else ()
         shape = list(self.buffer.shape)
         for d, kind, offset in self.dims:
             shape[d] = _count(kind, offset, num_tokens, num_reqs)
@@ -161,6 +175,8 @@ class InputSpec:
     def expected(self) -> str:
         if self.kind == "const":
             return f"the Python value {self.value!r}"
+        if self.kind == "value":
+            return "a Python number (each graph holds the value it was captured with)"
         if self.buffer is None:  # a spec written by hand: rows and trailing
             lead = str(self.offset) if self.kind == "fixed" else _count_text(self.dims[0][1], self.dims[0][2])
             return f"a {self.dtype} tensor of shape ({', '.join([lead, *map(str, self.trailing)])})"
@@ -168,6 +184,17 @@ class InputSpec:
         for d, kind, offset in self.dims:
             parts[d] = _count_text(kind, offset)
         return f"a {self.dtype} tensor of shape ({', '.join(parts)})"
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two Python inputs are the same value (NaN the same as NaN; an object without a
+    meaningful ``==`` by identity)."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b) or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+    except Exception:
+        return False
 
 
 def not_a_module(module: object, where: str = "module") -> str:
@@ -281,19 +308,26 @@ def infer_layout(
         values = [p[name] for p in probes] + [full[name]]
         pad = pad_values.get(name, 0)
         if not isinstance(values[-1], torch.Tensor):
-            if any(isinstance(v, torch.Tensor) for v in values) or any(v != values[-1] for v in values):
-                raise UsageError(
-                    f"input '{name}' is a Python value that changes from batch to batch "
-                    f"({short(values[0])} at 7 tokens, {short(values[1])} at 11); a graph freezes Python "
-                    "values at capture. Pass it as a tensor, or read the padded shape from "
-                    "pytest_cudagraph.current_descriptor()"
-                )
+            if any(isinstance(v, torch.Tensor) for v in values):
+                raise UsageError(f"input '{name}' is a tensor at some shapes and not at others")
             if name in batch_dims:
                 raise UsageError(
                     f"batch_dims['{name}'] names a Python value ({values[-1]!r}); batch_dims applies to "
                     "tensor inputs only"
                 )
-            specs[name] = InputSpec(name, "const", value=values[-1], pad=pad)
+            if all(same_value(v, values[-1]) for v in values):
+                specs[name] = InputSpec(name, "const", value=values[-1], pad=pad)
+                continue
+            if not all(isinstance(v, _NUMBERS) for v in values):
+                raise UsageError(
+                    f"input '{name}' is a Python value that changes from batch to batch "
+                    f"({short(values[0])} at 7 tokens, {short(values[1])} at 11) and is not a number or a "
+                    "flag, so the harness cannot hold what each graph froze of it to eager; pass it as a "
+                    "tensor, or read the padded shape from pytest_cudagraph.current_descriptor()"
+                )
+            # Each graph holds the value make_inputs gives at its capture shape; the checks hold that
+            # to eager with each batch's own value and name this input where it decides the result.
+            specs[name] = InputSpec(name, "value", value=values[-1], pad=pad)
             continue
         if not all(isinstance(v, torch.Tensor) for v in values):
             raise UsageError(f"input '{name}' is a tensor at some shapes and not at others")
@@ -378,7 +412,7 @@ def infer_layout(
             dim=dim,
             dims=tuple(following),
         )
-    tensors_given = {n: s for n, s in specs.items() if s.kind != "const"}
+    tensors_given = {n: s for n, s in specs.items() if not s.is_python}
     if tensors_given and all(s.kind == "fixed" for s in tensors_given.values()):
         # Nothing follows the batch: every graph would read the same rows, whatever its size, and every
         # check that compares batch shapes could not run. One line instead of a failure per check.
@@ -402,7 +436,7 @@ def padded_inputs(
     out: dict[str, Any] = {}
     for name, value in inputs.items():
         spec = specs.get(name)
-        if spec is None or spec.kind in ("const", "fixed") or not isinstance(value, torch.Tensor):
+        if spec is None or spec.is_python or spec.kind == "fixed" or not isinstance(value, torch.Tensor):
             out[name] = value
             continue
         shape = list(value.shape)

@@ -20,7 +20,7 @@ from .layout import CountKind, forward_probes
 from .state import ManagerState
 from .types import Entry, OutCut
 
-__all__ = ["out_dims", "probe", "row_kinds", "settle"]
+__all__ = ["out_dims", "out_dims_like_captured", "probe", "row_kinds", "settle"]
 
 
 def out_dims(output: Any, num_tokens: int, num_reqs: int, probed: list[OutCut] | None) -> list[OutCut]:
@@ -121,7 +121,14 @@ def probe(
     return kinds
 
 
-def settle(entries: Mapping[BatchDescriptor, Entry]) -> None:
+Lead = Literal["whole", "reqs"] | None  # None: each descriptor's own leading dimension
+
+
+def _settled(
+    entries: Mapping[BatchDescriptor, Entry],
+) -> dict[int, tuple[int, Lead, list[tuple[int, CountKind]]]]:
+    """Per output leaf, what the captured descriptors together show of its layout: its number of
+    dimensions, how its leading dimension is cut, and the later dimensions that follow a count."""
     # One descriptor alone cannot tell an output of fixed size from one
     # that follows the batch when the sizes coincide. Across descriptors
     # it can: a leading dimension whose size never changes is returned
@@ -133,11 +140,12 @@ def settle(entries: Mapping[BatchDescriptor, Entry]) -> None:
         for i, leaf in enumerate(entry.leaves):
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
                 shapes.setdefault(i, []).append((tuple(leaf.shape), desc.num_tokens, entry.num_reqs))
+    found: dict[int, tuple[int, Lead, list[tuple[int, CountKind]]]] = {}
     for i, seen in shapes.items():
         ndim = len(seen[0][0])
         if any(len(shape) != ndim for shape, _, _ in seen):
             continue  # no one layout across descriptors: each keeps its own
-        lead: CountKind | Literal["whole"] | None = None  # None: each descriptor's own
+        lead: Lead = None
         later: list[tuple[int, CountKind]] = []
         for d in range(ndim):
             sizes = [(shape[d], t, r) for shape, t, r in seen]
@@ -151,6 +159,22 @@ def settle(entries: Mapping[BatchDescriptor, Entry]) -> None:
                     lead = "reqs"
             elif not constant and (follows_tokens or follows_reqs):
                 later.append((d, "tokens" if follows_tokens else "reqs"))
+        found[i] = (ndim, lead, later)
+    return found
+
+
+def _apply(own: OutCut, lead: Lead, later: list[tuple[int, CountKind]]) -> OutCut:
+    kept: list[tuple[int, CountKind]] = [(d, k) for d, k in own if d == 0]
+    if lead == "whole":
+        kept = []
+    elif lead == "reqs":
+        kept = [(0, "reqs")]
+    return (*kept, *later)
+
+
+def settle(entries: Mapping[BatchDescriptor, Entry]) -> None:
+    """Every captured descriptor's cuts held to what the descriptors together show (``_settled``)."""
+    for i, (ndim, lead, later) in _settled(entries).items():
         for entry in entries.values():
             if (
                 i >= len(entry.leaves)
@@ -158,10 +182,23 @@ def settle(entries: Mapping[BatchDescriptor, Entry]) -> None:
                 or entry.leaves[i].dim() != ndim
             ):
                 continue
-            own = [(d, k) for d, k in entry.out_dims[i] if d == 0]
-            if lead == "whole":
-                own = []
-            elif lead == "reqs":
-                own = [(0, "reqs")]
-            entry.out_dims[i] = (*own, *later)
+            entry.out_dims[i] = _apply(entry.out_dims[i], lead, later)
             entry.cuts.clear()
+
+
+def out_dims_like_captured(
+    entries: Mapping[BatchDescriptor, Entry],
+    output: Any,
+    num_tokens: int,
+    num_reqs: int,
+    probed: list[OutCut] | None,
+) -> list[OutCut]:
+    """``out_dims`` of an output at a shape that was not captured (quick mode's other sizes), held to
+    what the captured descriptors together show, as theirs are: one output alone takes a (1, T, V)
+    leaf for a per-request row of one request where the graphs show its tokens follow in dimension 1."""
+    own = out_dims(output, num_tokens, num_reqs, probed)
+    leaves = tree.leaves(output)
+    for i, (ndim, lead, later) in _settled(entries).items():
+        if i < len(own) and isinstance(leaves[i], torch.Tensor) and leaves[i].dim() == ndim:
+            own[i] = _apply(own[i], lead, later)
+    return own

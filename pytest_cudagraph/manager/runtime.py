@@ -43,7 +43,7 @@ class Runtime:
         # manager is built; the hot-path cache is cleared in place.
         self._hot = state.hot
         self._specs = state.tensor_specs
-        self._names = state.tensor_names
+        self._names = state.run_names
         self._index = state.device_index
         self._views = state.output_views
 
@@ -57,9 +57,10 @@ class Runtime:
     def forward_inputs(self, num_tokens: int, num_reqs: int) -> dict[str, Any]:
         """The keyword inputs a graph of that shape reads: views of the static buffers."""
         kwargs: dict[str, Any] = {}
+        held = self.state.values_at.get((num_tokens, num_reqs), {})
         for name, spec in self.state.inputs.items():
-            if spec.kind == "const":
-                kwargs[name] = spec.value
+            if spec.is_python:  # a "value" as the graph of that shape was captured with it
+                kwargs[name] = held.get(name, spec.value)
             else:  # the whole buffer when fixed, else its window for this shape
                 kwargs[name] = spec.window(num_tokens, num_reqs)
         if self.state.is_padding is not None:
@@ -238,7 +239,7 @@ class Runtime:
         num_ubatches: int = 1,
     ) -> Batch:
         """Validate ``inputs`` against the static buffers and read the batch shape."""
-        if inputs.keys() != self._names:  # fast path: exactly the tensor inputs
+        if inputs.keys() != self._names:  # fast path: exactly the tensor inputs (and Python numbers)
             self._check_names(inputs)
         num_tokens = -1
         token_input = ""
@@ -315,8 +316,11 @@ class Runtime:
         return batch
 
     def _check_names(self, inputs: Mapping[str, Any]) -> None:
-        """Every tensor input given, nothing unknown, and Python values as captured."""
+        """Every tensor input and every Python value that changes with the batch given, nothing
+        unknown, and Python values of one value as captured. A "value" may be anything: the graph
+        replays with the one its capture was given (the checks hold that to eager)."""
         missing = [n for n, _ in self._specs if n not in inputs]
+        missing += [n for n in self.state.value_names if n not in inputs]
         unknown = [n for n in inputs if n not in self.state.inputs]
         if missing or unknown:
             parts = []
@@ -340,7 +344,7 @@ class Runtime:
         ``is_padding`` mask when the manager passes one."""
         kwargs = dict(inputs)
         for name, spec in self.state.inputs.items():
-            if spec.kind == "const" and name not in kwargs:
+            if spec.is_python and name not in kwargs:
                 kwargs[name] = spec.value
         if self.state.is_padding is not None:
             kwargs["is_padding"] = torch.zeros(num_tokens, dtype=torch.bool, device=self.state.device)

@@ -55,6 +55,8 @@ class ManagerState:
     #: The tensor inputs, in input order, and their names.
     tensor_specs: list[tuple[str, InputSpec]] = field(init=False)
     tensor_names: set[str] = field(init=False)
+    run_names: set[str] = field(init=False)
+    value_names: list[str] = field(init=False)
     #: -1 on the CPU: the replay path compares device indices, not devices.
     device_index: int = field(init=False)
     # -- written by the capture part ---------------------------------------------
@@ -81,6 +83,9 @@ class ManagerState:
     #: look at the inputs ``kwargs`` before and after and at the output (``replay_matches_eager``
     #: keeps prints of them: the warm-up is an eager run on the capture's own inputs).
     warmup_watch: Callable[[BatchDescriptor, Mapping[str, Any], Callable[[], Any]], Any] | None = None
+    #: (tokens, request rows) of each shape staged for capture -> the "value" inputs its sample gave:
+    #: what a graph of that shape holds (``Runtime.forward_inputs`` reads them back).
+    values_at: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     # -- written by the runtime part ----------------------------------------------
     #: (descriptor tokens, its request rows, real tokens, real requests) -> views to load.
     plans: dict[tuple[int, int, int, int], LoadPlan] = field(default_factory=dict)
@@ -91,8 +96,13 @@ class ManagerState:
     replays: int = 0
 
     def __post_init__(self) -> None:
-        self.tensor_specs = [(n, spec) for n, spec in self.inputs.items() if spec.kind != "const"]
+        self.tensor_specs = [(n, spec) for n, spec in self.inputs.items() if not spec.is_python]
+        #: The Python inputs that change with the batch ("value"): each graph holds its capture's.
+        self.value_names = [n for n, spec in self.inputs.items() if spec.kind == "value"]
         self.tensor_names = {n for n, _ in self.tensor_specs}
+        #: The keys a batch gives run() on its fast path: every tensor input, and the Python values
+        #: that change with the batch (the eager fallback passes them on; a graph holds its own).
+        self.run_names = self.tensor_names | set(self.value_names)
         self.device_index = self.device.index if self.device.type == "cuda" else -1
 
     @property

@@ -281,18 +281,19 @@ def _verify_size(
     graphed, eager, twin = replica(graphed=True), replica(), replica()
     # The graph reads the static buffers: views of the layout's, at this size.
     static = {
-        name: spec.window(tokens, reqs) if spec.kind != "const" else spec.value
-        for name, spec in specs.items()
+        name: spec.window(tokens, reqs) if not spec.is_python else spec.value for name, spec in specs.items()
     }
 
     def load(inputs: Mapping[str, Any]) -> None:
         with torch.no_grad():
             for name, spec in specs.items():
-                if spec.kind != "const":
+                if not spec.is_python:
                     static[name].copy_(inputs[name])
 
     # Warm-up: the same steps on both copies from the same seed.
     warm = _inputs(make_inputs, tokens, reqs, opts.seed)
+    # A Python value that changes with the batch: the graph holds what this size's inputs give.
+    static.update({name: warm[name] for name, spec in specs.items() if spec.kind == "value"})
     try:
         for copy_ in (eager, twin):
             torch.manual_seed(opts.seed)

@@ -4,14 +4,15 @@ say why nothing could be compared.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ...plan import Batch, BatchDescriptor
-from ..compare import Difference
+from ..compare import Difference, first_difference
 from ..report import Finding, Outcome
-from ..verify_context import VerifyContext
+from ..verify_context import VerifyContext, clone_tree
 
 
 # The seams other layers build their checks with (runner/'s checks): where a difference is
@@ -108,3 +109,38 @@ def python_hint(ctx: VerifyContext) -> str:
         f". Forward changes Python state ({', '.join(ctx.python_written[:3])}) on every call, which a graph "
         "freezes at capture: replay_matches_eager names it"
     )
+
+
+#: At most this many changed attributes are each put back alone, to name only those that matter.
+_ONE_BY_ONE = 8
+
+
+def explaining(
+    ctx: VerifyContext,
+    desc: BatchDescriptor,
+    padded: dict[str, Any],
+    state0: Any,
+    graph: Any,
+    changed: dict[str, tuple[Any, Any]],
+    cut: Callable[[Any], Any] = lambda out: out,
+) -> tuple[bool, dict[str, tuple[Any, Any]]]:
+    """Whether the module's Python values put back to what they were at ``desc``'s capture
+    (``changed``: name -> (at capture, now)) give eager on ``padded`` the graph's result (``graph``,
+    which eager's output, ``cut``, is compared with bit for bit), and which of them do: those that
+    alone do, where any does (a counter make_inputs moves beside the scale forward reads is not
+    named), else all. Each try runs from ``state0`` and seed."""
+
+    def eager_with(values: dict[str, tuple[Any, Any]]) -> bool:
+        ctx.restore(state0)
+        ctx.seed_all(ctx.seed)
+        with ctx.python_set({name: at for name, (at, _) in values.items()}):
+            held = cut(ctx.eager(clone_tree(padded), desc))
+        return first_difference(graph, held) is None
+
+    if not eager_with(changed):
+        return False, changed
+    if 1 < len(changed) <= _ONE_BY_ONE:
+        alone = {name: values for name, values in changed.items() if eager_with({name: values})}
+        if alone:
+            return True, alone
+    return True, changed

@@ -12,13 +12,14 @@ from typing import Any
 import torch
 
 from ...plan import Batch, BatchDescriptor
+from .. import causes
 from ..compare import Difference, first_difference
 from ..divergence import locate_divergence
 from ..floor import Verdict, across_shapes
 from ..registry import Check
 from ..report import Finding, Outcome
 from ..verify_context import Snapshot, VerifyContext, clone_tree
-from .common import batch_norm_hint, finding_of, opaque_output, python_hint, where_of
+from .common import batch_norm_hint, explaining, finding_of, opaque_output, python_hint, where_of
 
 
 def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
@@ -37,14 +38,17 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             if ctx.given_batches is None
             else "no batch of the trace (the given batches) dispatches to this descriptor",
         )
-    if ctx.module_is_random(desc):
+    if ctx.module_is_random(desc) or ctx.host_draws():
         return Outcome(
             "real_batches",
             desc,
             True,
             skipped=True,
             message="the module draws random numbers, which cannot match unpadded eager draw for "
-            "draw (the rng check covers them)",
+            "draw (the rng check covers them)"
+            if ctx.module_is_random(desc)
+            else "the module hands a kernel host numbers that move on every call (a seed or an offset "
+            "kept in Python), so eager cannot match itself across runs, nor a graph (the rng check names them)",
         )
     reference = ctx.reference if ctx.reference is not None and ctx.reference.ready else None
     rows = ctx.rows_ndim(desc)
@@ -78,7 +82,12 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 at_padded = ctx.manager.cut_output(desc, eager, batch)
                 diff = first_difference(got, at_padded)
                 verdict = Verdict(
-                    diff is None, diff, "" if diff is None else _not_the_program(ctx, desc, diff)
+                    diff is None,
+                    diff,
+                    ""
+                    if diff is None
+                    else _attributes_held(ctx, desc, batch, padded_inputs, got, state0)
+                    or _not_the_program(ctx, desc, diff),
                 )
                 if verdict.passed:
                     if shared is not None:
@@ -115,13 +124,34 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         _tally(totals, verdict)
         if verdict.passed:
             continue
-        cause = _capture_path(
+        cause = _held_value(ctx, desc, inputs, batch, state0) or _capture_path(
             ctx, inputs, batch, state0, got, expected, None if ctx.batch_invariant else padded, rows
         )
         if cause:
             verdict.why = f"{cause}. What the check saw: {verdict.why}"
         return _real_batch_failure(ctx, desc, batch, inputs, verdict, totals, against_real=True)
     return Outcome("real_batches", desc, True, figures=totals)
+
+
+def _attributes_held(
+    ctx: VerifyContext,
+    desc: BatchDescriptor,
+    batch: Batch,
+    padded: dict[str, Any],
+    got: Any,
+    state0: Snapshot,
+) -> str:
+    """Where the module's Python values changed since ``desc`` was captured (by make_inputs, a refit)
+    and, put back to the capture's, eager at the padded shape gives the graph's real rows: that,
+    in words; ``""`` otherwise."""
+    changed = ctx.changed_since_capture(desc)
+    if not changed:
+        return ""
+    confirmed, changed = explaining(
+        ctx, desc, padded, state0, got, changed, cut=lambda out: ctx.manager.cut_output(desc, out, batch)
+    )
+    ctx.restore(state0)
+    return causes.attributes_changed(desc.label(), changed, confirmed=True) if confirmed else ""
 
 
 def _not_the_program(ctx: VerifyContext, desc: BatchDescriptor, diff: Difference) -> str:
@@ -162,6 +192,31 @@ def _real_batch_failure(
         f"{verdict.why}{batch_norm_hint(ctx)}{python_hint(ctx)}",
         finding,
         figures={**totals, **verdict.figures},
+    )
+
+
+def _held_value(
+    ctx: VerifyContext, desc: BatchDescriptor, inputs: dict[str, Any], batch: Batch, state0: Snapshot
+) -> str:
+    """Where a Python input the graph holds at its capture's value is not the batch's, whether that
+    value decides: eager at the graph's padded shape with the graph's value against the same with the
+    batch's, bit for bit (the same program but for the value), where eager repeats itself with the
+    graph's. ``""`` when no such input differs, the value changes nothing, or eager does not repeat
+    itself (then the difference says nothing of the value)."""
+    padded = ctx.load(desc, clone_tree(inputs), batch)
+    held = ctx.held_values(padded, inputs)
+    if not held:
+        return ""
+    runs = []
+    for values in (padded, padded, {**padded, **{n: b for n, (_, b) in held.items()}}):
+        ctx.restore(state0)
+        ctx.seed_all(ctx.seed)
+        runs.append(ctx.eager(clone_tree(values), desc))
+    ctx.restore(state0)
+    if first_difference(runs[0], runs[1]) is not None or first_difference(runs[0], runs[2]) is None:
+        return ""
+    return causes.held_python_input(
+        desc.label(), held, explains=None, per_shape=ctx.values_per_shape(desc, held)
     )
 
 
@@ -242,9 +297,11 @@ REAL_BATCHES = Check(
     "branch on the token count, or a scale computed from it, down to a few percent on bf16 logits; "
     "outputs cut wrongly; a module that computes something else when it is captured (attention metadata "
     "planned per request count and shared by decode graphs of several query lengths), named as such when "
-    "eager on its capture path differs from eager as users run it",
+    "eager on its capture path differs from eager as users run it; a Python number among the inputs that "
+    "decides the result (each graph holds its capture's), and Python attributes changed since capture, "
+    "each named with its values",
     applies="no real batch dispatches to the descriptor; the module draws random numbers, told by its use "
-    "of a generator (the `rng` check covers them). With the float64 reference it runs each descriptor's "
+    "of a generator or by host numbers handed to a kernel that move on every call (the `rng` check covers them). With the float64 reference it runs each descriptor's "
     "smallest real batch only: its largest, a batch of the graph's own size, is what `fresh_inputs` holds; "
     "and for a module that writes and draws nothing, the eager run at the padded shape is `fresh_inputs`' own "
     "(the same inputs, state and seed), not run again",

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...plan import BatchDescriptor
+from .. import causes
 from ..compare import Difference, first_difference, same_print, tree_print
 from ..registry import Check
 from ..report import Finding, Outcome
@@ -124,6 +125,11 @@ def rng(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             message="the forward reads memory nobody wrote, so draws cannot be compared (determinism reports it)",
         )
     batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
+    host = ctx.host_draws()
+    if host:
+        # What a graph draws from host numbers it froze is the capture's draw, replay after replay:
+        # the replays below would agree with themselves under any seed, and eager with nothing.
+        return Outcome("rng", desc, False, causes.host_numbers(host), Finding(real_batch=batch.shape()))
     if not ctx.module_is_random(desc):
         # Eager draws nothing: the graph must not either. Replays alone say so;
         # where they disagree the full comparison below tells why.
@@ -238,6 +244,10 @@ RNG = Check(
     "values; a module is random when its forwards use a generator (seen op by op), never because "
     "two runs differ (Python state, put back between runs, and unwritten memory do that). For a "
     "module that draws nothing, two replays under two seeds agree (`determinism`'s, where it ran)",
-    catches="seeding inside `forward`, generators a graph does not advance",
+    catches="seeding inside `forward`, generators a graph does not advance; a seed or offset kept in Python "
+    "and handed to a kernel (a custom op, a Triton launch) as a number that moves on every call, which a "
+    "graph freezes so that every replay repeats the capture's draw: found by two eager forwards of the same "
+    "inputs from one state, whose kernels are handed other numbers, and named with the kernel, its line, "
+    "the numbers and the attribute that keeps them",
     applies="eager itself is not reproducible under one seed (the `determinism` and replay checks say why)",
 )

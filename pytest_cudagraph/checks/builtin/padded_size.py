@@ -27,6 +27,7 @@ real batch within the floor of its own precision.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -38,7 +39,9 @@ from ...manager.types import cut_to_real
 from ...observe import unit_roundoff
 from ...plan import BatchDescriptor
 from ...precision import NoReference, Record, raised
-from ..divergence import recording, where_runs_part
+from ...units import counted
+from .. import causes
+from ..divergence import first_differing_call, recording, where_runs_part
 from ..floor import cut_leaf
 from ..reference import (
     REFERENCE_CAP,
@@ -159,7 +162,9 @@ def queue_every_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> li
         with ctx.preserved_state():
             ctx.seed_all(ctx.seed)
             out = ctx.eager(clone_tree(padded), desc)
-        dims = output_rows.out_dims(out, desc.num_tokens, reqs, manager.state.probed_rows)
+        dims = output_rows.out_dims_like_captured(
+            manager.state.entries, out, desc.num_tokens, reqs, manager.state.probed_rows
+        )
         del out
         ref.queue(desc, batch, inputs, padded, dims, first=True)
         queued.append(desc)
@@ -219,6 +224,12 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
     if ref is None or not ref.ready:
         why = ref.why_not if ref is not None else "the reference was not prepared"
         return [_skipped(desc, why) for desc in descs]
+    if ctx.host_draws():
+        why = (
+            "the module hands a kernel host numbers that move on every call (a seed or an offset kept in "
+            "Python), so eager cannot match itself across shapes (the rng check names them)"
+        )
+        return [_skipped(desc, why) for desc in descs]
     items = [(desc, q) for desc in descs for q in ref.queued.get(desc, [])]
     if not items:
         return [
@@ -251,7 +262,7 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
         floors = {d.path: d.relative for d in leaf_differences(noisy, exact)}
         del noisy
         limits = _limits(floors, roundoff)
-        if ref.record.outside or ref.record.fell_back or ref.record.quantized:
+        if ref.record.lower or ref.record.quantized or ref.record.precision != "float64":
             # Named once per verification, with the precision that holds at each.
             note = f"padded_size's reference: {ref.record.precision}"
             if note not in ctx.notes:
@@ -332,9 +343,9 @@ def _attempt(run: Callable[[], Any], q: Queued, *, padded: bool = False) -> tupl
         if faults.is_sticky(exc):
             raise
         where = (
-            f"at the padded shape of {q.desc.num_tokens} tokens"
+            f"at the padded shape of {counted(q.desc.num_tokens, 'token')}"
             if padded
-            else f"on the real batch of {q.batch.num_tokens} tokens alone"
+            else f"on the real batch of {counted(q.batch.num_tokens, 'token')} alone"
         )
         return None, f"eager cannot run in float64 {where} ({_first_line(exc)})"
 
@@ -371,17 +382,34 @@ def _failure(
     where = bad.path or "the output"
     limit = limits.get(bad.path, REFERENCE_CAP * roundoff)
     n, big = q.batch.num_tokens, q.desc.num_tokens
-    shape = f"eager at the graph's padded size ({big} tokens), cut to the {n} real rows,"
+    shape = (
+        f"eager at the graph's padded size ({counted(big, 'token')}), cut to the {counted(n, 'real row')},"
+    )
+    those = "that token" if n == 1 else f"those {n} tokens"
     if bad.why:
-        what = f"{shape} differs from eager on those {n} tokens at {where}: {bad.why}"
+        what = f"{shape} differs from eager on {those} at {where}: {bad.why}"
     else:
         what = (
-            f"{shape} differs from eager on those {n} tokens by {_fmt(bad.relative)} (relative rms of {where}), "
+            f"{shape} differs from eager on {those} by {_fmt(bad.relative)} (relative rms of {where}), "
             f"in {ctx.reference.record.precision if ctx.reference else 'float64'}, where rounding moves it by "
             f"{_fmt(floors.get(bad.path, 0.0))} (the floor: this forward with noise of one unit roundoff at "
             f"every op whose rounding can differ between shapes, at one shape; the limit is {REFERENCE_CAP:g}x "
             f"that, {_fmt(limit)})"
         )
+    # A Python input the graph holds at its capture's value (not the batch's): does that value decide?
+    held = ctx.held_values(q.padded, q.inputs)
+    if held:
+        with_batch_values = runs.padded(
+            replace(q, padded={**q.padded, **{n: b for n, (_, b) in held.items()}})
+        )
+        if _worst(leaf_differences(with_batch_values, got), limits, roundoff) is not None:
+            explains = _worst(leaf_differences(with_batch_values, expected), limits, roundoff) is None
+            cause = causes.held_python_input(
+                q.desc.label(), held, explains=explains, per_shape=ctx.values_per_shape(q.desc, held)
+            )
+            del with_batch_values
+            return _failed(ctx, runs, q, bad, limit, what, cause)
+        del with_batch_values
     # Which path: the capture path on the real batch itself, or the padding?
     on_path = runs.real(q, captured_path=True)
     path_diffs = leaf_differences(on_path, expected)
@@ -400,13 +428,31 @@ def _failure(
             "a computation depends on the padded batch size: a Python branch on the token count, a scale, "
             "table or cache made for that size, statistics over the padded rows"
         )
+    return _failed(ctx, runs, q, bad, limit, what, cause)
+
+
+def _failed(
+    ctx: VerifyContext, runs: _Runs, q: Queued, bad: LeafDifference, limit: float, what: str, cause: str
+) -> Outcome:
+    """The failure, with where the two runs first differ: the call, its line and the submodule whose
+    code made it, and, at the top level, where their control flow parts (context, where the call
+    was found: a library's branch on the shape parts the runs of a correct module too)."""
     submodule = _first_divergent(runs, q, limit)
+
+    def differs(padded: torch.Tensor, real: torch.Tensor) -> bool:
+        found = leaf_differences(padded, real)
+        return bool(found) and (bool(found[0].why) or found[0].relative > limit)
+
+    first_call = first_differing_call(
+        ctx.module, submodule or "", lambda: runs.padded(q), lambda: runs.real(q), differs
+    )
     # At the top level (or where control flow itself parts): the line of the branch, where one is found.
     branch = (
         where_runs_part(
             lambda: runs.padded(q),
             lambda: runs.real(q),
             ("eager at the padded shape", "eager on the real batch"),
+            ctx.module,
         )
         if not submodule
         else None
@@ -420,6 +466,7 @@ def _failure(
         submodule=submodule,
         branch=branch,
         sides=("eager at the padded shape", "eager on the real batch"),
+        first_call=first_call,
     )
     return Outcome(CHECK, q.desc, False, f"{what}: {cause}{batch_norm_hint(ctx)}{python_hint(ctx)}", finding)
 
@@ -468,8 +515,11 @@ PADDED_SIZE = Check(
     catches="computations that depend on the padded batch size at any size above float64's rounding: a "
     "scale, table or cache made for the padded size (a rotary table of another length), a branch on the "
     "token count inside the stack, statistics over padded rows, an output cut wrongly; a module that "
-    "computes something else when it is captured; named with the first divergent submodule",
+    "computes something else when it is captured; a Python number among the inputs (a max_seq_len) that "
+    "decides the result, which each graph holds at its capture's value (named with both values); named "
+    "with the first call whose results differ (its line in the user's code, a kernel's caller) and the "
+    "first divergent submodule",
     applies="the module runs neither in float64 nor in float32 (an op or a kernel for bf16 alone: said "
-    "so, and `real_batches` keeps the floor of the module's own precision); it draws random numbers; "
-    "`batch_invariant=True`",
+    "so, and `real_batches` keeps the floor of the module's own precision); it draws random numbers, from "
+    "a generator or from host numbers that move on every call (`rng` names those); `batch_invariant=True`",
 )

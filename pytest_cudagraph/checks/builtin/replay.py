@@ -10,12 +10,13 @@ import torch
 
 from ... import faults
 from ...plan import Batch, BatchDescriptor
+from .. import causes
 from ..compare import first_difference, leaves, same_print, tree_print
 from ..divergence import locate_divergence
 from ..registry import Check
 from ..report import Finding, Outcome
 from ..verify_context import FreshEager, VerifyContext, clone_tree, python_values
-from .common import finding_of, nothing_to_compare, opaque_output, where_of
+from .common import explaining, finding_of, nothing_to_compare, opaque_output, where_of
 
 
 def _compare_padded(
@@ -84,21 +85,38 @@ def _compare_padded(
         again = ctx.eager(padded, desc)
         after = python_values(ctx.module)
         changed = [k for k in after if before.get(k, object()) != after[k]]
+        differs = first_difference(again, eager) is not None
+        draws = ctx.host_draws() if changed or differs else []
+        if draws:
+            return Outcome(
+                check,
+                desc,
+                False,
+                f"{causes.host_numbers(draws)} ({where_of(diff)}; the rng check names it)",
+                finding_of(diff, batch),
+            )
         if changed:
             name = changed[0]
             return Outcome(
                 check,
                 desc,
                 False,
-                f"Python state changes on every forward ({name}: {before.get(name)!r} -> {after[name]!r}), "
-                f"but a graph runs Python only at capture, so replay keeps the capture-time value "
-                f"({where_of(diff)}); keep such state in a registered buffer updated in place",
+                causes.python_state_per_forward(name, before.get(name), after[name], where_of(diff)),
                 finding_of(diff, batch),
             )
         uninitialized = ctx.uninitialized()
         if uninitialized:
             return Outcome(check, desc, False, f"{uninitialized} ({where_of(diff)})", finding_of(diff, batch))
-        if first_difference(again, eager) is not None:
+        unconfirmed = ""
+        attributes = ctx.changed_since_capture(desc)
+        if attributes:
+            # Put back to what the graph holds, does eager give the graph's result? Then that is why.
+            confirmed, attributes = explaining(ctx, desc, padded, state0, graph, attributes)
+            said = causes.attributes_changed(desc.label(), attributes, confirmed=confirmed)
+            if confirmed:
+                return Outcome(check, desc, False, f"{said} ({where_of(diff)})", finding_of(diff, batch))
+            unconfirmed = f". {said}"
+        if differs:
             return Outcome(
                 check,
                 desc,
@@ -116,7 +134,11 @@ def _compare_padded(
         else "replay differs from eager on the inputs the graph was captured with"
     )
     return Outcome(
-        check, desc, False, f"{what} ({where_of(diff)})", finding_of(diff, batch, submodule, segment)
+        check,
+        desc,
+        False,
+        f"{what} ({where_of(diff)}){unconfirmed}",
+        finding_of(diff, batch, submodule, segment),
     )
 
 
@@ -209,7 +231,7 @@ def drawn_inputs(ctx: VerifyContext, inputs: dict[str, Any]) -> tuple[dict[str, 
     tensors = {
         name: v
         for name, v in inputs.items()
-        if isinstance(v, torch.Tensor) and v.numel() and getattr(specs.get(name), "kind", "") != "const"
+        if isinstance(v, torch.Tensor) and v.numel() and not getattr(specs.get(name), "is_python", False)
     }
     drawn = dict(inputs)
     floats = [name for name, v in tensors.items() if v.is_floating_point()]
@@ -298,8 +320,10 @@ REPLAY_MATCHES_EAGER = Check(
     "very inputs that left them as they were, is the eager side, held by a print of its bits (two sums of its "
     "bit patterns, plain and weighted by position); a replay with another print is compared with an eager "
     "run of its own on the path a capture takes, which says where and why they differ",
-    catches="Python state changed by every forward (named: `inner.calls: 3 -> 4`), nondeterministic eager "
-    "(said so instead)",
+    catches="Python state changed by every forward (named: `inner.calls: 3 -> 4`); Python attributes that "
+    "something other than forward changed since capture (a refit in make_inputs, a scheduler), named with "
+    "their values at capture and now where, put back, they give eager the graph's result; host numbers "
+    "that seed a kernel (named, as `rng` names them); nondeterministic eager (said so instead)",
     applies="never",
 )
 

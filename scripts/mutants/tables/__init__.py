@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..common import Mutant
-from . import capturability, checks, manager, plan, plugin, precision, runner, training
+from . import capturability, causes, checks, manager, plan, plugin, precision, runner, training
 from .cuda import CUDA_MUTANTS
 
 __all__ = ["CUDA_MUTANTS", "MUTANTS"]
@@ -11,6 +11,7 @@ __all__ = ["CUDA_MUTANTS", "MUTANTS"]
 MUTANTS: list[Mutant] = [
     *checks.COMPARE,
     *checks.BUILTIN,
+    *causes.CAUSES,
     *checks.VERIFY_CONTEXT,
     *manager.MANAGER,
     *plan.PLAN,
