@@ -288,6 +288,9 @@ class VerifyReport:
         # descriptor says the same) is printed once, the later ones pointing back to it.
         told: dict[str, str] = {}
         fixes: set[str] = set()
+        # The op lists printed, each once: a list the same message came with before is not listed
+        # again (capture_safety at every descriptor), nor a single op its own message names.
+        listed: set[tuple[str, ...]] = set()
         for outcome in self.outcomes if verbose else self.failures:
             lines.append(outcome.headline())
             if outcome.message:
@@ -300,8 +303,10 @@ class VerifyReport:
                 described = outcome.finding.describe()
                 if described:
                     lines.append(f"     {described}")
-                for op in outcome.finding.ops:
-                    lines.append(f"       - {op}")
+                ops = tuple(outcome.finding.ops)
+                if ops not in listed and not all(op in outcome.message for op in ops):
+                    lines.extend(f"       - {op}" for op in ops)
+                listed.add(ops)
                 fix = outcome.finding.fix
                 if fix:
                     lines.append(f"     fix: {fix}" if fix not in fixes else "     fix: as above")

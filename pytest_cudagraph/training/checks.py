@@ -61,6 +61,12 @@ def _skip(check: str, desc: BatchDescriptor | None, message: str) -> Outcome:
 
 
 # -- optimizer_capturable ---------------------------------------------------------------------
+def keeps_step_on_host(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer takes a ``capturable`` flag and some parameter group has it off."""
+    groups = optimizer.param_groups
+    return all("capturable" in g for g in groups) and not all(bool(g.get("capturable")) for g in groups)
+
+
 def _optimizer_capturable(replica: _Replica, own: bool) -> Outcome:
     check = "optimizer_capturable"
     opt = replica.optimizer
@@ -73,8 +79,7 @@ def _optimizer_capturable(replica: _Replica, own: bool) -> Outcome:
     # capturable=True alone: a fused Adam or AdamW with capturable=False is refused by torch's capture
     # (seen on an NVIDIA H200, torch 2.11, 2026-12-03: scripts/optimizer_capture.py), though on a CPU
     # build torch does not check, so the emulator would pass it.
-    held = [bool(g.get("capturable")) for g in opt.param_groups]
-    if not all(held) and all("capturable" in g for g in opt.param_groups):
+    if keeps_step_on_host(opt):
         fused = any(g.get("fused") for g in opt.param_groups)
         return _fail(
             check,
