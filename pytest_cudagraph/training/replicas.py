@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -233,3 +233,6 @@ class _Sides:
     twin: _Replica  # eager again from the same start: whether eager reproduces itself
     #: Each parameter's ``p.grad`` right after capture: the tensors the graph's backward writes.
     written: Mapping[str, torch.Tensor | None]
+    #: The graphed copy's Python values right after capture (the module's counters and flags, the
+    #: optimizer's settings), by what they are: what the graph froze (empty where nothing is captured).
+    frozen: Mapping[str, Any] = field(default_factory=dict)

@@ -59,6 +59,7 @@ from .checks import (
     _replay_matches_eager,
     _skip,
     keeps_step_on_host,
+    python_values,
 )
 from .compare import FLOOR_FACTOR as FLOOR_FACTOR  # re-exported: imported from here (tests)
 from .compare import _held as _held  # re-exported: imported from here (tests)
@@ -443,7 +444,7 @@ def _verify_size(
     # The gradients the graph writes: whatever reads p.grad between replays must find these.
     written = {name: p.grad for name, p in graphed.params()}
     graphed.restore(start)  # the emulator's capture ran the step; CUDA's did not
-    sides = _Sides(graphed, eager, twin, written)
+    sides = _Sides(graphed, eager, twin, written, {} if own else python_values(graphed))
     out.append(_replay_matches_eager(graph, sides, make_inputs, loss_fn, load, desc, opts))
     out.append(_padding(graph, graphed, specs, make_inputs, load, start, desc, opts, declared))
     out.append(_real_batches(graph, sides, specs, make_inputs, loss_fn, load, start, desc, opts))
