@@ -170,6 +170,16 @@ def test_a_report_lists_an_op_list_several_failures_share_once() -> None:
     assert printed.count("- Tensor.item() (host sync) at a.py:1") == 2
 
 
+def test_a_report_points_to_an_op_list_printed_under_another_message() -> None:
+    ops = ["Tensor.item() (host sync) at a.py:1", "Tensor.tolist() (host sync) at a.py:2"]
+    printed = _report(
+        _failed(4, "2 op(s) at 4 tokens; the first is Tensor.item()", ops),
+        _failed(2, "2 op(s) at 2 tokens; the first is Tensor.item()", ops),
+    ).format()
+    assert printed.count("- Tensor.tolist() (host sync) at a.py:2") == 1
+    assert "the same op(s) as capture_safety FULL-T4-R4 above" in printed
+
+
 def test_a_report_lists_no_single_op_its_message_names() -> None:
     op = "Tensor.item() (host sync) at a.py:1"
     printed = _report(_failed(4, f"1 op(s); the first is {op}", [op])).format()

@@ -379,15 +379,26 @@ TRAINING_PADDING: list[Mutant] = [
         "a sync inside a non-capturable optimizer's step is not tied to its step count on the host",
     ),
     Mutant(
-        "report-ops-listed-again",
+        "report-single-op-listed-again",
         RP,
-        "                if ops not in listed and not all(op in outcome.message for op in ops):",
-        "                if ops:",
+        "                elif ops and not all(op in outcome.message for op in ops):",
+        "                elif ops:",
         (
             f"{CAUSES}::test_a_report_lists_an_op_list_several_failures_share_once",
             f"{CAUSES}::test_a_report_lists_no_single_op_its_message_names",
         ),
-        "a report prints an op list once per failure that shares it, and a single op twice",
+        "a report prints a single op its message names again",
+    ),
+    Mutant(
+        "report-ops-listed-per-failure",
+        RP,
+        "                if ops and ops in listed:",
+        "                if False:",
+        (
+            f"{CAUSES}::test_a_report_lists_an_op_list_several_failures_share_once",
+            f"{CAUSES}::test_a_report_points_to_an_op_list_printed_under_another_message",
+        ),
+        "a report prints an op list once per failure that shares it",
     ),
     Mutant(
         "training-shape-hint-always",
