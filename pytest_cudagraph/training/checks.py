@@ -345,11 +345,12 @@ def _frozen_since_capture(sides: _Sides) -> str:
     name, then, current = changed[0]
     others = [n for n, _, _ in changed[1:]]
     also = f" (so have {', '.join(others)})" if others else ""
-    if name.startswith("the optimizer's 'lr'") and isinstance(then, float):
+    opt = sides.graphed.optimizer
+    takes_tensor = opt is not None and all("capturable" in g for g in opt.param_groups)
+    if name.startswith("the optimizer's 'lr'") and isinstance(then, float) and takes_tensor:
         device = next((str(p.device) for _, p in sides.graphed.params()), "cpu")
-        given = sides.frozen.get(
-            name.replace("'lr'", "'initial_lr'"), then
-        )  # what the scheduler started from
+        # What the scheduler started from, where one keeps it: the rate the caller gave.
+        given = sides.frozen.get(name.replace("'lr'", "'initial_lr'"), then)
         fix = (
             f"give the optimizer a tensor learning rate on the device (lr=torch.tensor({given!r}, "
             f"device={device!r}), with capturable=True), which the step reads where it lies and torch's LR "

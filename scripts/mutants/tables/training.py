@@ -425,6 +425,14 @@ TRAINING_PADDING: list[Mutant] = [
         "training_real_batches does not say the graph departs from eager at the padded shape itself",
     ),
     Mutant(
+        "training-lr-fix-unsaid",
+        TRC,
+        "    if name.startswith(\"the optimizer's 'lr'\") and isinstance(then, float) and takes_tensor:",
+        "    if False:",
+        (f"{CAUSES}::test_a_float_learning_rate_under_a_scheduler_is_named_and_not_taken_for_padding",),
+        "a float learning rate frozen at capture is named without its fix, a tensor lr with capturable=True",
+    ),
+    Mutant(
         "training-frozen-unnamed",
         TRC,
         "    changed = [(name, then, now.get(name)) for name, then in sides.frozen.items() if now.get(name) != then]",
