@@ -5,7 +5,6 @@ Caught by ``capture_safety``. The plugin prints:
     HostSync on emulate (cpu) in train mode: 0/4 descriptors captured and verified (every descriptor), 0 real batches, 4 failure(s) in capture_safety, 35 skipped; capture 3 ms, graph memory 0 B, peak memory 303.5 MiB (226.4 MiB before)
     FAIL capture_safety         FULL-T8-R4
          1 op(s) cannot be captured in a graph; the first is Tensor.item() (host sync) in the top-level module, at examples/buggy/host_sync.py:24 in forward
-           - Tensor.item() (host sync) in the top-level module, at examples/buggy/host_sync.py:24 in forward
 
     (CPU emulator, `pytest --cudagraph-verify`, capture sizes 1, 2, 4, 8; the capture_safety failure shown)
 """

@@ -5,7 +5,6 @@ Caught by ``capture_safety``. The plugin prints:
     WritesPythonCount on emulate (cpu) in train mode: 0/4 descriptors captured and verified (every descriptor), 0 real batches, 4 failure(s) in capture_safety, 35 skipped; capture 3 ms, graph memory 0 B, peak memory 306.8 MiB (303.5 MiB before)
     FAIL capture_safety         FULL-T8-R4
          1 op(s) cannot be captured in a graph; the first is aten.copy_.default (host-to-device copy: a value made on the host (a Python number, or torch.tensor data) is written into a graph tensor, which a graph cannot record; write it with fill_/torch.where from a device tensor, or keep it in a registered buffer updated on the device) in the top-level module, at examples/buggy/host_value.py:37 in forward
-           - aten.copy_.default (host-to-device copy: a value made on the host (a Python number, or torch.tensor data) is written into a graph tensor, which a graph cannot record; write it with fill_/torch.where from a device tensor, or keep it in a registered buffer updated on the device) in the top-level module, at examples/buggy/host_value.py:37 in forward
 
     (CPU emulator, `pytest --cudagraph-verify`, capture sizes 1, 2, 4, 8; the capture_safety failure shown)
 

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from .. import faults
-from ..errors import EagerFailure, InternalError, UsageError
+from ..errors import EagerFailure, InternalError
 from ..guard import Violation, capturability_table, host_methods_watched
 from ..manager import GraphManager
+from ..manager.inputs import check_forward_takes
 from ..manager.layout import MakeInputsError, not_a_module
 from ..options import VerifyOptions
 from ..plan import BatchDescriptor, CaptureConfig
@@ -287,7 +288,7 @@ def _verify(
         # through when no guard is active): replacing them for each eager run on the captured path
         # would flush the interpreter's attribute caches every time.
         with meter.watching(), attributes_restored(module), host_methods_watched():
-            _check_forward_takes(module, manager.state.inputs)
+            check_forward_takes(module, manager.state.inputs)
             with meter.step("learn"):
                 _learn_writes(ctx, selected)
             if selected and {c.name for c in checks} & _ASK_HOST_NUMBERS:
@@ -383,23 +384,6 @@ def _dtype_hint(ctx: VerifyContext) -> str:
         f" make_inputs' floating inputs are {have} and the module's parameters {want}: build the inputs in "
         f"{want} (torch.randn(..., dtype=torch.{want})), or convert the module (module.to(torch.{have.split(',')[0]}))."
     )
-
-
-def _check_forward_takes(module: torch.nn.Module, names: Iterable[str]) -> None:
-    """Every key make_inputs returns is an argument of forward: one line before anything runs."""
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return  # a forward Python cannot describe: its own call will say
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    takes = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    unknown = [n for n in names if n not in takes]
-    if unknown:
-        raise UsageError(
-            f"make_inputs returns key(s) {unknown} that {type(module).__name__}.forward does not take (its "
-            f"arguments: {', '.join(takes) or 'none'}); make_inputs' keys must be forward's argument names"
-        )
 
 
 def _tell_not_known(ctx: VerifyContext, report: VerifyReport) -> None:

@@ -296,10 +296,15 @@ class VerifyReport:
         # descriptor says the same) is printed once, the later ones pointing back to it.
         told: dict[str, str] = {}
         fixes: set[str] = set()
+        # The op lists printed, each once (capture_safety at every descriptor): a list printed above
+        # is pointed to (nothing at all under a message printed above), and a single op its own
+        # message names is not listed.
+        listed: dict[tuple[str, ...], str] = {}
         for outcome in self.outcomes if verbose else self.failures:
             lines.append(outcome.headline())
+            name = " ".join(outcome.headline().split()[1:])  # "check descriptor"
+            first = name
             if outcome.message:
-                name = " ".join(outcome.headline().split()[1:])  # "check descriptor"
                 first = told.setdefault(outcome.message, name)
                 lines.append(
                     f"     {outcome.message}" if first == name else f"     the same message as {first} above"
@@ -308,8 +313,14 @@ class VerifyReport:
                 described = outcome.finding.describe()
                 if described:
                     lines.append(f"     {described}")
-                for op in outcome.finding.ops:
-                    lines.append(f"       - {op}")
+                ops = tuple(outcome.finding.ops)
+                if ops and ops in listed:
+                    if first == name:  # its message is printed here: say where its list is
+                        lines.append(f"     the same op(s) as {listed[ops]} above")
+                elif ops and not all(op in outcome.message for op in ops):
+                    lines.extend(f"       - {op}" for op in ops)
+                if ops:
+                    listed.setdefault(ops, name)
                 fix = outcome.finding.fix
                 if fix:
                     lines.append(f"     fix: {fix}" if fix not in fixes else "     fix: as above")

@@ -24,6 +24,7 @@ from ..errors import InternalError
 from ..manager.layout import padded_inputs
 from ..observe import MODULE_INTERNALS, ForwardObserver, observing, unit_roundoff
 from ..plan import BatchDescriptor
+from ..units import counted
 from .compare import FLOOR_FACTOR, Drift, _held, _up_to_gradients
 from .replicas import LossFn, _inputs, _Replica, _Sides, _step
 from .rounding import jittered
@@ -61,6 +62,12 @@ def _skip(check: str, desc: BatchDescriptor | None, message: str) -> Outcome:
 
 
 # -- optimizer_capturable ---------------------------------------------------------------------
+def keeps_step_on_host(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer takes a ``capturable`` flag and some parameter group has it off."""
+    groups = optimizer.param_groups
+    return all("capturable" in g for g in groups) and not all(bool(g.get("capturable")) for g in groups)
+
+
 def _optimizer_capturable(replica: _Replica, own: bool) -> Outcome:
     check = "optimizer_capturable"
     opt = replica.optimizer
@@ -73,8 +80,7 @@ def _optimizer_capturable(replica: _Replica, own: bool) -> Outcome:
     # capturable=True alone: a fused Adam or AdamW with capturable=False is refused by torch's capture
     # (seen on an NVIDIA H200, torch 2.11, 2026-12-03: scripts/optimizer_capture.py), though on a CPU
     # build torch does not check, so the emulator would pass it.
-    held = [bool(g.get("capturable")) for g in opt.param_groups]
-    if not all(held) and all("capturable" in g for g in opt.param_groups):
+    if keeps_step_on_host(opt):
         fused = any(g.get("fused") for g in opt.param_groups)
         return _fail(
             check,
@@ -200,7 +206,8 @@ def _replay_matches_eager(
                 check,
                 desc,
                 f"step {k + 1} of {opts.steps} replayed on fresh inputs differs from eager "
-                f"from the same start: {diff[0]}{_python_state_differs(graphed.module, eager.module)}",
+                f"from the same start: {diff[0]}{_python_state_differs(graphed.module, eager.module)}"
+                f"{_frozen_since_capture(sides)}",
                 diff[1],
             )
     if drifts:
@@ -303,6 +310,63 @@ def _python_state_differs(graphed: torch.nn.Module, eager: torch.nn.Module) -> s
         f"{want[name]!r} in eager (Python runs at capture only: a value the step changes belongs in a buffer "
         "it updates in place, and a branch on it, such as an optimizer step every k micro-steps of gradient "
         "accumulation, in the loop's code between replays)"
+    )
+
+
+def _plain(value: Any) -> bool:
+    """A Python value a graph freezes where it is read: a number, a flag, a string, a tuple of them."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (bool, int, float, str))
+
+
+def python_values(replica: _Replica) -> dict[str, Any]:
+    """The copy's Python values a captured step reads as constants: the module's counters and flags,
+    and each setting of the optimizer's parameter groups (a float learning rate), by what they are."""
+    out = {f"the module's {name!r}": value for name, value in _python_state(replica.module).items()}
+    groups = replica.optimizer.param_groups if replica.optimizer is not None else []
+    for i, group in enumerate(groups):
+        which = f" (parameter group {i})" if len(groups) > 1 else ""
+        for key, value in group.items():
+            if key != "params" and _plain(value):
+                out[f"the optimizer's {key!r}{which}"] = value
+    return out
+
+
+def _frozen_since_capture(sides: _Sides) -> str:
+    """Where a Python value the graph froze at capture has changed since, on the graphed copy (an
+    LR scheduler, a counter the code between replays moves): named, with its value then and now,
+    since every replay still runs with the value it had at capture."""
+    if not sides.frozen:
+        return ""
+    now = python_values(sides.graphed)
+    changed = [(name, then, now.get(name)) for name, then in sides.frozen.items() if now.get(name) != then]
+    if not changed:
+        return ""
+    name, then, current = changed[0]
+    others = [n for n, _, _ in changed[1:]]
+    also = f" (so have {', '.join(others)})" if others else ""
+    opt = sides.graphed.optimizer
+    takes_tensor = opt is not None and all("capturable" in g for g in opt.param_groups)
+    if name.startswith("the optimizer's 'lr'") and isinstance(then, float) and takes_tensor:
+        device = next((str(p.device) for _, p in sides.graphed.params()), "cpu")
+        # What the scheduler started from, where one keeps it: the rate the caller gave.
+        given = sides.frozen.get(name.replace("'lr'", "'initial_lr'"), then)
+        fix = (
+            f"give the optimizer a tensor learning rate on the device (lr=torch.tensor({given!r}, "
+            f"device={device!r}), with capturable=True), which the step reads where it lies and torch's LR "
+            "schedulers set in place"
+        )
+    elif name.startswith("the optimizer's"):
+        fix = "leave the optimizer's settings as they are at capture, or capture again once they change"
+    else:
+        fix = "keep the value in a buffer the code updates in place (fill_, copy_), which the step reads on the device"
+    # The optimizer reads each of its settings at every step; whether forward reads a module's
+    # attribute is not known here.
+    read = "" if name.startswith("the optimizer's") else "where the step reads it, "
+    return (
+        f"; {name} was {then!r} at capture and is {current!r} now{also}: a graph keeps what the step read at "
+        f"capture, so {read}every replay runs with {then!r}; {fix}"
     )
 
 
@@ -460,7 +524,7 @@ def _padding(
         f" ({finding.got!r} against {finding.expected!r} at the pad value)" if finding.got is not None else ""
     )
     said = (
-        f"padded rows reach the training step: with {real} real tokens of {tokens}, padded rows of "
+        f"padded rows reach the training step: with {counted(real, 'real token')} of {tokens}, padded rows of "
         f"{name!r} at {fills[name]!r} instead of its pad value change {where.partition(':')[0]}{values}"
     )
     also = [n for n in leaks[1:] if n not in marker_like]
@@ -585,7 +649,7 @@ def _real_batches(
         return _skip(
             check,
             desc,
-            f"eager's step fails on the real batch of {real} tokens alone ({type(exc).__name__}: "
+            f"eager's step fails on the real batch of {counted(real, 'token')} alone ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}), so there is nothing to hold the graph to",
         )
     if observer.random_ops:
@@ -619,9 +683,8 @@ def _real_batches(
         return _fail(
             check,
             desc,
-            f"a step on {real} real tokens padded to {tokens} differs from eager's step on the {real} tokens "
-            f"alone in {key}: {verdict.why}; look for a loss or a statistic over every row (a mean over the "
-            f"padded ones too, a sum divided by the padded count){_batch_norms(sides.graphed.module)}",
+            f"a step on {counted(real, 'real token')} padded to {tokens} differs from eager's step on the {counted(real, 'token')} "
+            f"alone in {key}: {verdict.why}{_across_or_at(sides, got[key], want, padded_step()[key])}",
             Finding(
                 output=key,
                 index=diff.index if diff is not None else None,
@@ -630,6 +693,30 @@ def _real_batches(
             ),
         )
     return Outcome(check, desc, passed=True, figures={"floor_used": bool(floor)})
+
+
+def _across_or_at(sides: _Sides, got: Any, want: Any, padded: Any) -> str:
+    """Where the graph's step on the padded batch differs from eager's on the real batch: across the
+    shapes (eager at the padded shape differs as well: a loss or a statistic over every row), or at
+    the padded shape itself (the graph differs from eager there too: the replay, not the padding),
+    each said where it carries at least half of the difference (one of them always does: the
+    difference is at most their sum)."""
+    total = _spread(got, want)
+    across, at = _spread(padded, want), _spread(got, padded)
+    said = ""
+    if not total or 2 * across >= total:
+        said += (
+            "; look for a loss or a statistic over every row (a mean over the padded ones too, a sum divided by "
+            f"the padded count){_batch_norms(sides.graphed.module)}"
+        )
+    if total and 2 * at >= total:
+        said += (
+            f"; the replayed step differs from eager's at the padded shape itself too (by up to {at:.3g}, where "
+            f"eager moves by {across:.3g} between the two shapes), so the cause is not the padding: the replay "
+            f"departs from eager, as training_replay_matches_eager holds at the captured shape"
+            f"{_frozen_since_capture(sides)}"
+        )
+    return said
 
 
 def _batch_norms(module: torch.nn.Module) -> str:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ..manager.inputs import forward_signature
 
 # -- the caller's callables --------------------------------------------------------------------
 LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
@@ -140,9 +141,8 @@ def _taken(inputs: Mapping[str, Any], params: tuple[frozenset[str], bool]) -> di
 def _forward_parameters(module: torch.nn.Module) -> tuple[frozenset[str], bool]:
     """The inputs ``forward`` names, and whether it takes ``**kwargs`` too (where its signature cannot
     be read: no names, and every input is passed)."""
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
+    params = forward_signature(module)
+    if params is None:
         return frozenset(), True
     named = frozenset(n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
     return named, any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -233,3 +233,6 @@ class _Sides:
     twin: _Replica  # eager again from the same start: whether eager reproduces itself
     #: Each parameter's ``p.grad`` right after capture: the tensors the graph's backward writes.
     written: Mapping[str, torch.Tensor | None]
+    #: The graphed copy's Python values right after capture (the module's counters and flags, the
+    #: optimizer's settings), by what they are: what the graph froze (empty where nothing is captured).
+    frozen: Mapping[str, Any] = field(default_factory=dict)

@@ -43,8 +43,9 @@ import torch
 from ..backends.base import Backend
 from ..backends.factory import make_backend
 from ..checks.report import Finding, Outcome, VerifyReport
-from ..errors import EagerFailure, InternalError
+from ..errors import EagerFailure, InternalError, UsageError
 from ..guard import CaptureGuard, ModuleTracker, Violation
+from ..manager.inputs import check_forward_takes, forward_mismatch
 from ..manager.layout import infer_layout
 from ..plan import BatchDescriptor, GraphMode
 from ..plan.validate import check_int, int_list, is_int
@@ -57,6 +58,8 @@ from .checks import (
     _real_batches,
     _replay_matches_eager,
     _skip,
+    keeps_step_on_host,
+    python_values,
 )
 from .compare import FLOOR_FACTOR as FLOOR_FACTOR  # re-exported: imported from here (tests)
 from .compare import _held as _held  # re-exported: imported from here (tests)
@@ -131,13 +134,64 @@ _SCALER_SYNC = (
 )
 
 
-def _in_grad_scaler_step() -> bool:
+def _inside_step() -> str:
+    """Whose step the op the guard reports runs in, the innermost first: "optimizer" (a
+    ``torch.optim`` optimizer's), "GradScaler" or ""."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "step" and os.path.basename(frame.f_code.co_filename) == "grad_scaler.py":
-            return True
+        if frame.f_code.co_name == "step":
+            path = frame.f_code.co_filename
+            if os.path.basename(path) == "grad_scaler.py":
+                return "GradScaler"
+            if f"{os.sep}torch{os.sep}optim{os.sep}" in path and os.path.basename(path) != "lr_scheduler.py":
+                return "optimizer"
         frame = frame.f_back  # type: ignore[assignment]
-    return False
+    return ""
+
+
+def _described(violation: Violation, inside: str, graphed: _Replica) -> str:
+    """An op the guard met, and where (``inside``: ``_inside_step``'s answer when it was met). In
+    the default step's optimizer no submodule runs and no line of the caller's calls it (the first
+    frame outside torch and this package would be the call of verify_training): the optimizer's step
+    is named instead."""
+    opt = graphed.optimizer
+    if inside != "optimizer" or opt is None:
+        return violation.describe()
+    where = f"{violation.op} ({violation.reason})" if graphed.custom is None else violation.describe()
+    return f"{where}, inside {type(opt).__name__}.step"
+
+
+def _sync_cause(inside: str, optimizer: torch.optim.Optimizer | None) -> str:
+    """Why the step GradScaler's or the optimizer's step syncs in, where it is known."""
+    if inside == "GradScaler":
+        return _SCALER_SYNC
+    if inside == "optimizer" and optimizer is not None and keeps_step_on_host(optimizer):
+        return (
+            ": with capturable=False it reads its step count on the host (optimizer_capturable's finding); "
+            "build it with capturable=True"
+        )
+    return ""
+
+
+def _misses_forward(module: torch.nn.Module, positional: int, keywords: list[str]) -> str:
+    """How the step's call of ``module``'s forward misses its arguments ("" where it does not)."""
+    found = forward_mismatch(module, keywords, positional)
+    if found is None or not (found[1] or found[2]):
+        return ""
+    takes, unknown, missing = found
+    given = ", ".join(
+        [*([f"{positional} argument(s) by position"] if positional else []), f"keyword(s) {keywords}"]
+    )
+    wrong = "; ".join(
+        [
+            *([f"it takes no keyword {', '.join(map(repr, unknown))}"] if unknown else []),
+            *([f"its argument(s) {', '.join(map(repr, missing))} are not given"] if missing else []),
+        ]
+    )
+    return (
+        f"the training step calls {type(module).__name__}.forward with {given}: {wrong} (forward's "
+        f"arguments: {', '.join(takes) or 'none'}); pass forward its own argument names"
+    )
 
 
 def verify_training(
@@ -209,6 +263,10 @@ def verify_training(
         device=dev,
         pad_values=dict(pad_values or {}),
     )
+    if step is None:
+        # The default step passes forward the inputs it names: one that forward needs and no key
+        # gives is one line now, not a TypeError at the first eager step.
+        check_forward_takes(module, list(specs), rest_to_loss=True)
     report = VerifyReport(
         module=type(module).__name__,
         backend=engine.name,
@@ -294,6 +352,12 @@ def _verify_size(
     warm = _inputs(make_inputs, tokens, reqs, opts.seed)
     # A Python value that changes with the batch: the graph holds what this size's inputs give.
     static.update({name: warm[name] for name, spec in specs.items() if spec.kind == "value"})
+    # What the step passes the module's forward (how many arguments by position, the keywords): a
+    # call that misses forward's arguments is named as such, not as a failure of the step.
+    calls: list[tuple[int, list[str]]] = []
+    hook = eager.module.register_forward_pre_hook(
+        lambda _module, args, kwargs: calls.append((len(args), list(kwargs))), with_kwargs=True
+    )
     try:
         for copy_ in (eager, twin):
             torch.manual_seed(opts.seed)
@@ -302,10 +366,15 @@ def _verify_size(
                 copy_.between()
     except Exception as exc:
         InternalError.raise_if_in(exc)  # the harness's bookkeeping under the step failed: never loss_fn's
+        told = _misses_forward(eager.module, *calls[-1]) if calls and isinstance(exc, TypeError) else ""
+        if told:
+            raise UsageError(told) from exc
         raise EagerFailure(
             f"the training step fails eagerly at {tokens} tokens and {reqs} requests, before anything is "
             f"captured: {type(exc).__name__}: {exc}; fix the step, or leave this size out of capture_sizes"
         ) from exc
+    finally:
+        hook.remove()
     torch.manual_seed(opts.seed)
     for _ in range(opts.warmup_steps):
         load(warm)
@@ -319,14 +388,12 @@ def _verify_size(
     start = eager.snapshot()
     graphed.restore(start)
     twin.restore(start)
-    found: list[Violation] = []
-    # Which violations GradScaler's step made: told while its frames are on the stack.
-    in_scaler: list[Violation] = []
+    # Which violations GradScaler's step and the optimizer's made: told while their frames are on
+    # the stack.
+    inside: dict[Violation, str] = {}
 
     def noted(violation: Violation) -> None:
-        found.append(violation)
-        if _in_grad_scaler_step():
-            in_scaler.append(violation)
+        inside.setdefault(violation, _inside_step())
 
     guard = CaptureGuard(ModuleTracker(graphed.module), engine.device, on_violation=noted)
     began = time.perf_counter()
@@ -343,13 +410,17 @@ def _verify_size(
         InternalError.raise_if_in(exc)  # ours, not the step's capture failing
         error = exc
     seconds = time.perf_counter() - began
+    # Each op once where it is called (the guard's list): an optimizer's loop over the parameters
+    # meets one line once per parameter.
+    found = guard.violations
     skipped = graphed.not_graphed() if error is None else ""
     if error is not None or found or skipped:
         # The guard names the first op a graph cannot hold; without one, the capture's own error.
         if found:
             message = (
                 f"{len(found)} op(s) of the training step cannot be captured in a graph; the first is "
-                f"{found[0].describe()}" + (_SCALER_SYNC if found[0] in in_scaler else "")
+                f"{_described(found[0], inside.get(found[0], ''), graphed)}"
+                + _sync_cause(inside.get(found[0], ""), graphed.optimizer)
             )
         elif skipped:
             message = f"the step ran without its CUDA graphs: {skipped}"
@@ -359,7 +430,12 @@ def _verify_size(
         after = TRAINING_CHECKS[TRAINING_CHECKS.index("training_capture") + 1 :]  # what needs the graph
         return (
             [
-                _fail("training_capture", desc, message, Finding(ops=[v.describe() for v in found])),
+                _fail(
+                    "training_capture",
+                    desc,
+                    message,
+                    Finding(ops=[_described(v, inside.get(v, ""), graphed) for v in found]),
+                ),
                 *(_skip(check, desc, why) for check in after),
             ],
             seconds,
@@ -369,7 +445,7 @@ def _verify_size(
     # The gradients the graph writes: whatever reads p.grad between replays must find these.
     written = {name: p.grad for name, p in graphed.params()}
     graphed.restore(start)  # the emulator's capture ran the step; CUDA's did not
-    sides = _Sides(graphed, eager, twin, written)
+    sides = _Sides(graphed, eager, twin, written, {} if own else python_values(graphed))
     out.append(_replay_matches_eager(graph, sides, make_inputs, loss_fn, load, desc, opts))
     out.append(_padding(graph, graphed, specs, make_inputs, load, start, desc, opts, declared))
     out.append(_real_batches(graph, sides, specs, make_inputs, loss_fn, load, start, desc, opts))

@@ -275,7 +275,7 @@ LAUNCHES: list[Mutant] = [
     Mutant(
         "forward-keys-unchecked",
         E,
-        "            _check_forward_takes(module, manager.state.inputs)",
+        "            check_forward_takes(module, manager.state.inputs)",
         "            pass",
         ("tests/test_usage_errors.py::test_each_mistake_is_one_usage_error_before_any_capture",),
         "a key forward does not take fails later as the module's own error, after the layout is learned",

@@ -1,17 +1,32 @@
-"""The mutants of training graphs (issue #31) and of inputs that mark rows in training_padding
-(issue #39)."""
+"""The mutants of training graphs (issue #31), of inputs that mark rows in training_padding
+(issue #39), and of the causes training's failures name (issue #57)."""
 
 from __future__ import annotations
 
-from ..common import CAPTURABILITY, CB, EM, ROUNDING_TESTS, TRAINING_TESTS, TRC, TRJ, TRM, TRR, TRV, Mutant
+from ..common import (
+    CAPTURABILITY,
+    CB,
+    EM,
+    ROUNDING_TESTS,
+    RP,
+    TRAINING_TESTS,
+    TRC,
+    TRJ,
+    TRM,
+    TRR,
+    TRV,
+    Mutant,
+)
+
+CAUSES = "tests/test_training_causes.py"
 
 TRAINING: list[Mutant] = [
     # -- issue #31: training graphs ---------------------------------------------------------------
     Mutant(
         "training-capturable-unread",
         TRC,
-        '    if not all(held) and all("capturable" in g for g in opt.param_groups):',
-        "    if False:",
+        '    return all("capturable" in g for g in groups) and not all(bool(g.get("capturable")) for g in groups)',
+        "    return False",
         TRAINING_TESTS,
         "an optimizer with its step count on the host passes",
     ),
@@ -142,8 +157,8 @@ TRAINING_PADDING: list[Mutant] = [
     Mutant(
         "training-fused-counted-capturable",
         TRC,
-        'held = [bool(g.get("capturable")) for g in opt.param_groups]',
-        'held = [bool(g.get("capturable")) or bool(g.get("fused")) for g in opt.param_groups]',
+        'not all(bool(g.get("capturable")) for g in groups)',
+        'not all(bool(g.get("capturable")) or bool(g.get("fused")) for g in groups)',
         ("examples/training/test_training_gallery.py",),
         "a fused Adam or AdamW with capturable=False passes, whose capture torch refuses on a GPU "
         "(the emulator's CPU build does not check)",
@@ -175,8 +190,8 @@ TRAINING_PADDING: list[Mutant] = [
     Mutant(
         "training-scaler-unnamed",
         TRV,
-        '        if frame.f_code.co_name == "step" and os.path.basename(frame.f_code.co_filename) == "grad_scaler.py":',
-        "        if False:",
+        '            if os.path.basename(path) == "grad_scaler.py":',
+        "            if False:",
         TRAINING_TESTS,
         "GradScaler's host sync named without its cause and fix",
     ),
@@ -321,5 +336,111 @@ TRAINING_PADDING: list[Mutant] = [
         "            pass",
         CAPTURABILITY,
         "steps before an in-place shape change read the tensor as it ends",
+    ),
+    # -- issue #57: each failure names its cause -------------------------------------------------------
+    Mutant(
+        "training-forward-keys-unchecked",
+        TRV,
+        "        check_forward_takes(module, list(specs), rest_to_loss=True)",
+        "        pass",
+        (f"{CAUSES}::test_a_key_forward_does_not_name_is_one_line_before_anything_runs",),
+        "an argument forward needs and no key gives fails at the first eager step, after the loss ran",
+    ),
+    Mutant(
+        "training-forward-needs-unchecked",
+        "pytest_cudagraph/manager/inputs.py",
+        "    if missing and rest_to_loss:",
+        "    if False:",
+        (f"{CAUSES}::test_a_key_forward_does_not_name_is_one_line_before_anything_runs",),
+        "the training step's inputs are not held to forward's arguments before anything runs",
+    ),
+    Mutant(
+        "training-step-call-unnamed",
+        TRV,
+        '        told = _misses_forward(eager.module, *calls[-1]) if calls and isinstance(exc, TypeError) else ""',
+        '        told = ""',
+        (f"{CAUSES}::test_a_step_that_calls_forward_with_a_keyword_it_does_not_take_is_named",),
+        "a step that calls forward with the wrong names is told as a TypeError of the step",
+    ),
+    Mutant(
+        "training-ops-listed-per-call",
+        TRV,
+        "    found = guard.violations\n",
+        "    found = [*guard.violations, *guard.violations]\n",
+        (f"{CAUSES}::test_a_host_step_count_is_listed_once_and_told_as_the_optimizers",),
+        "one line of the optimizer's loop over the parameters is listed once per parameter",
+    ),
+    Mutant(
+        "training-optimizer-sync-unexplained",
+        TRV,
+        '    if inside == "optimizer" and optimizer is not None and keeps_step_on_host(optimizer):',
+        "    if False:",
+        (f"{CAUSES}::test_a_host_step_count_is_listed_once_and_told_as_the_optimizers",),
+        "a sync inside a non-capturable optimizer's step is not tied to its step count on the host",
+    ),
+    Mutant(
+        "report-single-op-listed-again",
+        RP,
+        "                elif ops and not all(op in outcome.message for op in ops):",
+        "                elif ops:",
+        (
+            f"{CAUSES}::test_a_report_lists_an_op_list_several_failures_share_once",
+            f"{CAUSES}::test_a_report_lists_no_single_op_its_message_names",
+        ),
+        "a report prints a single op its message names again",
+    ),
+    Mutant(
+        "report-ops-listed-per-failure",
+        RP,
+        "                if ops and ops in listed:",
+        "                if False:",
+        (
+            f"{CAUSES}::test_a_report_lists_an_op_list_several_failures_share_once",
+            f"{CAUSES}::test_a_report_points_to_an_op_list_printed_under_another_message",
+        ),
+        "a report prints an op list once per failure that shares it",
+    ),
+    Mutant(
+        "training-shape-hint-always",
+        TRC,
+        "    if not total or 2 * across >= total:",
+        "    if True:",
+        (f"{CAUSES}::test_a_float_learning_rate_under_a_scheduler_is_named_and_not_taken_for_padding",),
+        "training_real_batches blames a loss over every row where eager does not move across the shapes",
+    ),
+    Mutant(
+        "training-shape-hint-never",
+        TRC,
+        "    if not total or 2 * across >= total:",
+        "    if not total:",
+        (f"{CAUSES}::test_a_loss_over_the_padded_count_keeps_the_padding_hint",),
+        "a loss over the padded row count is failed without the hint that names it",
+    ),
+    Mutant(
+        "training-replay-cause-unsaid",
+        TRC,
+        "    if total and 2 * at >= total:",
+        "    if False:",
+        (f"{CAUSES}::test_a_float_learning_rate_under_a_scheduler_is_named_and_not_taken_for_padding",),
+        "training_real_batches does not say the graph departs from eager at the padded shape itself",
+    ),
+    Mutant(
+        "training-lr-fix-unsaid",
+        TRC,
+        "    if name.startswith(\"the optimizer's 'lr'\") and isinstance(then, float) and takes_tensor:",
+        "    if False:",
+        (f"{CAUSES}::test_a_float_learning_rate_under_a_scheduler_is_named_and_not_taken_for_padding",),
+        "a float learning rate frozen at capture is named without its fix, a tensor lr with capturable=True",
+    ),
+    Mutant(
+        "training-frozen-unnamed",
+        TRC,
+        "    changed = [(name, then, now.get(name)) for name, then in sides.frozen.items() if now.get(name) != then]",
+        "    changed = []",
+        (
+            f"{CAUSES}::test_a_float_learning_rate_under_a_scheduler_is_named_and_not_taken_for_padding",
+            f"{CAUSES}::test_a_module_value_the_loop_changes_is_named_with_its_value_at_capture",
+        ),
+        "a Python value changed since capture (a scheduled float lr) is not named with its value then and now",
     ),
 ]
