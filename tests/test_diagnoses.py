@@ -250,11 +250,12 @@ def test_a_replay_reading_graph_memory_nobody_wrote_is_named_though_no_op_is_see
     backend: str, device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from examples.buggy.uninitialized import SplitKIntoEmpty, SplitKIntoWritten
-    from pytest_cudagraph import observe
+    from pytest_cudagraph.observe import modes, observer
 
     # Blind to torch.empty, as to an extension's own buffer: neither seen read nor poisoned eagerly.
-    monkeypatch.setattr(observe, "_ALLOCATES", frozenset())
-    monkeypatch.setattr(observe, "_OBSERVED", {})  # what the observer decided of each op, with it
+    monkeypatch.setattr(observer, "_ALLOCATES", frozenset())
+    monkeypatch.setattr(modes, "_ALLOCATES", frozenset())
+    monkeypatch.setattr(observer, "_OBSERVED", {})  # what the observer decided of each op, with it
     torch.manual_seed(0)
     report = verify(
         SplitKIntoEmpty().to(device),

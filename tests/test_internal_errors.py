@@ -22,6 +22,7 @@ from pytest_cudagraph import verify, verify_training
 from pytest_cudagraph.checks.registry import Check
 from pytest_cudagraph.errors import EagerFailure, InternalError, UsageError
 from pytest_cudagraph.manager.inputs import MakeInputsError, call_make_inputs
+from pytest_cudagraph.observe import modes
 from tests.test_plugin import inner  # noqa: F401  (the pytester fixture)
 
 SIZES: dict[str, Any] = {"capture_sizes": [1, 2, 4]}
@@ -51,14 +52,14 @@ def _called_from(frame_depth: int, mode: type) -> bool:
 
 def _break_the_watch_of_make_inputs(monkeypatch: pytest.MonkeyPatch, message: str) -> None:
     """The bookkeeping that runs on each op of make_inputs (inside the user's call) fails with ``message``."""
-    plain = observe._storage_key
+    plain = modes._storage_key
 
     def storage_key(t: torch.Tensor) -> int | None:
-        if _called_from(1, observe._WritesOutside):
+        if _called_from(1, modes._WritesOutside):
             raise RuntimeError(message)
         return plain(t)
 
-    monkeypatch.setattr(observe, "_storage_key", storage_key)
+    monkeypatch.setattr(modes, "_storage_key", storage_key)
 
 
 def _takes_a_sample(ctx: Any, desc: Any) -> None:
@@ -251,7 +252,7 @@ def test_a_failing_observer_inside_the_forward_is_internal_not_the_forward(
     plain = observe.ForwardObserver.observe
 
     def observe_op(self: observe.ForwardObserver, func: Any, args: Any, kwargs: Any) -> None:
-        if _called_from(1, observe._Observing):
+        if _called_from(1, modes._Observing):
             raise RuntimeError("observer bug")
         plain(self, func, args, kwargs)
 

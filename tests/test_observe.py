@@ -1,4 +1,4 @@
-"""What a forward writes and at which precision it computes (``observe.py``), and what verification
+"""What a forward writes and at which precision it computes (``observe/``), and what verification
 copies because of it: only what forwards write, never the weights; the module left as it was found;
 a write no op shows found by its fingerprint; the report's peak memory and costs.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pytest_cudagraph import observe, verify
+from pytest_cudagraph import verify
 from pytest_cudagraph.checks.registry import Check, passed
 from pytest_cudagraph.observe import (
     TF32,
@@ -21,6 +21,7 @@ from pytest_cudagraph.observe import (
     fingerprint,
     observing,
     restoring,
+    roundoff,
     unit_roundoff,
 )
 
@@ -91,10 +92,10 @@ def test_fp32_on_a_gpu_rounds_as_tf32_where_torch_allows_it(monkeypatch: pytest.
     # legacy and new precision APIs for the rest of the process, which torch then refuses to read).
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     for tf32 in (True, False):
-        monkeypatch.setattr(observe, "_tf32_convolutions", lambda tf32=tf32: tf32)
+        monkeypatch.setattr(roundoff, "_tf32_convolutions", lambda tf32=tf32: tf32)
         assert _fp32_roundoff(cuda, conv=True) == (TF32 if tf32 else 2.0**-24)
         assert _fp32_roundoff(cpu, conv=True) == 2.0**-24
-    monkeypatch.setattr(observe, "_fp32_products", lambda device: TF32)
+    monkeypatch.setattr(roundoff, "_fp32_products", lambda device: TF32)
     assert _fp32_roundoff(cuda, conv=False) == TF32
 
 
@@ -102,8 +103,8 @@ def test_a_precision_torch_refuses_to_tell_is_taken_as_the_looser(monkeypatch: p
     def refuses(*_: object) -> float:
         raise RuntimeError("mix of the legacy and new APIs")
 
-    monkeypatch.setattr(observe, "_fp32_products", refuses)
-    monkeypatch.setattr(observe, "_tf32_convolutions", refuses)
+    monkeypatch.setattr(roundoff, "_fp32_products", refuses)
+    monkeypatch.setattr(roundoff, "_tf32_convolutions", refuses)
     assert _fp32_roundoff(torch.device("cuda", 0), conv=False) == TF32
     assert _fp32_roundoff(torch.device("cuda", 0), conv=True) == TF32
     assert _fp32_roundoff(torch.device("cpu"), conv=False) == 2.0**-24

@@ -100,11 +100,12 @@ def test_determinism_still_names_a_read_of_graph_memory_nobody_wrote_after_fresh
     monkeypatch: Any,
 ) -> None:
     from examples.buggy.uninitialized import SplitKIntoEmpty, SplitKIntoWritten
-    from pytest_cudagraph import observe
+    from pytest_cudagraph.observe import modes, observer
 
     # Blind to torch.empty, as to an extension's own buffer (tests/test_diagnoses.py).
-    monkeypatch.setattr(observe, "_ALLOCATES", frozenset())
-    monkeypatch.setattr(observe, "_OBSERVED", {})
+    monkeypatch.setattr(observer, "_ALLOCATES", frozenset())
+    monkeypatch.setattr(modes, "_ALLOCATES", frozenset())
+    monkeypatch.setattr(observer, "_OBSERVED", {})
     report = _verify(SplitKIntoEmpty(), checks=["fresh_inputs", "determinism"])
     told = _outcomes(report, "determinism")
     assert told and not any(o.passed for o in told), report.format()

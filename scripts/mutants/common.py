@@ -8,11 +8,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "pytest_cudagraph"
 # Code that moves between files as the package is reorganised (the manager's parts, the
-# checks): a mutant's snippet there is looked for in the whole package (the table marks it).
+# checks, the packages split along their seams): a mutant's snippet there is looked for in the
+# whole package (the table marks it).
 MOVING = (
     "pytest_cudagraph/manager/",
     "pytest_cudagraph/checks/builtin/",
     "pytest_cudagraph/checks/engine.py",
+    "pytest_cudagraph/observe/",
 )
 PYTEST = ("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE")
 WHOLE_SUITE = ("tests", "examples")
@@ -84,7 +86,7 @@ DIST_TESTS = ("tests/test_distributed.py",)
 REGISTRY = ("tests/test_registry.py",)
 ONE_EACH = ("tests/test_one_outcome_each.py",)
 FL = "pytest_cudagraph/checks/floor.py"
-OB = "pytest_cudagraph/observe.py"
+OB = "pytest_cudagraph/observe/"  # a package: each snippet found in the module of its subject
 CO = "pytest_cudagraph/checks/cost.py"
 FLOOR_TESTS = ("tests/test_floor.py",)
 PS = "pytest_cudagraph/checks/builtin/padded_size.py"
