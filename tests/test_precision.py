@@ -12,9 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from pytest_cudagraph import precision
 from pytest_cudagraph.launches import Launch, triton_launches
-from pytest_cudagraph.precision import NoReference, raised
+from pytest_cudagraph.precision import NoReference, convert, raised
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,14 +140,14 @@ def conversions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], 
     """Every tensor the block raises to float64, as (shape, bytes raised): every conversion goes
     through ``_to_float64`` (no threshold), which is wrapped."""
     seen: list[tuple[tuple[int, ...], int]] = []
-    convert = precision._to_float64
+    plain = convert._to_float64
 
     def recorded(t: torch.Tensor) -> torch.Tensor:
         seen.append((tuple(t.shape), t.numel() * 8))
-        return convert(t)
+        return plain(t)
 
-    monkeypatch.setattr(precision, "_FAST_MIN_NUMEL", 0)
-    monkeypatch.setattr(precision, "_to_float64", recorded)
+    monkeypatch.setattr(convert, "_FAST_MIN_NUMEL", 0)
+    monkeypatch.setattr(convert, "_to_float64", recorded)
     return seen
 
 
@@ -178,7 +177,7 @@ def test_a_product_with_a_large_weight_is_raised_a_block_of_columns_at_a_time(
     assert (lin.weight.shape[::-1], lin.weight.numel() * 8) in conversions, "unchunked: converted whole"
     # Blocks of 5 columns of the weight's 37 (W.t(), 16 x 37): 7 blocks of 5 and a last one of 2.
     chunk = 5 * 16 * 8
-    monkeypatch.setattr(precision, "_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(convert, "_CHUNK_BYTES", chunk)
     conversions.clear()
     with raised() as record:
         out = lin(x)
@@ -204,7 +203,7 @@ def test_a_chunked_addmm_keeps_its_bias_beta_and_alpha(
     x = torch.randn(5, 16, dtype=torch.bfloat16)
     w = torch.randn(37, 16, dtype=torch.bfloat16)
     exact = 0.5 * bias.double() + 2.0 * (x.double() @ w.double().t())
-    monkeypatch.setattr(precision, "_CHUNK_BYTES", 5 * 16 * 8)
+    monkeypatch.setattr(convert, "_CHUNK_BYTES", 5 * 16 * 8)
     with raised():
         out = torch.addmm(bias, x, w.t(), beta=0.5, alpha=2.0)
     assert max(size for s, size in conversions if s[:1] == (16,)) <= 5 * 16 * 8
@@ -221,7 +220,7 @@ def test_a_chunked_product_puts_each_block_in_its_own_columns(
     w = torch.randn(16, 37, dtype=torch.bfloat16)
     exact = x.double() @ w.double()
     for columns in (8, 6, 1, 36, 37):  # 37: the weight is one block, so it is not cut
-        monkeypatch.setattr(precision, "_CHUNK_BYTES", columns * 16 * 8)
+        monkeypatch.setattr(convert, "_CHUNK_BYTES", columns * 16 * 8)
         conversions.clear()
         with raised(noise=1e-12, seed=1):
             noisy = x @ w
@@ -253,22 +252,22 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[int]]:
     """The kernel on this machine's device at any size, loaded afresh: (device, the number of
     elements of each launch)."""
     device = _triton_device()
-    monkeypatch.setattr(precision, "_FAST_DEVICES", {"cuda", device})
-    monkeypatch.setattr(precision, "_FAST_MIN_NUMEL", 1)
+    monkeypatch.setattr(convert, "_FAST_DEVICES", {"cuda", device})
+    monkeypatch.setattr(convert, "_FAST_MIN_NUMEL", 1)
     return device, _launches_counted(monkeypatch)
 
 
 def _launches_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The kernel loaded afresh, and the number of elements of each of its launches from here on."""
-    monkeypatch.setattr(precision, "_kernel", None)
+    monkeypatch.setattr(convert, "_kernel", None)
     sizes: list[int] = []
-    on_grid = precision._on_grid
+    on_grid = convert._on_grid
 
     def counted(kernel: Any, src: torch.Tensor, dst: torch.Tensor, n: int) -> Any:
         sizes.append(n)
         return on_grid(kernel, src, dst, n)
 
-    monkeypatch.setattr(precision, "_on_grid", counted)
+    monkeypatch.setattr(convert, "_on_grid", counted)
     return sizes
 
 
@@ -308,18 +307,18 @@ def test_the_conversion_kernel_is_bit_for_bit_what_to_gives(
     x = _specials(torch.randn(37, 2051, generator=torch.Generator().manual_seed(0)).to(device, dtype))
     cases = [x, x.t(), x[3:], x[3:].t(), x.reshape(37, 7, 293), x.reshape(-1)[1:]]
     for t in cases:
-        _same_as_to(precision._to_float64(t), t)
+        _same_as_to(convert._to_float64(t), t)
     assert sizes == [t.numel() for t in cases]
     w = nn.Parameter(x.clone())  # a weight as the forward hands it over
-    _same_as_to(precision._to_float64(w), w)
-    _same_as_to(precision._to_float64(w.t()), w.t())
+    _same_as_to(convert._to_float64(w), w)
+    _same_as_to(convert._to_float64(w.t()), w.t())
 
 
 def test_a_tensor_that_is_not_dense_is_converted_by_to(launched: tuple[str, list[int]]) -> None:
     device, sizes = launched
     x = torch.randn(37, 2051, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
     for t in (x[:, 5:], x[:, ::2], x.t()[1:], x.reshape(37, 7, 293).permute(1, 0, 2), torch._neg_view(x)):
-        _same_as_to(precision._to_float64(t), t)
+        _same_as_to(convert._to_float64(t), t)
     assert sizes == []
 
 
@@ -327,7 +326,7 @@ def test_the_conversion_kernel_is_no_launch_of_the_forward(launched: tuple[str, 
     """The reference hands every top-level Triton launch to its own hook, which would take the
     conversion for a kernel of the module's: it is launched past the hooks."""
     device, sizes = launched
-    precision._load_kernel()  # triton's kernel classes loaded, so that the hook patches them
+    convert._load_kernel()  # triton's kernel classes loaded, so that the hook patches them
     seen: list[str] = []
 
     def hook(launch: Launch) -> Any:
@@ -336,7 +335,7 @@ def test_the_conversion_kernel_is_no_launch_of_the_forward(launched: tuple[str, 
 
     x = torch.randn(300, 7, device=device, dtype=torch.bfloat16)
     with triton_launches(hook):
-        _same_as_to(precision._to_float64(x), x)
+        _same_as_to(convert._to_float64(x), x)
     assert sizes == [x.numel()] and seen == []
 
 
@@ -346,10 +345,10 @@ def test_without_triton_the_conversion_is_to(
     device, sizes = launched
     x = torch.randn(300, 7, device=device, dtype=torch.bfloat16)
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton: ImportError
-    _same_as_to(precision._to_float64(x), x)
-    assert precision._kernel is False and sizes == []
+    _same_as_to(convert._to_float64(x), x)
+    assert convert._kernel is False and sizes == []
     monkeypatch.delitem(sys.modules, "triton")
-    _same_as_to(precision._to_float64(x), x)
+    _same_as_to(convert._to_float64(x), x)
     assert sizes == [], "triton is not asked again"
 
 
@@ -358,23 +357,23 @@ def test_a_kernel_that_fails_at_its_first_launch_is_not_launched_again(
 ) -> None:
     device, sizes = launched
     x = torch.randn(300, 7, device=device, dtype=torch.bfloat16)
-    on_grid = precision._on_grid
+    on_grid = convert._on_grid
 
     def failing(kernel: Any, src: torch.Tensor, dst: torch.Tensor, n: int) -> Any:
         sizes.append(n)
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(precision, "_on_grid", failing)
-    _same_as_to(precision._to_float64(x), x)  # silently .to()
-    _same_as_to(precision._to_float64(x), x)
-    assert precision._kernel is False and sizes == [x.numel()]
+    monkeypatch.setattr(convert, "_on_grid", failing)
+    _same_as_to(convert._to_float64(x), x)  # silently .to()
+    _same_as_to(convert._to_float64(x), x)
+    assert convert._kernel is False and sizes == [x.numel()]
     # Once it has run, a kernel that fails is an error like any other, not hidden.
-    monkeypatch.setattr(precision, "_kernel", None)
-    monkeypatch.setattr(precision, "_on_grid", on_grid)
-    _same_as_to(precision._to_float64(x), x)
-    monkeypatch.setattr(precision, "_on_grid", failing)
+    monkeypatch.setattr(convert, "_kernel", None)
+    monkeypatch.setattr(convert, "_on_grid", on_grid)
+    _same_as_to(convert._to_float64(x), x)
+    monkeypatch.setattr(convert, "_on_grid", failing)
     with pytest.raises(RuntimeError, match="no compiler here"):
-        precision._to_float64(x)
+        convert._to_float64(x)
 
 
 def test_a_forward_raised_with_the_conversion_kernel_is_the_same(
@@ -389,12 +388,12 @@ def test_a_forward_raised_with_the_conversion_kernel_is_the_same(
         device, torch.bfloat16
     )
     x = torch.randn(2, 3, 16, device=device, dtype=torch.bfloat16)
-    monkeypatch.setattr(precision, "_CHUNK_BYTES", 5 * 16 * 8)  # the first weight in blocks of 5 columns
+    monkeypatch.setattr(convert, "_CHUNK_BYTES", 5 * 16 * 8)  # the first weight in blocks of 5 columns
     with raised() as record:
         fast = model(x)
     assert sizes and max(sizes) < 37 * 16 and record.precision == "float64" and not record.outside
     launches = len(sizes)
-    monkeypatch.setattr(precision, "_FAST_DEVICES", set())
+    monkeypatch.setattr(convert, "_FAST_DEVICES", set())
     with raised():
         plain = model(x)
     assert len(sizes) == launches
@@ -424,20 +423,20 @@ def test_the_conversion_kernel_and_the_blocks_on_a_gpu(monkeypatch: pytest.Monke
     ``.to()`` gives, and a product with a weight larger than a block raised in blocks, using no
     more memory than a block and the output."""
     pytest.importorskip("triton")
-    monkeypatch.setattr(precision, "_kernel", None)
+    monkeypatch.setattr(convert, "_kernel", None)
     sizes: list[int] = []
-    on_grid = precision._on_grid
+    on_grid = convert._on_grid
 
     def counted(kernel: Any, src: torch.Tensor, dst: torch.Tensor, n: int) -> Any:
         sizes.append(n)
         return on_grid(kernel, src, dst, n)
 
-    monkeypatch.setattr(precision, "_on_grid", counted)
+    monkeypatch.setattr(convert, "_on_grid", counted)
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = _specials(torch.randn(14336, 4096, device="cuda", generator=gen).to(torch.bfloat16))
     odd = _specials(torch.randn(8191, 4099, device="cuda", generator=gen))  # 33.6M: no multiple of the block
     for t in (w, w.t(), odd.half(), odd.half().t(), odd, odd.t()):
-        _same_as_to(precision._to_float64(t), t)
+        _same_as_to(convert._to_float64(t), t)
     assert len(sizes) == 6
     del w, odd
     # A weight of 20000 x 4096 bf16 is 655 MB in float64: two blocks of columns (16384 and 3616).
@@ -453,7 +452,7 @@ def test_the_conversion_kernel_and_the_blocks_on_a_gpu(monkeypatch: pytest.Monke
     torch.cuda.synchronize()
     added = torch.cuda.max_memory_allocated() - before
     assert sizes == [16384 * 4096]  # the last block (3616 columns) is below _FAST_MIN_NUMEL: .to()
-    assert added < precision._CHUNK_BYTES + 64 * 2**20, f"{added / 2**20:.0f} MiB"
+    assert added < convert._CHUNK_BYTES + 64 * 2**20, f"{added / 2**20:.0f} MiB"
     assert out.dtype == torch.float64 and _relative(out, exact) < 1e-13
 
 

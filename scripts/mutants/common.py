@@ -15,6 +15,7 @@ MOVING = (
     "pytest_cudagraph/checks/builtin/",
     "pytest_cudagraph/checks/engine.py",
     "pytest_cudagraph/observe/",
+    "pytest_cudagraph/precision/",
 )
 PYTEST = ("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE")
 WHOLE_SUITE = ("tests", "examples")
@@ -91,7 +92,7 @@ CO = "pytest_cudagraph/checks/cost.py"
 FLOOR_TESTS = ("tests/test_floor.py",)
 PS = "pytest_cudagraph/checks/builtin/padded_size.py"
 RF = "pytest_cudagraph/checks/reference.py"
-PR = "pytest_cudagraph/precision.py"
+PR = "pytest_cudagraph/precision/"  # a package, as OB
 LA = "pytest_cudagraph/launches.py"
 KERNEL_EXAMPLES = ("examples/kernels/test_kernels.py",)
 LAUNCH_TESTS = ("tests/test_launches.py", f"{KERNEL_EXAMPLES[0]}::test_correct_model_passes")

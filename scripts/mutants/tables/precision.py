@@ -1,5 +1,5 @@
 """The mutants of the float64 reference and what it reads: padded_size (issue #38), kernels outside
-the dispatcher (launches.py), observe.py and what verification copies."""
+the dispatcher (launches.py), observe/ and what verification copies."""
 
 from __future__ import annotations
 
@@ -283,7 +283,7 @@ LAUNCHES: list[Mutant] = [
 ]
 
 OBSERVE: list[Mutant] = [
-    # -- observe.py and what verification copies --------------------------------------------------------
+    # -- observe/ and what verification copies ----------------------------------------------------------
     Mutant(
         "observe-writes-unmarked",
         OB,
