@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,330 +12,23 @@ from .. import faults
 from ..context import running
 from ..errors import InternalError
 from ..guard import as_captured, host_numbers
-from ..manager import GraphManager, tree
-from ..manager.layout import call_make_inputs, same_value
-from ..observe import ForwardObserver, fingerprint, poisoned, restoring
+from ..manager import GraphManager
+from ..manager.layout import call_make_inputs
+from ..observe import poisoned
 from ..options import VerifyOptions
 from ..plan import Batch, BatchDescriptor, GraphMode
 from ..plan.properties import exact_batch
 from . import causes
 from .causes import HostNumbers
-from .compare import Difference, TreePrint, first_difference, tree_print
-from .floor import across_shapes, given
+from .compare import TreePrint, first_difference, tree_print
+from .module_state import ModuleState, Snapshot, clone_tree, python_values
+from .module_state import ScratchRegion as ScratchRegion
+from .python_held import PythonHeld
 from .reference import Reference
 
+# ModuleState, Snapshot, clone_tree, python_values and ScratchRegion live in module_state.py;
+# imported from here as before.
 __all__ = ["ModuleState", "Snapshot", "VerifyContext", "clone_tree", "python_values"]
-
-# A region of a buffer that padded rows may legitimately write (a KV cache's
-# padding slot): an index, a slice, or a callable returning a boolean mask.
-ScratchRegion = int | slice | Callable[[torch.Tensor], torch.Tensor]
-
-
-def clone_tree(value: Any) -> Any:
-    """``value`` with every tensor cloned, dataclass fields included, in the same structure."""
-    return tree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
-
-
-def python_values(module: torch.nn.Module) -> dict[str, Any]:
-    """Plain Python values held by the module tree (what a graph freezes), by dotted name."""
-    found: dict[str, Any] = {}
-    for path, sub in module.named_modules():
-        for attr, value in vars(sub).items():
-            if attr == "training" or attr.startswith("__"):
-                continue
-            if isinstance(value, (bool, int, float, str)) or value is None:
-                found[f"{path}.{attr}" if path else attr] = value
-    return found
-
-
-def _set_python_value(module: torch.nn.Module, dotted: str, value: Any) -> None:
-    path, _, attr = dotted.rpartition(".")
-    owner = module.get_submodule(path) if path else module
-    owner.__dict__[attr] = value
-
-
-class Snapshot(dict[str, torch.Tensor]):
-    """Copies of the tensors forwards write, and (``python``) the plain Python values they change."""
-
-    python: dict[str, Any]
-
-
-class ModuleState:
-    """The module's state as the checks see it: the parameters and buffers its
-    forwards write (``observer.written``), snapshot and restored around each
-    comparison, compared outside the declared ``scratch_state`` regions.
-    Shared by ``VerifyContext`` (our manager) and the runner verification's
-    context (someone else's runner).
-
-    Only what a forward writes is copied: the weights of an 8B model are
-    never duplicated. What is written is learned op by op (see
-    ``pytest_cudagraph.observe``): by ``learn_writes``, a first pass that puts
-    back what it wrote, and by every guarded forward and capture after it.
-    A tensor written where no op shows it (a Triton kernel called directly)
-    is found by its fingerprint (``unseen_writes``)."""
-
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        scratch_state: Mapping[str, ScratchRegion],
-        seed: int,
-        observer: ForwardObserver | None = None,
-    ) -> None:
-        self.module = module
-        self.seed = seed
-        self.observer = observer if observer is not None else ForwardObserver(module)
-        self.scratch_state = dict(scratch_state)
-        names = {name for name, _ in self._state_items()}
-        unknown = set(self.scratch_state) - names
-        if unknown:
-            raise ValueError(
-                f"scratch_state names {sorted(unknown)}, which are not buffers or parameters of the "
-                f"module; it has {sorted(names)}"
-            )
-        #: Fingerprints of the tensors no forward was seen writing, taken by learn_writes.
-        self._unwritten: dict[str, tuple[int, int]] = {}
-        #: Tensors found written only by their fingerprint (no op showed the write).
-        self.unseen: list[str] = []
-        #: What the verification could not do as usual, for the report.
-        self.notes: list[str] = []
-        #: Plain Python values of the module tree that forwards change (a counter, an offset), by
-        #: dotted name: snapshot and put back with the tensors.
-        self.python_written: list[str] = []
-        #: Module tensors make_inputs writes in place (a weight sync), by name: the state each run
-        #: starts from, not a forward's write; their fingerprints follow each such write.
-        self.synced: dict[str, None] = {}
-        #: Each tensor's storage address when learn_writes ran: a tensor found elsewhere since was
-        #: rebound (``param.data = new``), which address_stability names, not a write.
-        self._addresses: dict[str, int] = {}
-        self.observer.on_outside_writes.append(self._written_outside)
-        #: Module tensors make_inputs rebound to new memory (``param.data = new``), by name, in the
-        #: order first seen: graphs captured before keep reading the old memory (address_stability).
-        self.rebound_outside: dict[str, None] = {}
-        self.observer.on_outside_rebinds.append(self._rebound_outside)
-
-    def _rebound_outside(self, names: list[str]) -> None:
-        for name in names:
-            self.rebound_outside.setdefault(name, None)
-
-    def _written_outside(self, names: list[str]) -> None:
-        """make_inputs wrote these in place: what forwards start from now, not a forward's write."""
-        items = dict(self._state_items())
-        for name in names:
-            self.synced.setdefault(name, None)
-            if name in self._unwritten and name in items:
-                self._unwritten[name] = fingerprint(items[name])
-
-    # -- module state -------------------------------------------------------
-    def _state_items(self) -> list[tuple[str, torch.Tensor]]:
-        """Every parameter and buffer, by name."""
-        return self.observer.tensors()
-
-    def snapshot(self) -> Snapshot:
-        """Copies of the tensors forwards write (nothing else can change), and the Python values they change."""
-        snap = Snapshot({name: t.detach().clone() for name, t in self.observer.written_items()})
-        snap.python = self._python_now()
-        return snap
-
-    def _python_now(self) -> dict[str, Any]:
-        values = {}
-        for dotted in self.python_written:
-            path, _, attr = dotted.rpartition(".")
-            with contextlib.suppress(AttributeError):
-                owner = self.module.get_submodule(path) if path else self.module
-                if attr in owner.__dict__:
-                    values[dotted] = owner.__dict__[attr]
-        return values
-
-    def restore(self, snap: Mapping[str, torch.Tensor]) -> None:
-        # A Python counter or offset goes back too: left alone, two eager runs "from one state"
-        # differ, and a module with Python state reads as random.
-        for dotted, value in getattr(snap, "python", {}).items():
-            _set_python_value(self.module, dotted, value)
-        if not snap:
-            return
-        with torch.no_grad():
-            for name, t in self.observer.written_items():
-                if name in snap:
-                    t.copy_(snap[name])
-
-    @contextlib.contextmanager
-    def preserved_state(self) -> Iterator[Snapshot]:
-        """Snapshot the module's state and put it back afterwards."""
-        snap = self.snapshot()
-        try:
-            yield snap
-        finally:
-            self.restore(snap)
-
-    def learn_writes(self, forwards: Sequence[Callable[[], Any]]) -> None:
-        """Run ``forwards`` to learn what they write, and put it back.
-
-        Each write an op shows is copied first and restored after. Any other
-        tensor whose fingerprint changed was written where no op showed it:
-        it is watched from then on (``unseen``), though what the pass wrote
-        there cannot be undone."""
-        before = {name: fingerprint(t) for name, t in self._state_items()}
-        python_before = python_values(self.module)
-        with restoring(self.observer):
-            for forward in forwards:
-                self.seed_all(self.seed)
-                forward()
-        python_after = python_values(self.module)
-        self.python_written = [
-            name
-            for name, value in python_after.items()
-            if name not in python_before or python_before[name] != value
-        ]
-        for name in self.python_written:
-            if name in python_before:
-                _set_python_value(self.module, name, python_before[name])
-        self._unwritten = {}
-        self._addresses = {}
-        for name, t in self._state_items():
-            self._addresses[name] = t.data_ptr()
-            if name in self.observer.written:
-                continue
-            now = fingerprint(t)
-            if before.get(name, now) != now:
-                self.observer.written.setdefault(name, None)
-                self.unseen.append(name)
-            else:
-                self._unwritten[name] = now
-
-    def unseen_writes(self) -> list[str]:
-        """Tensors that no forward was seen writing when ``learn_writes`` ran and that hold other values
-        now, in the memory they had then (a tensor rebound to new memory is ``rebound()``'s)."""
-        items = dict(self._state_items())
-        return [
-            name
-            for name, fp in self._unwritten.items()
-            if name in items
-            and name not in self.rebound_outside
-            and items[name].data_ptr() == self._addresses.get(name)
-            and fingerprint(items[name]) != fp
-        ]
-
-    def rebound(self) -> list[str]:
-        """Tensors whose storage moved since ``learn_writes`` ran (``param.data = new``, in forward or in
-        make_inputs): graphs captured before keep reading the old memory."""
-        return [
-            name
-            for name, t in self._state_items()
-            if name in self._addresses and t.data_ptr() != self._addresses[name]
-        ]
-
-    @property
-    def roundoff(self) -> float:
-        """The coarsest unit roundoff of the forward's products seen so far (0.0: none seen)."""
-        return self.observer.roundoff
-
-    def outside_scratch(
-        self, name: str, *tensors: torch.Tensor, like: torch.Tensor | None = None
-    ) -> list[torch.Tensor]:
-        """``tensors`` (snapshots of state ``name``) with its declared scratch region zeroed, one
-        region for all of them: a callable region is asked of ``like`` (default: the first tensor)
-        only, so that the tensors compared are masked alike."""
-        region = self.scratch_state.get(name)
-        if region is None:
-            return list(tensors)
-        where = region(tensors[0] if like is None else like) if callable(region) else region
-        masked = []
-        for t in tensors:
-            t = t.clone()
-            t[where] = 0
-            masked.append(t)
-        return masked
-
-    def state_difference(
-        self,
-        got: Mapping[str, torch.Tensor],
-        expected: Mapping[str, torch.Tensor],
-        *,
-        use_scratch: bool,
-        rtol: float | None = 0.0,
-        atol: float | None = 0.0,
-    ) -> Difference | None:
-        for name in expected:
-            g, e = got[name], expected[name]
-            if use_scratch:
-                g, e = self.outside_scratch(name, g, e)
-            found = first_difference(g, e, rtol=rtol, atol=atol)
-            if found is not None:
-                found.path = name
-                return found
-        return None
-
-    def state_across_shapes(
-        self,
-        got: Mapping[str, torch.Tensor],
-        expected: Mapping[str, torch.Tensor],
-        before: Mapping[str, torch.Tensor],
-        padded: Callable[[], Mapping[str, torch.Tensor] | None],
-        *,
-        rtol: float | None,
-        atol: float | None,
-    ) -> tuple[str, Difference, str] | None:
-        """(name, where, why) of the first tensor a padded run (``got``) left otherwise than eager on the
-        unpadded batch (``expected``), both from ``before``, outside ``scratch_state``; or None.
-
-        Where eager's real rows wrote nothing, bit for bit: a padded row that wrote there wrote where
-        no real row does. Where they wrote, held to the floor across shapes (``checks/floor.py``):
-        ``padded()`` is the state eager at the padded shape leaves (run only when needed; None: no
-        floor, the tolerance decides)."""
-        reference: list[Mapping[str, torch.Tensor] | None] = []
-
-        def floor_state() -> Mapping[str, torch.Tensor] | None:
-            if not reference:
-                reference.append(padded())
-            return reference[0]
-
-        for name, e in expected.items():
-            raw, start = got[name], before.get(name)
-            g, e = self.outside_scratch(name, raw, e)
-            if start is None:
-                diff = first_difference(g, e, rtol=rtol, atol=atol)
-                if diff is not None:
-                    diff.path = name
-                    return name, diff, diff.reason
-                continue
-            (start,) = self.outside_scratch(name, start, like=raw)
-            same = (
-                (e == start) | (torch.isnan(e) & torch.isnan(start)) if e.is_floating_point() else e == start
-            )
-            wrote = ~same
-            untouched = first_difference(torch.where(wrote, 0, g), torch.where(wrote, 0, e))
-            if untouched is not None:
-                untouched.path = name
-                return name, untouched, f"{untouched.reason} where eager's real rows wrote nothing"
-            if not bool(wrote.any()):
-                continue
-            state = floor_state()
-            floor = None
-            if state is not None and name in state:
-                (p,) = self.outside_scratch(name, state[name], like=raw)
-                floor = given(p[wrote])
-            verdict = across_shapes(g[wrote], e[wrote], floor, rtol=rtol, atol=atol, roundoff=self.roundoff)
-            if not verdict.passed:
-                diff = verdict.diff or Difference(name, "values differ")
-                diff.path = name
-                diff.index = None  # an index into the written values alone, not into the tensor
-                # The verdict speaks of real rows: here they are the values the real rows wrote.
-                return name, diff, verdict.why.replace("real rows", "the values the real rows wrote", 1)
-        return None
-
-    def seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def from_one_state(self, run: Callable[[int], Any], times: int = 2) -> list[Any]:
-        """``run(i)`` for i in ``range(times)``, each from the same module state and seed (the
-        determinism checks)."""
-        outs = []
-        with self.preserved_state() as state0:
-            for i in range(times):
-                self.restore(state0)
-                self.seed_all(self.seed)
-                outs.append(run(i))
-        return outs
 
 
 @dataclass(frozen=True)
@@ -423,14 +115,10 @@ class VerifyContext(ModuleState):
         self.warm_prints: dict[
             BatchDescriptor, tuple[TreePrint | None, TreePrint | None, TreePrint | None]
         ] = {}
-        #: Per descriptor that was not captured (quick mode's other sizes), the Python values that
-        #: change with the batch as make_inputs gives them at its own shape: what its graph would hold.
-        self._values_at: dict[BatchDescriptor, dict[str, Any]] = {}
         self._host_draws: list[HostNumbers] | None = None
-        #: Per descriptor captured with replay_matches_eager's watch, the module's plain Python values
-        #: at its capture (``python_now``): what its graph holds of them.
-        self.python_at_capture: dict[BatchDescriptor, dict[str, Any]] = {}
-        self._python_slots: list[tuple[str, dict[str, Any], str]] | None = None
+        #: The Python values graphs hold from their capture (the module tree's attributes, make_inputs'
+        #: Python inputs that change with the batch).
+        self.python = PythonHeld(manager, self)
 
     def uninitialized(self) -> str:
         """Why the module's results are undefined, when a forward reads memory nobody wrote (``""``
@@ -536,47 +224,8 @@ class VerifyContext(ModuleState):
             out = warm_up()
         self.warm_prints[desc] = (before, tree_print(dict(kwargs)), tree_print(out))
         # The Python values this graph holds: what a replay keeps when something else changes them later.
-        self.python_at_capture[desc] = self.python_now()
+        self.python.captured(desc)
         return out
-
-    def python_now(self) -> dict[str, Any]:
-        """The module tree's plain Python values now, by dotted name: those ``python_values`` found
-        when first asked, read again (no walk of the module tree: at 8B that walk costs 7.6 ms, once
-        per capture a tenth of a second)."""
-        if self._python_slots is None:
-            self._python_slots = []
-            for dotted in python_values(self.module):
-                path, _, attr = dotted.rpartition(".")
-                owner = self.module.get_submodule(path) if path else self.module
-                self._python_slots.append((dotted, owner.__dict__, attr))
-        return {dotted: held[attr] for dotted, held, attr in self._python_slots if attr in held}
-
-    def changed_since_capture(self, desc: BatchDescriptor) -> dict[str, tuple[Any, Any]]:
-        """The module's Python values that differ now from when ``desc`` was captured, other than those
-        forward itself changes on every call (``python_written``): name -> (at capture, now). Empty
-        where the capture's were not kept (``replay_matches_eager`` not run)."""
-        captured = self.python_at_capture.get(desc)
-        if not captured:
-            return {}
-        now = self.python_now()
-        return {
-            name: (value, now[name])
-            for name, value in captured.items()
-            if name in now and name not in self.python_written and not same_value(value, now[name])
-        }
-
-    @contextlib.contextmanager
-    def python_set(self, values: Mapping[str, Any]) -> Iterator[None]:
-        """The module's Python values set to ``values`` (dotted name -> value) in the block, put back after."""
-        kept = self.python_now()
-        for name, value in values.items():
-            _set_python_value(self.module, name, value)
-        try:
-            yield
-        finally:
-            for name in values:
-                if name in kept:
-                    _set_python_value(self.module, name, kept[name])
 
     def repeats_itself(self, desc: BatchDescriptor) -> bool:
         """Whether nothing but the kernels (and a graph's memory) can make two runs of the same inputs
@@ -712,27 +361,8 @@ class VerifyContext(ModuleState):
         padded: dict[str, Any] = clone_tree(self.manager.forward_inputs(desc.num_tokens, reqs))
         state = self.manager.state
         if state.value_names and (desc.num_tokens, reqs) not in state.values_at:
-            if desc not in self._values_at:
-                made = self.make(Batch(num_tokens=desc.num_tokens, num_reqs=reqs))
-                self._values_at[desc] = {name: made[name] for name in state.value_names}
-            padded.update(self._values_at[desc])
+            padded.update(self.python.inputs_at(desc))
         return padded
-
-    def values_per_shape(self, desc: BatchDescriptor, held: Mapping[str, tuple[Any, Any]]) -> bool:
-        """Whether make_inputs gives ``desc``'s shape the Python values its graph holds (``held``: name
-        -> (held, the batch's)) again: values set by the shape alone (a max_seq_len), not drawn anew
-        for every batch (a temperature). Asked where a held value decided a result."""
-        made = self.make(Batch(num_tokens=desc.num_tokens, num_reqs=self.manager.capture_reqs(desc)))
-        return all(same_value(made.get(name), at) for name, (at, _) in held.items())
-
-    def held_values(self, padded: Mapping[str, Any], inputs: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-        """The Python inputs that change with the batch whose value in ``padded`` (what a graph holds
-        from its capture) is not the batch's own (``inputs``): name -> (at capture, in the batch)."""
-        return {
-            name: (padded[name], inputs[name])
-            for name in self.manager.state.value_names
-            if name in padded and name in inputs and not same_value(padded[name], inputs[name])
-        }
 
     def replay(self, desc: BatchDescriptor, *, wait: bool = True) -> Any:
         """Replay on whatever the static buffers hold; a copy of the full output. ``wait=False``:

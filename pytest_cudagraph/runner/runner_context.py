@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..checks.floor import cut_to
-from ..checks.verify_context import ModuleState, ScratchRegion, clone_tree
+from ..checks.module_state import ModuleState, ScratchRegion, clone_tree
 from ..manager.layout import InputSpec, call_make_inputs, infer_layout, padded_inputs
 from ..plan import Batch, BatchDescriptor, GraphMode
 from .coverage import ReplayCounter

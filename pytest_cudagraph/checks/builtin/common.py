@@ -133,7 +133,7 @@ def explaining(
     def eager_with(values: dict[str, tuple[Any, Any]]) -> bool:
         ctx.restore(state0)
         ctx.seed_all(ctx.seed)
-        with ctx.python_set({name: at for name, (at, _) in values.items()}):
+        with ctx.python.set({name: at for name, (at, _) in values.items()}):
             held = cut(ctx.eager(clone_tree(padded), desc))
         return first_difference(graph, held) is None
 

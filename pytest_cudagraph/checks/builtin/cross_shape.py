@@ -144,7 +144,7 @@ def _attributes_held(
     """Where the module's Python values changed since ``desc`` was captured (by make_inputs, a refit)
     and, put back to the capture's, eager at the padded shape gives the graph's real rows: that,
     in words; ``""`` otherwise."""
-    changed = ctx.changed_since_capture(desc)
+    changed = ctx.python.changed_since_capture(desc)
     if not changed:
         return ""
     confirmed, changed = explaining(
@@ -204,7 +204,7 @@ def _held_value(
     graph's. ``""`` when no such input differs, the value changes nothing, or eager does not repeat
     itself (then the difference says nothing of the value)."""
     padded = ctx.load(desc, clone_tree(inputs), batch)
-    held = ctx.held_values(padded, inputs)
+    held = ctx.python.held_values(padded, inputs)
     if not held:
         return ""
     runs = []
@@ -216,7 +216,7 @@ def _held_value(
     if first_difference(runs[0], runs[1]) is not None or first_difference(runs[0], runs[2]) is None:
         return ""
     return causes.held_python_input(
-        desc.label(), held, explains=None, per_shape=ctx.values_per_shape(desc, held)
+        desc.label(), held, explains=None, per_shape=ctx.python.values_per_shape(desc, held)
     )
 
 

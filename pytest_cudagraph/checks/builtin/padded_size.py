@@ -397,7 +397,7 @@ def _failure(
             f"that, {_fmt(limit)})"
         )
     # A Python input the graph holds at its capture's value (not the batch's): does that value decide?
-    held = ctx.held_values(q.padded, q.inputs)
+    held = ctx.python.held_values(q.padded, q.inputs)
     if held:
         with_batch_values = runs.padded(
             replace(q, padded={**q.padded, **{n: b for n, (_, b) in held.items()}})
@@ -405,7 +405,7 @@ def _failure(
         if _worst(leaf_differences(with_batch_values, got), limits, roundoff) is not None:
             explains = _worst(leaf_differences(with_batch_values, expected), limits, roundoff) is None
             cause = causes.held_python_input(
-                q.desc.label(), held, explains=explains, per_shape=ctx.values_per_shape(q.desc, held)
+                q.desc.label(), held, explains=explains, per_shape=ctx.python.values_per_shape(q.desc, held)
             )
             del with_batch_values
             return _failed(ctx, runs, q, bad, limit, what, cause)

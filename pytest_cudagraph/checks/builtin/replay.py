@@ -108,7 +108,7 @@ def _compare_padded(
         if uninitialized:
             return Outcome(check, desc, False, f"{uninitialized} ({where_of(diff)})", finding_of(diff, batch))
         unconfirmed = ""
-        attributes = ctx.changed_since_capture(desc)
+        attributes = ctx.python.changed_since_capture(desc)
         if attributes:
             # Put back to what the graph holds, does eager give the graph's result? Then that is why.
             confirmed, attributes = explaining(ctx, desc, padded, state0, graph, attributes)

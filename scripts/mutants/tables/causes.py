@@ -3,7 +3,7 @@ attributes changed outside forward, where two runs first differ, the reference's
 
 from __future__ import annotations
 
-from ..common import CX, PR, PS, Mutant, S, pair, twin
+from ..common import CX, PH, PR, PS, Mutant, S, pair, twin
 
 CAUSE_TESTS = "tests/test_causes.py"
 
@@ -21,7 +21,7 @@ CAUSES: list[Mutant] = [
     ),
     Mutant(
         "causes-held-values-never-differ",
-        CX,
+        PH,
         "and not same_value(padded[name], inputs[name])",
         "and same_value(padded[name], inputs[name])",
         (pair("ScalesByMaxSeqLen"),),
@@ -113,7 +113,7 @@ CAUSES: list[Mutant] = [
     ),
     Mutant(
         "causes-held-value-always-per-shape",
-        CX,
+        PH,
         "return all(same_value(made.get(name), at) for name, (at, _) in held.items())",
         "return True",
         ("examples/buggy/test_gallery.py::test_python_scalar_drawn_per_batch_is_held_per_graph_and_named",),

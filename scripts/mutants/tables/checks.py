@@ -11,6 +11,7 @@ from ..common import (
     FAULT_TESTS,
     FL,
     FLOOR_TESTS,
+    MS,
     ONE_EACH,
     REGISTRY,
     RG,
@@ -20,7 +21,6 @@ from ..common import (
     E,
     Mutant,
     S,
-    X,
     pair,
     sensitivity,
     twin,
@@ -316,7 +316,7 @@ VERIFY_CONTEXT: list[Mutant] = [
     # -- checks/verify_context.py: state put back between comparisons -----------------------------------------------
     Mutant(
         "context-restore-noop",
-        X,
+        MS,
         "t.copy_(snap[name])",
         "pass",
         (*sensitivity("test_a_counter_buffer_passes_every_check_and_is_put_back"), twin("BufferCounter")),
@@ -324,7 +324,7 @@ VERIFY_CONTEXT: list[Mutant] = [
     ),
     Mutant(
         "context-preserved-state",
-        X,
+        MS,
         "finally:\n            self.restore(snap)",
         "finally:\n            pass",
         (*sensitivity("test_a_counter_buffer_passes_every_check_and_is_put_back"), twin("BufferCounter")),
@@ -332,7 +332,7 @@ VERIFY_CONTEXT: list[Mutant] = [
     ),
     Mutant(
         "context-seed",
-        X,
+        MS,
         "def seed_all(self, seed: int) -> None:\n        torch.manual_seed(seed)",
         "def seed_all(self, seed: int) -> None:\n        pass",
         (twin("DrawsNoise"),),

@@ -8,6 +8,7 @@ from ..common import (
     DIAGNOSES,
     EM,
     GM,
+    MS,
     MT,
     OB,
     OBSERVE_TESTS,
@@ -97,7 +98,7 @@ INTEGER_PADDING: list[Mutant] = [
     ),
     Mutant(
         "context-python-not-restored",
-        X,
+        MS,
         "            _set_python_value(self.module, dotted, value)",
         "            pass",
         DIAGNOSES,

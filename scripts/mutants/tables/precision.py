@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from ..common import (
     CO,
-    CX,
     EM,
     FN,
     GH,
@@ -15,6 +14,7 @@ from ..common import (
     LA,
     LAUNCH_TESTS,
     LAZY_TESTS,
+    MS,
     OB,
     OBSERVE_TESTS,
     PR,
@@ -27,7 +27,6 @@ from ..common import (
     E,
     Mutant,
     S,
-    X,
     pair,
     sensitivity,
 )
@@ -185,7 +184,7 @@ PADDED_SIZE: list[Mutant] = [
     ),
     Mutant(
         "make-inputs-writes-taken-for-forwards",
-        CX,
+        MS,
         "        self.observer.on_outside_writes.append(self._written_outside)",
         "        pass",
         (
@@ -334,7 +333,7 @@ OBSERVE: list[Mutant] = [
     ),
     Mutant(
         "context-snapshot-everything",
-        X,
+        MS,
         "snap = Snapshot({name: t.detach().clone() for name, t in self.observer.written_items()})",
         "snap = Snapshot({name: t.detach().clone() for name, t in self.observer.tensors()})",
         OBSERVE_TESTS,

@@ -3,7 +3,7 @@ with the emulator's collectives."""
 
 from __future__ import annotations
 
-from ..common import DIST_TESTS, DV, EM, RC, RUNNER_TESTS, RV, RX, Mutant, X
+from ..common import DIST_TESTS, DV, EM, MS, RC, RUNNER_TESTS, RV, RX, Mutant
 
 RUNNER: list[Mutant] = [
     # -- verify_runner: the runner checks and their sweep ------------------------------------
@@ -17,7 +17,7 @@ RUNNER: list[Mutant] = [
     ),
     Mutant(
         "runner-state-not-compared",
-        X,
+        MS,
         "raw, start = got[name], before.get(name)",
         "raw, start = expected[name], before.get(name)",
         RUNNER_TESTS,
