@@ -111,6 +111,7 @@ MT = "pytest_cudagraph/manager/types.py"
 CB = "pytest_cudagraph/capturability.py"
 CAPTURABILITY = ("tests/test_capturability.py",)
 TRC = "pytest_cudagraph/training/checks.py"
+TRH = "pytest_cudagraph/training/host_state.py"
 GH = "pytest_cudagraph/guard/host.py"
 QUANTIZED = ("examples/quantized/test_quantized.py",)
 TORCHAO = ("examples/quantized/test_torchao.py",)

@@ -11,6 +11,7 @@ from ..common import (
     RP,
     TRAINING_TESTS,
     TRC,
+    TRH,
     TRJ,
     TRM,
     TRR,
@@ -426,7 +427,7 @@ TRAINING_PADDING: list[Mutant] = [
     ),
     Mutant(
         "training-lr-fix-unsaid",
-        TRC,
+        TRH,
         "    if name.startswith(\"the optimizer's 'lr'\") and isinstance(then, float) and takes_tensor:",
         "    if False:",
         (f"{CAUSES}::test_a_float_learning_rate_under_a_scheduler_is_named_and_not_taken_for_padding",),
@@ -434,7 +435,7 @@ TRAINING_PADDING: list[Mutant] = [
     ),
     Mutant(
         "training-frozen-unnamed",
-        TRC,
+        TRH,
         "    changed = [(name, then, now.get(name)) for name, then in sides.frozen.items() if now.get(name) != then]",
         "    changed = []",
         (
