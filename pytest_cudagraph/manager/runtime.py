@@ -3,10 +3,11 @@
 It owns the path of a batch from the caller to its outputs: validating the
 inputs against the static buffers and reading the batch's shape
 (``batch_of``), dispatching it (``dispatch``), copying it into the static
-buffers with its padding (load plans), replaying the graph and cutting the
-outputs to the real rows, the eager path for a batch no graph serves, and
-the hot-path cache (``_hot``) that lets a batch shape seen before skip all
-of that but the copy, the replay and the cut.
+buffers with its padding (load plans, built by ``load_plans.py``),
+replaying the graph and cutting the outputs to the real rows, the eager
+path for a batch no graph serves, and the hot-path cache (``_hot``) that
+lets a batch shape seen before skip all of that but the copy, the replay
+and the cut.
 
 It reads the graphs the capture part made (``_entries``: descriptor ->
 ``Entry``) and never makes or drops one. Every attribute below is set by
@@ -23,9 +24,9 @@ import torch
 
 from ..context import running
 from ..plan import Batch, BatchDescriptor, GraphMode
-from .layout import PadValue
+from .load_plans import new_load_plan, padding_views
 from .state import ManagerState
-from .types import BlockLoadPlan, Entry, HotPath, LoadPlan, OutCut, cut_leaf, cut_to_real
+from .types import Entry, HotPath, LoadPlan, OutCut, cut_leaf, cut_to_real
 
 __all__ = ["Runtime"]
 
@@ -384,69 +385,14 @@ class Runtime:
         key = (desc.num_tokens, reqs, batch.num_tokens, batch.num_reqs)
         plan = self.state.plans.get(key)
         if plan is None:
-            plan = self.state.plans[key] = self._new_load_plan(desc.num_tokens, reqs, batch)
+            plan = self.state.plans[key] = new_load_plan(
+                self._specs, self.state.is_padding, desc.num_tokens, reqs, batch
+            )
         return plan
 
-    def _new_load_plan(self, tokens: int, reqs: int, batch: Batch) -> LoadPlan:
-        """The views a batch is copied into for a graph of ``tokens`` tokens and ``reqs`` request rows."""
-        loads: list[tuple[str, torch.Tensor, torch.Tensor | None, PadValue]] = []
-        blocks: list[tuple[str, torch.Tensor, torch.Tensor | None, int | float | bool]] = []
-        edges: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
-        for name, spec in self._specs:
-            buf = spec.buffer
-            assert buf is not None
-            if spec.kind == "fixed":
-                loads.append((name, buf, None, 0))
-                continue
-            # The graph of this descriptor reads this window of the buffer.
-            window = spec.window(tokens, reqs)
-            if spec.kind == "multi":
-                real_block = window
-                for d, kind, offset in spec.dims:
-                    real_block = real_block.narrow(
-                        d, 0, (batch.num_tokens if kind == "tokens" else batch.num_reqs) + offset
-                    )
-                padded = real_block.shape != window.shape
-                assert spec.pad != "edge"  # refused by infer_layout: a block has no last row
-                blocks.append((name, real_block, window if padded else None, spec.pad))
-                continue
-            real = spec.rows(batch.num_tokens, batch.num_reqs)
-            rows = spec.rows(tokens, reqs)
-            head = window.narrow(spec.dim, 0, real)
-            tail = window.narrow(spec.dim, real, rows - real) if rows > real else None
-            if tail is not None and spec.pad == "edge" and spec.dim != 0:
-                edges.append((name, head, tail, spec.dim))
-            else:
-                loads.append((name, head, tail, spec.pad))
-        masks: list[tuple[torch.Tensor, bool]] = []
-        if self.state.is_padding is not None:
-            masks.append((self.state.is_padding[: batch.num_tokens], False))
-            if tokens > batch.num_tokens:
-                masks.append((self.state.is_padding[batch.num_tokens : tokens], True))
-        return BlockLoadPlan(loads, masks, blocks, edges) if blocks or edges else LoadPlan(loads, masks)
-
     def padding_views(self, desc: BatchDescriptor, batch: Batch) -> list[tuple[str, torch.Tensor]]:
-        """(input name, the view of its static buffer that holds padding) when
-        ``batch`` runs under ``desc``, for every input with one dimension that
-        follows the batch and padding to hold; in input order.
-
-        These are the entries a graph reads but no real token or request put
-        there: what they hold must not reach the real rows' outputs, so a check
-        may fill them with anything. Inputs with several dimensions that follow
-        the batch (a square mask) are left out: their padded entries hold the
-        value ``pad_values`` declares, which the module reads as meaning (a
-        mask's 'masked out'), so another fill is another program, not padding.
-        """
-        reqs = self.capture_reqs(desc)
-        views: list[tuple[str, torch.Tensor]] = []
-        for name, spec in self._specs:
-            if spec.kind not in ("tokens", "reqs"):
-                continue
-            real = spec.rows(batch.num_tokens, batch.num_reqs)
-            rows = spec.rows(desc.num_tokens, reqs)
-            if rows > real:
-                views.append((name, spec.window(desc.num_tokens, reqs).narrow(spec.dim, real, rows - real)))
-        return views
+        """See ``load_plans.padding_views``: the padded part of each buffer when ``batch`` runs under ``desc``."""
+        return padding_views(self._specs, desc.num_tokens, self.capture_reqs(desc), batch)
 
     # -- replay and cut -------------------------------------------------
     def replay(self, desc: BatchDescriptor) -> Any:

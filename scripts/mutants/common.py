@@ -65,6 +65,7 @@ C = "pytest_cudagraph/checks/compare.py"
 S = "pytest_cudagraph/checks/builtin/"  # the built-in checks: each snippet found in its family's module
 X = "pytest_cudagraph/checks/verify_context.py"
 GM = "pytest_cudagraph/manager/runtime.py"
+LP = "pytest_cudagraph/manager/load_plans.py"
 L = "pytest_cudagraph/manager/layout.py"
 PP = "pytest_cudagraph/plan/properties.py"
 CP = "pytest_cudagraph/plan/capture_plan.py"

@@ -8,6 +8,7 @@ from ..common import (
     DIAGNOSES,
     EM,
     GM,
+    LP,
     MS,
     MT,
     OB,
@@ -29,7 +30,7 @@ MANAGER: list[Mutant] = [
     # -- manager: copy-in, padding, cut (snippets kept small, so they follow the code between files) ------------
     Mutant(
         "manager-padding-views-first-row",
-        GM,
+        LP,
         ".narrow(spec.dim, real, rows - real)))",
         ".narrow(spec.dim, real + 1, rows - real - 1)))",
         (*ROWS, *sensitivity("test_padding_isolation_fills_the_first_padded_row")),
@@ -37,7 +38,7 @@ MANAGER: list[Mutant] = [
     ),
     Mutant(
         "manager-tail-first-row",
-        GM,
+        LP,
         "tail = window.narrow(spec.dim, real, rows - real) if rows > real else None",
         "tail = window.narrow(spec.dim, real + 1, rows - real - 1) if rows > real + 1 else None",
         ROWS,
@@ -54,9 +55,9 @@ MANAGER: list[Mutant] = [
     ),
     Mutant(
         "manager-mask",
-        GM,
-        "masks.append((self.state.is_padding[batch.num_tokens : tokens], True))",
-        "masks.append((self.state.is_padding[batch.num_tokens : tokens], False))",
+        LP,
+        "masks.append((is_padding[batch.num_tokens : tokens], True))",
+        "masks.append((is_padding[batch.num_tokens : tokens], False))",
         (*ROWS, twin("MaskBySelect0")),
         "padded rows not marked in is_padding",
     ),
