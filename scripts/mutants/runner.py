@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .common import PACKAGE, PYTEST, REPO, WHOLE_SUITE, Mutant
+from .common import MOVING, PACKAGE, PYTEST, REPO, WHOLE_SUITE, Mutant
 from .tables import CUDA_MUTANTS, MUTANTS
 
 DESCRIPTION = 'Mutation testing: does the suite notice when the code that says "equal" (or any check) lies?'
@@ -240,7 +240,9 @@ def summary(results: Sequence[Result]) -> str:
         text += "\nsurvived: " + ", ".join(survivors)
     return (
         text
-        + "\n(* = snippet looked for in the whole package if it moved: manager/*, checks/builtin/*, checks/engine.py)"
+        + "\n(* = snippet looked for in the whole package if it moved: "
+        + ", ".join(m.removeprefix(f"{PACKAGE}/") + ("*" if m.endswith("/") else "") for m in MOVING)
+        + ")"
     )
 
 
