@@ -306,6 +306,13 @@ def pytest_runtest_makereport(
         setattr(report, pytest_report.BENCH_ATTR, rows)
     if _uses_plugin(item):
         setattr(report, pytest_report.USED_ATTR, True)
+    from .isolate import in_child
+
+    # The packages that took part, from every process of the run (xdist workers, isolated children).
+    if state.settings.report is not None or in_child():
+        modules = state.take_new_modules()
+        if modules:
+            setattr(report, pytest_report.MODULES_ATTR, modules)
     return report
 
 
