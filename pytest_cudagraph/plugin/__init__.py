@@ -335,7 +335,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
         if run.compare is not None:
             from .compare_report import compare
 
-            state.comparison = compare(state.baseline or {}, document, str(run.compare))
+            state.comparison = compare(
+                state.baseline or [{}], document, ", ".join(map(str, run.compare)), run.compare_threshold
+            )
             if (
                 run.compare_fail
                 and state.comparison.new_failures

@@ -27,6 +27,7 @@ __all__ = [
     "parse_seconds",
     "parse_sizes",
     "parse_split",
+    "parse_threshold",
     "parse_world_size",
     "run_default",
     "verify_option",
@@ -133,14 +134,29 @@ def parse_split(value: object, source: str) -> str:
     return str(text)
 
 
+def parse_threshold(value: object, source: str) -> float:
+    """A fraction above 0 from '0.25' or '25%'; UsageError naming ``source`` otherwise."""
+    text = str(value).strip()
+    try:
+        number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        number = float("nan")
+    if not number > 0 or number == float("inf"):
+        raise pytest.UsageError(
+            f"{source}: expected a fraction of the kept value above 0, such as 0.25 or 25%; got {value!r}"
+        )
+    return number
+
+
 @dataclass(frozen=True)
 class OwnOption:
     """A setting of the plugin's own (not a ``verify()`` keyword): ``--cudagraph-<name>`` (``-`` for
     ``_``) and the ini key ``cudagraph_<name>``, read into ``Settings.<name>``."""
 
     name: str
-    #: "flag" (store_true; a bool ini), "path" (relative to where it was given), or "value" (``parse``).
-    kind: Literal["flag", "path", "value"]
+    #: "flag" (store_true; a bool ini), "path" (relative to where it was given), "paths" (several,
+    #: comma-separated), or "value" (``parse``).
+    kind: Literal["flag", "path", "paths", "value"]
     help: str
     #: What the ini key holds, for ``--help``.
     ini_help: str
@@ -230,12 +246,24 @@ OWN_OPTIONS: tuple[OwnOption, ...] = (
     ),
     OwnOption(
         "compare",
-        "path",
-        "compare this run with the JSON report of an earlier one (--cudagraph-report): the terminal summary lists "
-        "what newly fails, what newly passes and which figures (capture time, peak and graph memory, check time) "
-        "moved by 10 %% or more",
-        "a JSON report to compare the run with, relative to the ini file",
-        "BASELINE.json",
+        "paths",
+        "compare this run with the JSON report of an earlier one (--cudagraph-report), or several of the same "
+        "code, comma-separated: the terminal summary lists what newly fails, what newly passes, then which "
+        "figures (capture time, check time, peak and graph memory) moved beyond their run-to-run spread over the "
+        "kept reports (and --cudagraph-compare-threshold); a timing of one kept report is judged only by the "
+        "threshold",
+        "JSON reports to compare the run with, comma-separated, relative to the ini file",
+        "BASELINE.json[,...]",
+    ),
+    OwnOption(
+        "compare_threshold",
+        "value",
+        "with --cudagraph-compare: a figure moved only when it changed by this fraction of its kept value or more "
+        "(such as 0.5 or 50%%), besides lying beyond its run-to-run spread where several kept reports give one. "
+        "Default: none for timings (one kept report: not judged), 10%% for memory",
+        "fraction a figure must move by, such as 0.5",
+        "FRACTION",
+        parse_threshold,
     ),
     OwnOption(
         "compare_fail",

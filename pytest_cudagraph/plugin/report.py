@@ -110,8 +110,8 @@ class RunState:
     not_run: list[str] = field(default_factory=list)
     #: when the session started (UTC, ISO 8601)
     started: str = field(default_factory=now_utc)
-    #: the report --cudagraph-compare names, read at the start (None: no comparison)
-    baseline: dict[str, Any] | None = None
+    #: the reports --cudagraph-compare names, read at the start (None: no comparison)
+    baseline: list[dict[str, Any]] | None = None
     #: what --cudagraph-compare found against it
     comparison: Any = None
     #: top-level modules imported in this run's processes (xdist workers, isolated children), from

@@ -19,6 +19,7 @@ MUTANTS: list[Mutant] = [
     *runner.DISTRIBUTED,
     *plan.TRACE,
     *plugin.FAULTS,
+    *plugin.REPORTS,
     *checks.FLOOR,
     *precision.PADDED_SIZE,
     *precision.LAUNCHES,
