@@ -236,6 +236,25 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     return None
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    # --cudagraph-progress: a verification's stage and descriptor on the terminal, past the capture.
+    if not _uses_plugin(item):
+        return (yield)
+    from .terminal_progress import showing
+
+    with showing(item.config):
+        return (yield)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    # pytest-xdist's controller: its workers show progress as it decided (their stdout is no terminal).
+    from .terminal_progress import WORKER_KEY, decided
+
+    node.workerinput[WORKER_KEY] = decided(node.config)
+
+
 def _needs_cuda(item: pytest.Item) -> bool:
     """A test that runs on the GPU: marked ``cuda``, or using the plugin where the run's backend is CUDA."""
     if item.get_closest_marker("cuda") is not None:
@@ -449,7 +468,6 @@ def cudagraph_verify(request: pytest.FixtureRequest, _cudagraph_slice: str | Non
         settings.marker_keywords(request.node),
         record,
         descriptor=_cudagraph_slice,
-        quiet=request.config.get_verbosity() < 0,
         hook_checks=_hook_checks(request),
     )
 

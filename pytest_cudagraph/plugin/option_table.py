@@ -24,6 +24,7 @@ __all__ = [
     "option_name",
     "parse_backend",
     "parse_devices",
+    "parse_progress",
     "parse_seconds",
     "parse_sizes",
     "parse_split",
@@ -94,17 +95,20 @@ def verify_option(name: str, value: object, source: str) -> Any:
         raise pytest.UsageError(f"{source}: {exc}") from None
 
 
+def _positive(text: str, value: object, source: str, expected: str) -> float:
+    """``text`` as a finite number above 0; UsageError naming ``source`` and ``value`` otherwise."""
+    try:
+        number = float(text)
+    except ValueError:
+        number = float("nan")
+    if not number > 0 or number == float("inf"):
+        raise pytest.UsageError(f"{source}: expected {expected}; got {value!r}")
+    return number
+
+
 def parse_seconds(value: object, source: str) -> float:
     """A positive number of seconds; UsageError naming ``source`` otherwise."""
-    try:
-        seconds = float(str(value).strip())
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise pytest.UsageError(
-            f"{source}: expected a positive number of seconds, such as 600; got {value!r}"
-        )
-    return seconds
+    return _positive(str(value).strip(), value, source, "a positive number of seconds, such as 600")
 
 
 def parse_devices(value: object, source: str) -> tuple[int, ...]:
@@ -127,25 +131,33 @@ def parse_world_size(value: object, source: str) -> int:
     return int(text)
 
 
-def parse_split(value: object, source: str) -> str:
+def _one_of(choices: tuple[str, ...], value: object, source: str) -> str:
+    """``value`` (case-insensitive, spaces around it dropped) when it is one of ``choices``;
+    UsageError naming ``source`` otherwise."""
     text = value.strip().lower() if isinstance(value, str) else value
-    if text not in SPLITS:
-        raise pytest.UsageError(f"{source}: expected one of {', '.join(SPLITS)}; got {value!r}")
+    if text not in choices:
+        raise pytest.UsageError(f"{source}: expected one of {', '.join(choices)}; got {value!r}")
     return str(text)
+
+
+def parse_split(value: object, source: str) -> str:
+    return _one_of(SPLITS, value, source)
+
+
+PROGRESS = ("auto", "on", "off")
+
+
+def parse_progress(value: object, source: str) -> str:
+    return _one_of(PROGRESS, value, source)
 
 
 def parse_threshold(value: object, source: str) -> float:
     """A fraction above 0 from '0.25' or '25%'; UsageError naming ``source`` otherwise."""
     text = str(value).strip()
-    try:
-        number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        number = float("nan")
-    if not number > 0 or number == float("inf"):
-        raise pytest.UsageError(
-            f"{source}: expected a fraction of the kept value above 0, such as 0.25 or 25%; got {value!r}"
-        )
-    return number
+    percent = text.endswith("%")
+    expected = "a fraction of the kept value above 0, such as 0.25 or 25%"
+    number = _positive(text[:-1] if percent else text, value, source, expected)
+    return number / 100 if percent else number
 
 
 @dataclass(frozen=True)
@@ -243,6 +255,18 @@ OWN_OPTIONS: tuple[OwnOption, ...] = (
         "seconds before an isolated child is killed",
         "SECONDS",
         parse_seconds,
+    ),
+    OwnOption(
+        "progress",
+        "value",
+        "a verification's stage and descriptor (k of n) on the terminal while it runs, past pytest's output capture "
+        "and from pytest-xdist workers: auto (the default) shows it for a verification running longer than 2 s "
+        "where the output is a terminal and not CI (the CI or BUILD_NUMBER environment variable) and not under -q; "
+        "on always, from the first step (a line a stage and at most one every 10 s where the output is not a "
+        "terminal); off never",
+        "auto, on or off",
+        "auto|on|off",
+        parse_progress,
     ),
     OwnOption(
         "compare",

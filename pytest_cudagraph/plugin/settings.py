@@ -124,6 +124,8 @@ class Settings:
     isolate: bool = False
     #: Seconds an isolated child may run (None: pytest-timeout's, if any, else no limit).
     isolate_timeout: float | None = None
+    #: A verification's progress on the terminal: "auto", "on" or "off" (--cudagraph-progress).
+    progress: str = "auto"
     #: JSON reports of earlier runs to compare this one with (--cudagraph-compare): one, or several
     #: of the same code, whose spread is each figure's run-to-run noise.
     compare: tuple[Path, ...] | None = None

@@ -20,6 +20,7 @@ MUTANTS: list[Mutant] = [
     *plan.TRACE,
     *plugin.FAULTS,
     *plugin.REPORTS,
+    *plugin.PROGRESS,
     *checks.FLOOR,
     *precision.PADDED_SIZE,
     *precision.LAUNCHES,

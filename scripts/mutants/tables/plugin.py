@@ -119,3 +119,50 @@ REPORTS: list[Mutant] = [
         "the moved figures are listed before the new failures",
     ),
 ]
+
+TP = "pytest_cudagraph/plugin/terminal_progress.py"
+PROGRESS_TESTS = ("tests/test_progress.py",)
+
+PROGRESS: list[Mutant] = [
+    # -- --cudagraph-progress: the terminal, past the capture, from xdist workers ------------------------
+    Mutant(
+        "progress-auto-in-ci",
+        TP,
+        "        return terminal and not on_ci(environ) and not quiet",
+        "        return terminal and not quiet",
+        PROGRESS_TESTS,
+        "auto shows progress in a CI job's log",
+    ),
+    Mutant(
+        "progress-captured",
+        TP,
+        "    with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():",
+        "    with contextlib.nullcontext():",
+        PROGRESS_TESTS,
+        "the steps go into pytest's capture (shown only with -s), as before",
+    ),
+    Mutant(
+        "progress-workers-not-told",
+        PL,
+        "    node.workerinput[WORKER_KEY] = decided(node.config)",
+        "    pass",
+        PROGRESS_TESTS,
+        "xdist workers, whose stdout is no terminal, decide auto for themselves: nothing shows",
+    ),
+    Mutant(
+        "progress-left-on-the-line",
+        TP,
+        "        if self.shown:\n            with _uncaptured(self.config):",
+        "        if False:\n            with _uncaptured(self.config):",
+        PROGRESS_TESTS,
+        "the last step stays written on pytest's line",
+    ),
+    Mutant(
+        "progress-sink-unused",
+        "pytest_cudagraph/progress.py",
+        "    elif sink is not None:",
+        "    elif False:",
+        PROGRESS_TESTS,
+        "the walks never reach the plugin's sink",
+    ),
+]
