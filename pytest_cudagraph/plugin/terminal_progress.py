@@ -105,8 +105,10 @@ class TerminalProgress:
         self.started = time.monotonic()
         workerinput = getattr(config, "workerinput", None)
         self.worker: str | None = workerinput["workerid"] if workerinput is not None else None
+        #: pytest's own terminal output (none under ``-p no:terminal``: then lines on stderr)
+        self.reporter = config.pluginmanager.get_plugin("terminalreporter") is not None
         with _uncaptured(config):
-            self.inline = self.worker is None and _is_terminal(sys.stdout)
+            self.inline = self.worker is None and self.reporter and _is_terminal(sys.stdout)
         #: inline: the characters written after pytest's text, erased before the next step
         self.shown = 0
         #: lines: the stage of the last line and when it was written
@@ -143,8 +145,11 @@ class TerminalProgress:
         if step.stage == last_stage and step.index != step.total and now - last_time < LINE_EVERY:
             return
         self.last = (step.stage, now)
-        if self.worker is not None:  # the controller's terminal, through the worker's stderr
-            sys.stderr.write(f"[{self.worker}] cudagraph: {step.text()}\n")
+        if (
+            self.worker is not None or not self.reporter
+        ):  # a worker: the controller's terminal, through its stderr
+            prefix = f"[{self.worker}] " if self.worker is not None else ""
+            sys.stderr.write(f"{prefix}cudagraph: {step.text()}\n")
             sys.stderr.flush()
             return
         writer = self.config.get_terminal_writer()
