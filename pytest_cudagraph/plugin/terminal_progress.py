@@ -145,9 +145,8 @@ class TerminalProgress:
         if step.stage == last_stage and step.index != step.total and now - last_time < LINE_EVERY:
             return
         self.last = (step.stage, now)
-        if (
-            self.worker is not None or not self.reporter
-        ):  # a worker: the controller's terminal, through its stderr
+        # A worker's stderr is its controller's terminal; without pytest's reporter, stderr too.
+        if self.worker is not None or not self.reporter:
             prefix = f"[{self.worker}] " if self.worker is not None else ""
             sys.stderr.write(f"{prefix}cudagraph: {step.text()}\n")
             sys.stderr.flush()
