@@ -236,6 +236,25 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     return None
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    # --cudagraph-progress: a verification's stage and descriptor on the terminal, past the capture.
+    if not _uses_plugin(item):
+        return (yield)
+    from .terminal_progress import showing
+
+    with showing(item.config):
+        return (yield)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    # pytest-xdist's controller: its workers show progress as it decided (their stdout is no terminal).
+    from .terminal_progress import WORKER_KEY, decided
+
+    node.workerinput[WORKER_KEY] = decided(node.config)
+
+
 def _needs_cuda(item: pytest.Item) -> bool:
     """A test that runs on the GPU: marked ``cuda``, or using the plugin where the run's backend is CUDA."""
     if item.get_closest_marker("cuda") is not None:
@@ -306,6 +325,13 @@ def pytest_runtest_makereport(
         setattr(report, pytest_report.BENCH_ATTR, rows)
     if _uses_plugin(item):
         setattr(report, pytest_report.USED_ATTR, True)
+    from .isolate import in_child
+
+    # The packages that took part, from every process of the run (xdist workers, isolated children).
+    if state.settings.report is not None or in_child():
+        modules = state.take_new_modules()
+        if modules:
+            setattr(report, pytest_report.MODULES_ATTR, modules)
     return report
 
 
@@ -328,7 +354,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
         if run.compare is not None:
             from .compare_report import compare
 
-            state.comparison = compare(state.baseline or {}, document, str(run.compare))
+            state.comparison = compare(
+                state.baseline or [{}], document, ", ".join(map(str, run.compare)), run.compare_threshold
+            )
             if (
                 run.compare_fail
                 and state.comparison.new_failures
@@ -440,7 +468,6 @@ def cudagraph_verify(request: pytest.FixtureRequest, _cudagraph_slice: str | Non
         settings.marker_keywords(request.node),
         record,
         descriptor=_cudagraph_slice,
-        quiet=request.config.get_verbosity() < 0,
         hook_checks=_hook_checks(request),
     )
 

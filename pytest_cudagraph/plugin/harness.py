@@ -166,7 +166,6 @@ class Verifier:
         sink: Callable[[dict[str, Any]], None],
         *,
         descriptor: str | None = None,
-        quiet: bool = False,
         hook_checks: list[Check] | None = None,
     ) -> None:
         self.settings = settings
@@ -174,8 +173,6 @@ class Verifier:
         self.hook_checks = list(hook_checks or [])
         self.marker = dict(marker)
         self._sink = sink
-        #: -q: no progress bar, even on a terminal.
-        self.quiet = quiet
         #: The one descriptor to verify (--cudagraph-split=descriptor), by label.
         self.descriptor = descriptor
         self.reports: list[VerifyReport] = []
@@ -222,8 +219,6 @@ class Verifier:
             self._check_split(call)
             keywords["descriptors"] = (self.descriptor,)
         make_inputs = follow_device(module, make_inputs, keywords.get("device"))
-        if self.quiet:
-            keywords.setdefault("progress", False)
         if self.hook_checks:
             keywords["extra_checks"] = [*self.hook_checks, *check_list(keywords.get("extra_checks"))]
         try:
