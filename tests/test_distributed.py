@@ -196,7 +196,7 @@ def _results(*per_rank):
     ],
 )
 def test_rank_agreement_names_what_differs(rank1, words):
-    from pytest_cudagraph.distributed.verify import _agreement
+    from pytest_cudagraph.distributed.merge import agreement as _agreement
 
     outcome = _agreement(_results([(3, 3, "FULL-T4-R4", torch.ones(3))], rank1), replicated=True)
     if words is None:
@@ -206,7 +206,7 @@ def test_rank_agreement_names_what_differs(rank1, words):
 
 
 def test_sharded_outputs_are_not_compared_when_not_replicated():
-    from pytest_cudagraph.distributed.verify import _agreement
+    from pytest_cudagraph.distributed.merge import agreement as _agreement
 
     results = _results([(2, 2, "FULL-T2-R2", torch.zeros(2))], [(2, 2, "FULL-T2-R2", torch.ones(2))])
     assert _agreement(results, replicated=False).passed
@@ -231,7 +231,7 @@ def test_four_ranks_agree():
     ],
 )
 def test_a_hang_on_nccl_says_the_gpu_waits(where, backend, noted):
-    from pytest_cudagraph.distributed.verify import _async_note
+    from pytest_cudagraph.distributed.merge import async_note as _async_note
 
     assert bool(_async_note(where, backend)) is noted
     if noted:
