@@ -31,7 +31,7 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,8 @@ __all__ = ["Ranks", "Verdict", "current", "labelled"]
 PREFIX = "pytest-cudagraph/"
 #: How often a waiting rank looks at the store (seconds).
 POLL = 0.05
+#: The verification the launcher's SIGTERM stopped (empty: none): the session stops after its test.
+STOPPING: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -120,9 +122,12 @@ class Ranks:
                     dog.working = False
             except RankStopped as exc:  # raised between run_rank's end and the flag
                 result = RankResult(self.rank, error=str(exc))
-            self.store.set(f"{label}/result/{self.rank}", portable(result))
             try:
+                self.store.set(f"{label}/result/{self.rank}", portable(result))
                 verdict = self._wait(label, deadline, timeout, backend)
+            except RankStopped:  # the launcher stops the run (SIGTERM): a rank's process ended
+                STOPPING.append(label)
+                verdict = self.propose(label, timeout, backend)
             finally:
                 dog.stop()
         else:
@@ -147,7 +152,13 @@ class Ranks:
             if self._has(f"{label}/result/{r}"):
                 present.append(r)
             elif self._has(f"{label}/where/{r}"):
-                missing[r] = still_running(r, timeout, self.store.get(f"{label}/where/{r}").decode(), backend)
+                where = self.store.get(f"{label}/where/{r}").decode()
+                missing[r] = (
+                    f"rank {r} stopped answering, {where or 'before its first collective'}: the launcher is "
+                    "stopping the run (SIGTERM), as it does when a rank's process ends (its output says why)"
+                    if STOPPING
+                    else still_running(r, timeout, where, backend)
+                )
             else:
                 now = self.store.get(f"now/{r}").decode() if self._has(f"now/{r}") else ""
                 doing = f"it is {_doing(now)}" if now else "it has not said what it is doing"
@@ -229,14 +240,14 @@ class _Watchdog(threading.Thread):
         self.timeout, self.backend = timeout, backend
         self.working = True
         self.main = threading.main_thread().ident
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
         self.join(5)
 
     def run(self) -> None:
-        if self._stop.wait(max(0.0, self.deadline - time.monotonic())) or not self.working:
+        if self._done.wait(max(0.0, self.deadline - time.monotonic())) or not self.working:
             return
         with contextlib.suppress(Exception):
             verdict = self.ranks.propose(self.label, self.timeout, self.backend)
@@ -244,7 +255,7 @@ class _Watchdog(threading.Thread):
                 _raise_in(self.main, RankStopped)
         # A rank stuck in a call that returns to Python only at the group's own timeout (or never).
         grace = max(10.0, self.ranks.group_timeout or self.timeout)
-        if self._stop.wait(grace) or not self.working:
+        if self._done.wait(grace) or not self.working:
             return
         sys.stderr.write(
             f"pytest-cudagraph: rank {self.ranks.rank} is still stuck in {self.label} {grace:g} s after its "
@@ -303,6 +314,7 @@ def current(timeout: float) -> Ranks | None:
         ranks.store = PrefixStore(PREFIX, ranks.base)
         ranks.started_by = launched_env.launcher
         _init_group(ranks)
+    stop_on_sigterm()
     _RANKS.append(ranks)
     return ranks
 
@@ -366,14 +378,13 @@ def next_label(ranks: Ranks) -> str:
     return ranks.label(_LABEL[-1] if _LABEL else "verification")
 
 
-def stop_on_sigterm(stop: Callable[[], None] | None = None) -> None:
+def stop_on_sigterm() -> None:
     """The launcher stops the other ranks with SIGTERM when one ends: raise ``RankStopped`` here, so
-    that the test running fails with the reason and the session still writes its reports."""
+    that the verification running says so and the session still writes its reports."""
     import signal
 
     def handler(signum: int, frame: Any) -> None:
-        if stop is not None:
-            stop()
+        STOPPING.append("SIGTERM")
         raise RankStopped("the launcher stopped this rank (SIGTERM): another rank ended; its output says why")
 
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
