@@ -107,6 +107,7 @@ class Ranks:
         """``work`` on this rank, and every rank's result: (results of the ranks that finished in
         time, {rank: why it has none}); the same on every rank."""
         self._regroup_if_asked()
+        self._bound_collectives(timeout)
         started = time.monotonic()
         deadline = started + timeout
         if not self._has(f"{label}/verdict"):  # a rank that comes after the verdict does not run
@@ -176,6 +177,17 @@ class Ranks:
 
     def _has(self, key: str) -> bool:
         return bool(self.store.check([key]))
+
+    def _bound_collectives(self, timeout: float) -> None:
+        """A collective of a group the harness made gives up after the verification's seconds, so
+        that a rank stuck in one returns to Python about when its peers agree it hangs (the
+        suite's own group keeps the timeout the suite gave it)."""
+        if self.base is None:
+            return
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        with contextlib.suppress(Exception):  # a private function of torch's: without it, the group's timeout
+            _set_pg_timeout(datetime.timedelta(seconds=timeout))
 
     def _regroup_if_asked(self) -> None:
         """Rebuild a group the harness made when a verdict named a rank since the last rebuild."""

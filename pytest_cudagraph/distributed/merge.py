@@ -124,7 +124,8 @@ def agreement(results: dict[int, RankResult], replicated: bool) -> Outcome:
     """Every rank ran the same real batches with the same descriptors, and (replicated) equal outputs."""
     ranks = sorted(r for r, res in results.items() if res.seen is not None)
     if len(ranks) < 2:
-        return Outcome(AGREEMENT_CHECK, None, True, "one rank: nothing to agree on", skipped=True)
+        what = "one rank" if ranks else "no rank finished its work"
+        return Outcome(AGREEMENT_CHECK, None, True, f"{what}: nothing to agree on", skipped=True)
     base = results[ranks[0]].seen or []
     for rank in ranks[1:]:
         other = results[rank].seen or []

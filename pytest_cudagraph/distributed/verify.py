@@ -19,10 +19,10 @@ import torch
 from ..checks.report import VerifyReport
 from . import launcher
 from .merge import AGREEMENT_CHECK, merged
-from .rank import RankWork, VerifyWork
+from .rank import RankWork, Seen, VerifyWork, recording
 from .spawn import launch
 
-__all__ = ["AGREEMENT_CHECK", "on_ranks", "verify_distributed"]
+__all__ = ["AGREEMENT_CHECK", "across_launched_ranks", "on_ranks", "verify_distributed"]
 
 
 def _check_picklable(name: str, fn: Any, where: str = "verify_distributed") -> None:
@@ -145,4 +145,28 @@ def verify_distributed(
         devices=devices,
         where="verify_distributed",
         picklable={"build": build, "make_inputs": make_inputs},
+    )
+
+
+def across_launched_ranks(
+    verification: Callable[[], VerifyReport], *, timeout: float, backend: str, replicated: bool = False
+) -> VerifyReport:
+    """A verification this process runs on a module it holds (``cudagraph_verify`` of a module the
+    test built), run on every rank a launcher started at once and merged, so that every rank ends
+    the test with the same verdict: the same real batches served by the same descriptors on every
+    rank, and (``replicated``) equal outputs."""
+
+    def work(rank: int, world_size: int, device: Any, seen: list[Seen]) -> VerifyReport:
+        with recording(seen):
+            return verification()
+
+    return on_ranks(
+        work,
+        world_size=None,
+        timeout=timeout,
+        backend=backend,
+        replicated=replicated,
+        devices=None,
+        where="a verification on the launcher's ranks",
+        picklable={},
     )
