@@ -164,21 +164,25 @@ def agreement(results: dict[int, RankResult], replicated: bool) -> Outcome:
                 diff = first_difference(b.output, a.output)
                 if diff is not None:
                     where = diff.path or "the output"
+                    cause = a.cause or (
+                        "a Python branch on the rank, or a collective missing on one rank's path "
+                        "(replicated=False if these outputs are sharded)"
+                    )
                     return _disagree(
                         rank,
                         ranks[0],
                         i,
-                        f"outputs that must be replicated differ ({where}: "
-                        f"{diff.reason}): a Python branch on the rank, or a collective missing on one "
-                        "rank's path (replicated=False if these outputs are sharded)",
+                        f"{'values' if a.cause else 'outputs'} that must be replicated differ ({where}: "
+                        f"{diff.reason}): {cause}",
                         shape,
                         diff,
+                        a.what,
                     )
     return Outcome(AGREEMENT_CHECK, None, True, figures={"ranks": len(ranks), "batches": len(base)})
 
 
 def _disagree(
-    rank: int, base: int, index: int, what: str, shape: dict[str, int], diff: Any = None
+    rank: int, base: int, index: int, what: str, shape: dict[str, int], diff: Any = None, at: str = ""
 ) -> Outcome:
     finding = Finding(real_batch=shape)
     if diff is not None:
@@ -192,7 +196,7 @@ def _disagree(
         AGREEMENT_CHECK,
         None,
         False,
-        f"rank {rank} disagrees with rank {base} at real batch {index + 1} of the run: {what}",
+        f"rank {rank} disagrees with rank {base} at {at or f'real batch {index + 1} of the run'}: {what}",
         finding,
         rank=rank,
     )

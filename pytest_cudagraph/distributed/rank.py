@@ -66,6 +66,10 @@ class Seen:
     num_reqs: int
     descriptor: str  # the label of the descriptor that served it
     output: Any  # on the CPU
+    #: What it is, where not a real batch ("the weights after step 2 at FULL-T4-R4"), and why ranks
+    #: that differ in it are wrong ("" for a real batch's outputs: a branch on the rank, say).
+    what: str = ""
+    cause: str = ""
 
 
 @dataclass

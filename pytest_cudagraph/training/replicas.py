@@ -140,6 +140,9 @@ def _taken(inputs: Mapping[str, Any], params: tuple[frozenset[str], bool]) -> di
 def _forward_parameters(module: torch.nn.Module) -> tuple[frozenset[str], bool]:
     """The inputs ``forward`` names, and whether it takes ``**kwargs`` too (where its signature cannot
     be read: no names, and every input is passed)."""
+    # DistributedDataParallel hands every input on to the module it wraps: read that one's forward.
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        module = module.module
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
