@@ -103,6 +103,28 @@ def _on_ranks(
     return lambda: across_launched_ranks(verification, timeout=launched.timeout, backend=backend)
 
 
+def _data_parallel(
+    launched: Launched,
+    module: torch.nn.Module,
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    loss_fn: Callable[..., Any],
+    keywords: Mapping[str, Any],
+) -> Callable[[], VerifyReport]:
+    """A DDP module's step under a launcher: ``verify_data_parallel`` on the launcher's ranks."""
+    from ..distributed import verify_data_parallel
+
+    own = {k: v for k, v in keywords.items() if k not in ("backend", "device", "autocast")}
+    backend = concrete_backend(str(keywords.get("backend", "auto")))
+    return lambda: verify_data_parallel(
+        lambda rank, world_size: module,
+        make_inputs,
+        loss_fn,
+        timeout=launched.timeout,
+        backend=backend,
+        **own,
+    )
+
+
 def device_for_test(backend: str) -> torch.device:
     """``default_device``, failing the test plainly (no traceback) where 'cuda' has no CUDA."""
     try:
@@ -366,12 +388,12 @@ class TrainingVerifier:
         keywords = {k: v for k, v in chosen.items() if k in self.allowed}
         keywords["backend"], keywords["device"] = backend, device
         make_inputs = follow_device(module, make_inputs, device)
-        report = _usage(
-            "cudagraph_verify_training",
-            _on_ranks(
-                self.launched, keywords, lambda: verify_training(module, make_inputs, loss_fn, **keywords)
-            ),
+        verification = _on_ranks(
+            self.launched, keywords, lambda: verify_training(module, make_inputs, loss_fn, **keywords)
         )
+        if self.launched is not None and isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            verification = _data_parallel(self.launched, module, make_inputs, loss_fn, keywords)
+        report = _usage("cudagraph_verify_training", verification)
         return _recorded(self.reports, self._sink, report, keywords)
 
 

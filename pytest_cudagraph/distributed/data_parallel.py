@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from ..checks.report import Outcome, VerifyReport
-from ..distributed.rank import Seen
-from ..distributed.verify import on_ranks
 from ..plan import BatchDescriptor
-from .replicas import LossFn, OptimizerFactory, StepFactory, TrainingStep, _made_step, _Replica
-from .verify import verify_training
+from ..training.replicas import LossFn, OptimizerFactory, StepFactory, TrainingStep, _made_step, _Replica
+from ..training.verify import verify_training
+from .rank import Seen
+from .verify import on_ranks
 
 __all__ = ["SYNC_CHECK", "verify_data_parallel"]
 
@@ -181,12 +181,15 @@ class DataParallelWork:
         module = self.build(rank, world_size).to(device)
         on_gpu = str(device).startswith("cuda")
         # The notes: DDP built on a side stream, so that its setup is not on the stream a capture uses.
-        stream = torch.cuda.Stream() if on_gpu else None  # type: ignore[no-untyped-call]
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            options: dict[str, Any] = {"device_ids": [device.index]} if on_gpu else {}
-            ddp = DistributedDataParallel(module, **options, **dict(self.ddp))
-        if stream is not None:
-            torch.cuda.current_stream().wait_stream(stream)
+        if isinstance(module, DistributedDataParallel):  # the test wrapped it itself
+            ddp, module = module, module.module
+        else:
+            stream = torch.cuda.Stream() if on_gpu else None  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                options: dict[str, Any] = {"device_ids": [device.index]} if on_gpu else {}
+                ddp = DistributedDataParallel(module, **options, **dict(self.ddp))
+            if stream is not None:
+                torch.cuda.current_stream().wait_stream(stream)
         ledger = _Ledger()
         keywords = dict(self.keywords)
         keywords["warmup_steps"] = max(MIN_WARMUP, int(keywords.get("warmup_steps", MIN_WARMUP)))
@@ -236,7 +239,7 @@ def verify_data_parallel(
 ) -> VerifyReport:
     """Verify a training step under ``DistributedDataParallel`` on every rank (see the module's
     docstring). ``build(rank, world_size)`` returns the rank's module (the harness wraps it in DDP
-    with ``ddp``'s keywords); ``optimizer``, ``step`` and ``keywords`` (``capture_sizes``,
+    with ``ddp``'s keywords, on a side stream on CUDA), or a DDP module made already; ``optimizer``, ``step`` and ``keywords`` (``capture_sizes``,
     ``steps``, ``warmup_steps``, ``pad_values``, ``seed``) are ``verify_training``'s, and a step
     factory receives the DDP module. Under a launcher the ranks are its own (``world_size`` None, or
     theirs); otherwise ``world_size`` ranks are spawned, and ``build``, ``make_inputs``,
