@@ -38,7 +38,11 @@ def build_regressor(rank: int, world_size: int) -> nn.Module:
 
 
 def make_inputs(num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
-    return {"x": torch.randn(num_tokens, D), "y": torch.randn(num_tokens, 1), "weight": torch.ones(num_tokens)}
+    return {
+        "x": torch.randn(num_tokens, D),
+        "y": torch.randn(num_tokens, 1),
+        "weight": torch.ones(num_tokens),
+    }
 
 
 def masked_loss(out: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
