@@ -24,6 +24,10 @@ from pytest_cudagraph.distributed.launcher import Ranks, Verdict, _collection_di
 from pytest_cudagraph.launch_env import LaunchEnv, LaunchEnvError, from_environment
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The launches below start torchrun themselves: not from a rank of one.
+_NOT_NESTED = pytest.mark.skipif(
+    from_environment() is not None, reason="starts torchrun itself; this is a rank of one"
+)
 
 # -- the launcher's environment ----------------------------------------------------------------
 
@@ -351,6 +355,7 @@ def _check(outcomes: dict[str, tuple[str, str]], names: list[str]) -> None:
             assert word in text, f"{name}: {word!r} not in\n{text}"
 
 
+@_NOT_NESTED
 def test_torchrun_runs_the_suite_once_a_rank_with_one_verdict_and_one_report(tmp_path: Path):
     (tmp_path / "test_ranks.py").write_text(RANKS_SUITE + DIES)
     log = tmp_path / "logs"
@@ -386,6 +391,7 @@ def test_torchrun_runs_the_suite_once_a_rank_with_one_verdict_and_one_report(tmp
     assert {0, 1} <= ranks, ranks
 
 
+@_NOT_NESTED
 def test_two_nodes_give_the_verdicts_of_one(tmp_path: Path):
     (tmp_path / "test_ranks.py").write_text(RANKS_SUITE)
     port = _free_port()
