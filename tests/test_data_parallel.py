@@ -12,11 +12,28 @@ from pytest_cudagraph import verify_data_parallel
 from pytest_cudagraph.distributed.data_parallel import SYNC_CHECK, _Copy, _Ledger
 from pytest_cudagraph.distributed.merge import agreement
 from pytest_cudagraph.distributed.rank import RankResult, Seen
+from pytest_cudagraph.launch_env import from_environment
 from pytest_cudagraph.plan import BatchDescriptor, GraphMode
 from tests import data_parallel_models as m
 
+LAUNCHED = from_environment()
 #: Three warm-ups: the accumulating loops (two micro-steps a step) are captured at a synced micro-step.
 KW = {"capture_sizes": [2], "steps": 3, "warmup_steps": 3, "pad_values": {"weight": 0}, "timeout": 90}
+
+
+def _on_two_ranks(step):
+    """The regressor's accumulating loop ``step`` on two spawned gloo ranks (two under torchrun)."""
+    world_size = None if LAUNCHED is not None else 2
+    return verify_data_parallel(
+        m.build_regressor,
+        m.make_inputs,
+        m.masked_loss,
+        optimizer=m.sgd,
+        step=step,
+        world_size=world_size,
+        backend="emulate",
+        **KW,
+    )
 
 
 def _failed(report) -> set[tuple[str, int | None]]:
@@ -24,16 +41,7 @@ def _failed(report) -> set[tuple[str, int | None]]:
 
 
 def test_a_graph_captured_with_sync_on_and_replayed_under_no_sync_is_named_on_every_rank():
-    report = verify_data_parallel(
-        m.build_regressor,
-        m.make_inputs,
-        m.masked_loss,
-        optimizer=m.sgd,
-        step=m.synced_capture_under_no_sync,
-        world_size=2,
-        backend="emulate",
-        **KW,
-    )
+    report = _on_two_ranks(m.synced_capture_under_no_sync)
     assert {(SYNC_CHECK, 0), (SYNC_CHECK, 1)} <= _failed(report), report.format()
     # The graph against eager on each rank: its gradients were all-reduced where eager's were not.
     assert {("training_replay_matches_eager", 0), ("training_replay_matches_eager", 1)} <= _failed(report)
@@ -42,16 +50,7 @@ def test_a_graph_captured_with_sync_on_and_replayed_under_no_sync_is_named_on_ev
 
 
 def test_its_twin_all_reducing_outside_the_graph_passes():
-    report = verify_data_parallel(
-        m.build_regressor,
-        m.make_inputs,
-        m.masked_loss,
-        optimizer=m.sgd,
-        step=m.no_sync_capture_synced_outside,
-        world_size=2,
-        backend="emulate",
-        **KW,
-    )
+    report = _on_two_ranks(m.no_sync_capture_synced_outside)
     assert report.ok, report.format()
     assert {o.rank for o in report.outcomes if o.check == SYNC_CHECK} == {0, 1}
     agree = next(o for o in report.outcomes if o.check == "rank_agreement")
