@@ -142,7 +142,7 @@ class Ranks:
         while True:
             if self._has(f"{label}/verdict"):
                 return self._read(label)
-            if self.store.check(keys) or time.monotonic() >= deadline:
+            if self.store.check(keys) or time.monotonic() >= deadline or STOPPING:
                 return self.propose(label, timeout, backend)
             time.sleep(POLL)
 
