@@ -326,7 +326,9 @@ def current(timeout: float) -> Ranks | None:
         ranks.store = PrefixStore(PREFIX, ranks.base)
         ranks.started_by = launched_env.launcher
         _init_group(ranks)
-    if cuda:  # each rank on its LOCAL_RANK's GPU, before any test picks "the current device" (not run on GPUs yet)
+    if (
+        cuda
+    ):  # each rank on its LOCAL_RANK's GPU, before any test picks "the current device" (not run on GPUs yet)
         torch.cuda.set_device(ranks.env.local_rank % torch.cuda.device_count())
     stop_on_sigterm()
     _RANKS.append(ranks)
