@@ -221,6 +221,23 @@ OWN_OPTIONS: tuple[OwnOption, ...] = (
         parse_world_size,
     ),
     OwnOption(
+        "rank_timeout",
+        "value",
+        "seconds each rank of a distributed verification may take (ranks spawned here, or those torchrun or srun "
+        "started): a rank still running after it is named with the collective it waits in, and no rank waits "
+        "longer. Default 120, or the call's timeout=",
+        "seconds a rank may take",
+        "SECONDS",
+        parse_seconds,
+    ),
+    OwnOption(
+        "all_ranks",
+        "flag",
+        "under torchrun or srun, every rank prints its terminal output (by default only rank 0 does, with every "
+        "rank's findings, and only rank 0 writes --junitxml and --cudagraph-report)",
+        "every rank prints",
+    ),
+    OwnOption(
         "split",
         "value",
         "test: one item per cudagraph_verify test (default); descriptor: one item per descriptor of tests whose "

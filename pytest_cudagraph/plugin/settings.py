@@ -112,6 +112,10 @@ class Settings:
     bench_report: Path | None = None
     #: CUDA device indices workers take in turn (None: every visible device).
     devices: tuple[int, ...] | None = None
+    #: Seconds a rank of a distributed verification may take (None: the call's timeout, else 120).
+    rank_timeout: float | None = None
+    #: Under a launcher, every rank prints (by default rank 0 only).
+    all_ranks: bool = False
     #: "test": one item per verification; "descriptor": one per descriptor.
     split: str = "test"
     #: Ranks of distributed verifications that do not set world_size (None: they must).
