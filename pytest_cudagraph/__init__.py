@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .checks import CHECKS, VerifyReport, verify
     from .checks.registry import Check
     from .context import current_descriptor
-    from .distributed import verify_distributed
+    from .distributed import verify_data_parallel, verify_distributed
     from .manager import GraphManager
     from .runner import RUNNER_CHECKS, verify_runner
     from .training import TRAINING_CHECKS, TrainingStep, verify_training
@@ -39,6 +39,7 @@ __all__ = [
     "VerifyReport",
     "current_descriptor",
     "verify",
+    "verify_data_parallel",
     "verify_distributed",
     "verify_runner",
     "verify_training",
@@ -57,6 +58,7 @@ _LAZY = {
     "verify_distributed": ("pytest_cudagraph.distributed", "verify_distributed"),
     "RUNNER_CHECKS": ("pytest_cudagraph.runner", "RUNNER_CHECKS"),
     "verify_training": ("pytest_cudagraph.training", "verify_training"),
+    "verify_data_parallel": ("pytest_cudagraph.distributed", "verify_data_parallel"),
     "TRAINING_CHECKS": ("pytest_cudagraph.training", "TRAINING_CHECKS"),
     "TrainingStep": ("pytest_cudagraph.training", "TrainingStep"),
 }

@@ -3,6 +3,7 @@
     python scripts/refresh_docs.py              # run every command, rewrite every block
     python scripts/refresh_docs.py --only NAME  # one block (repeatable)
     python scripts/refresh_docs.py --check      # run them, exit 1 where a block drifted
+    python scripts/refresh_docs.py --check --output NAME=FILE  # NAME's output is FILE's (CI's run)
     python scripts/refresh_docs.py --list       # the registered blocks and their files
 
 A block lies between two markers in a Markdown file::
@@ -332,8 +333,9 @@ def _versions(names: tuple[str, ...]) -> str:
     return ", ".join(parts)
 
 
-def run(name: str) -> tuple[str, list[str]]:
-    """Run block ``name``'s command; return its caption and lines."""
+def run(name: str, given: Path | None = None) -> tuple[str, list[str]]:
+    """Run block ``name``'s command (or read ``given``, the output of a run of it made
+    elsewhere: CI's "Run it" in a fresh venv); return its caption and lines."""
     block = BLOCKS[name]
     env = dict(
         os.environ,
@@ -344,13 +346,16 @@ def run(name: str) -> tuple[str, list[str]]:
     env.pop("PYTEST_ADDOPTS", None)
     env.pop("CI", None)  # the default hypothesis profile, as a user's run has it
     argv = [sys.executable, *block.command[1:]]
-    with tempfile.TemporaryDirectory() as tmp:
-        cwd = ROOT
-        if block.setup is not None:
-            block.setup(Path(tmp))
-            cwd = Path(tmp)
-        proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
+    if given is not None:
+        out = given.read_text()
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            cwd = ROOT
+            if block.setup is not None:
+                block.setup(Path(tmp))
+                cwd = Path(tmp)
+            proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+        out = proc.stdout + proc.stderr
     try:
         lines = block.select(out)
     except StopIteration:
@@ -407,7 +412,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="report drift, write nothing")
     parser.add_argument("--only", action="append", choices=sorted(BLOCKS), help="this block only")
     parser.add_argument("--list", action="store_true", help="list the blocks")
+    parser.add_argument(
+        "--output",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="take FILE as the output of block NAME's command instead of running it (a run made elsewhere)",
+    )
     args = parser.parse_args(argv)
+    given: dict[str, Path] = {}
+    for item in args.output:
+        name, _, file = item.partition("=")
+        if name not in BLOCKS or BLOCKS[name].generate is not None or not file:
+            parser.error(f"--output {item!r}: expected NAME=FILE, NAME a block with a command")
+        if not Path(file).is_file():
+            parser.error(f"--output {item!r}: {file} is not a file")
+        given[name] = Path(file)
 
     where = all_markers()
     unknown = sorted(set(where) - set(BLOCKS))
@@ -436,8 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                 text[begin + 1 : end] = lines
                 path.write_text("\n".join(text) + "\n")
             continue
-        print(f"refresh_docs: {name}: {_shown(block)}", flush=True)
-        caption, lines = run(name)
+        shown = f"the output in {given[name]}" if name in given else _shown(block)
+        print(f"refresh_docs: {name}: {shown}", flush=True)
+        caption, lines = run(name, given.get(name))
         if args.check:
             old, new = normalise(code_lines(text[begin + 1 : end])), normalise(lines)
             if old != new:

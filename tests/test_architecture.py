@@ -337,10 +337,11 @@ def test_each_part_writes_only_the_state_it_owns() -> None:
 # -- the house's bounds: modules and classes split along their seams ---------------------------------
 MAX_MODULE_LINES = 700
 MAX_CLASS_LINES = 450
-# What is over a bound today, named so that the test fails both on a new offender and once one of
-# these is split: checks/engine.py and the Capture class (manager/capture.py) are being edited on
-# other branches, and the lead splits them after merging those; that split empties this set.
-KNOWN_OVER = {"checks/engine.py", "manager/capture.py: Capture"}
+# What is over a bound today, named so that the test fails both on a new offender and once this one
+# is split: the Capture class (manager/capture.py), which another branch edits now; the lead splits
+# it after merging that branch (with checks/engine.py, 692 lines here, which that branch grows), and
+# that split empties this set.
+KNOWN_OVER = {"manager/capture.py: Capture"}
 
 
 def _over_bounds() -> dict[str, int]:

@@ -11,6 +11,20 @@ import torch.distributed as dist
 from torch import nn
 
 from pytest_cudagraph import verify_distributed
+from pytest_cudagraph.launch_env import from_environment
+
+#: Under torchrun (``python -m torch.distributed.run --nproc-per-node=2 -m pytest tests/test_distributed.py``)
+#: the verifications run on its ranks; the cases that need spawned ranks of their own skip.
+LAUNCHED = from_environment()
+_SPAWN_ONLY = pytest.mark.skipif(
+    LAUNCHED is not None, reason="spawns ranks of its own; under a launcher they are its"
+)
+#: gloo ends a rank's process when its peer's collective has another size, and torchrun then ends the run.
+_ENDS_A_RANK = pytest.mark.skipif(
+    LAUNCHED is not None,
+    reason="gloo ends a rank's process on mismatched sizes, which ends the launcher's run (tests/test_launcher.py "
+    "runs a rank that dies last)",
+)
 
 D, HIDDEN = 8, 16
 KW = {
@@ -102,6 +116,7 @@ def test_a_python_branch_on_the_rank_breaks_replicated_outputs():
     assert "rank 1" in next(o.message for o in report.failures if o.check == "rank_agreement")
 
 
+@_ENDS_A_RANK
 def test_ranks_that_pad_differently_are_named():
     # Rank 1's extra token makes its all-reduce larger than rank 0's: gloo stops a rank on the mismatch,
     # or the ranks wait in it; either way rank_agreement names the collective (and its shapes).
@@ -110,6 +125,7 @@ def test_ranks_that_pad_differently_are_named():
     assert any("all_reduce of (" in o.message for o in failed), report.format()
 
 
+@_ENDS_A_RANK
 def test_a_collective_skipped_on_one_rank_is_a_hang_naming_the_rank_and_the_collective():
     report = verify_distributed(build_skips, make_inputs, world_size=2, backend="emulate", timeout=20, **KW)
     # Rank 1 skips the all-reduce of its larger batches: its peer waits in it until the timeout, or gloo
@@ -119,6 +135,7 @@ def test_a_collective_skipped_on_one_rank_is_a_hang_naming_the_rank_and_the_coll
     assert re.search(r"rank [01] (still running|ended).*in all_reduce", failed[0].message), failed[0].message
 
 
+@_SPAWN_ONLY
 def test_bad_arguments_say_what_was_expected():
     with pytest.raises(TypeError, match="picklable"):
         verify_distributed(lambda r, w: nn.Linear(2, 2), make_inputs, world_size=2, backend="emulate", **KW)
@@ -158,6 +175,7 @@ def test_a_branch_on_the_rank_fails(cudagraph_verify_distributed):
 """
 
 
+@_SPAWN_ONLY
 def test_the_fixture_takes_world_size_from_the_call_or_the_option(pytester, monkeypatch, verify_imported):
     from pathlib import Path
 
@@ -196,7 +214,7 @@ def _results(*per_rank):
     ],
 )
 def test_rank_agreement_names_what_differs(rank1, words):
-    from pytest_cudagraph.distributed.verify import _agreement
+    from pytest_cudagraph.distributed.merge import agreement as _agreement
 
     outcome = _agreement(_results([(3, 3, "FULL-T4-R4", torch.ones(3))], rank1), replicated=True)
     if words is None:
@@ -206,13 +224,14 @@ def test_rank_agreement_names_what_differs(rank1, words):
 
 
 def test_sharded_outputs_are_not_compared_when_not_replicated():
-    from pytest_cudagraph.distributed.verify import _agreement
+    from pytest_cudagraph.distributed.merge import agreement as _agreement
 
     results = _results([(2, 2, "FULL-T2-R2", torch.zeros(2))], [(2, 2, "FULL-T2-R2", torch.ones(2))])
     assert _agreement(results, replicated=False).passed
     assert not _agreement(results, replicated=True).passed
 
 
+@_SPAWN_ONLY
 def test_four_ranks_agree():
     report = verify_distributed(
         build, make_inputs, world_size=4, backend="emulate", **{**KW, "checks": ["replay_matches_eager"]}
@@ -231,7 +250,7 @@ def test_four_ranks_agree():
     ],
 )
 def test_a_hang_on_nccl_says_the_gpu_waits(where, backend, noted):
-    from pytest_cudagraph.distributed.verify import _async_note
+    from pytest_cudagraph.distributed.merge import async_note as _async_note
 
     assert bool(_async_note(where, backend)) is noted
     if noted:

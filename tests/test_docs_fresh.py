@@ -73,12 +73,43 @@ def test_each_caption_is_what_the_script_writes(name: str) -> None:
 def test_the_readme_commands_are_what_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    for command in (
-        'python -m pip install -e ".[hf]" && python -m pytest --cudagraph-verify examples/',
-        'python -m pip install -e ".[test]" && python -m pytest',
-    ):
+    run_it = 'python -m pip install -e ".[examples]" && python -m pytest --cudagraph-verify examples/'
+    test_it = 'python -m pip install -e ".[test]" && python -m pytest'
+    for command in (run_it, test_it):
         assert f"```bash\n{command}\n```" in readme
-        assert f"\n{command}\n" in ci
+        # As the README has it: alone on its line, or its output kept by tee.
+        assert re.search(rf"^{re.escape(command)}( \| tee \S+)?$", ci, flags=re.M), command
+    # "Run it" runs first, in the fresh venv that holds torch only: the packages its own extra
+    # installs are all there is (under "Test it"'s, a missing one would not show).
+    assert ci.index(run_it) < ci.index(test_it)
+    assert "--output readme-run-it=" in ci  # its counts held to the README's block
+
+
+def test_the_run_it_extra_installs_what_the_examples_import() -> None:
+    """Every package an example skips without is in the extra README "Run it" installs."""
+    tomllib = pytest.importorskip("tomllib", reason="the TOML reader of Python 3.11 and later")
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def names(extra: str) -> set[str]:
+        """The distributions an extra installs, through the extras of this package it names."""
+        found: set[str] = set()
+        for requirement in extras[extra]:
+            match = re.match(r"([\w.-]+)(?:\[([\w,]+)\])?", requirement)
+            assert match is not None, requirement
+            if match.group(1) == "pytest-cudagraph":
+                for inner in match.group(2).split(","):
+                    found |= names(inner)
+            else:
+                found.add(match.group(1))
+        return found
+
+    skipped_without: set[str] = set()
+    for path in (ROOT / "examples").rglob("*.py"):
+        skipped_without |= set(re.findall(r'importorskip\(\s*"([\w.]+)"', path.read_text()))
+    assert skipped_without >= {"transformers", "peft", "triton", "torchao"}, skipped_without
+    assert skipped_without <= names("examples"), skipped_without - names("examples")
+    assert names("examples") <= names("test")  # "Test it" runs the examples too
 
 
 def test_check_masks_timings_and_hypothesis_wording_but_not_counts() -> None:
@@ -130,3 +161,20 @@ def test_every_option_is_in_the_usage_pages_table(pytester: pytest.Pytester) -> 
     options = [o for o in config._parser.getgroup("cudagraph").options]
     missing = [o.names()[0] for o in options if f"`{o.names()[0]}" not in page or f"`{o.dest}`" not in page]
     assert len(options) >= 12 and not missing, missing
+
+
+def test_check_holds_a_block_to_an_output_made_elsewhere(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--output NAME=FILE: CI's "Run it" (in a fresh venv) is held to the README without a second run."""
+    path = ROOT / "README.md"
+    ((begin, end),) = [(b, e) for n, b, e in refresh.markers(path) if n == "readme-run-it"]
+    shown = refresh.code_lines(path.read_text().splitlines()[begin + 1 : end])
+    out = tmp_path / "run-it.txt"
+    out.write_text("\n".join(["collected 185 items", "", *shown]) + "\n")
+    argv = ["--check", "--only", "readme-run-it", "--output", f"readme-run-it={out}"]
+    assert refresh.main(argv) == 0
+    fewer = [re.sub(r"\d+ passed", "142 passed", line) for line in shown]
+    out.write_text("\n".join(fewer) + "\n")
+    assert refresh.main(argv) == 1
+    assert "drifted: readme-run-it" in capsys.readouterr().out

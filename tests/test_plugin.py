@@ -431,11 +431,15 @@ def test_ini_twins(inner: pytest.Pytester) -> None:
         "split": "test",
         "nonfinite_padding": False,
         "world_size": 2,
+        "rank_timeout": None,
+        "all_ranks": False,
         "trace": str(inner.path / "traces" / "t.csv"),
         "isolate": False,
         "isolate_timeout": 90.0,
         "checks": ["-rng"],
+        "progress": "auto",
         "compare": None,
+        "compare_threshold": None,
         "compare_fail": False,
         "bench_report": None,
     }
@@ -583,11 +587,15 @@ def test_json_report_content(inner: pytest.Pytester) -> None:
         "split": "test",
         "nonfinite_padding": False,
         "world_size": None,
+        "rank_timeout": None,
+        "all_ranks": False,
         "trace": None,
         "isolate": False,
         "isolate_timeout": None,
         "checks": None,
+        "progress": "auto",
         "compare": None,
+        "compare_threshold": None,
         "compare_fail": False,
         "bench_report": None,
     }
@@ -1135,6 +1143,53 @@ def test_compare_names_new_failures_and_new_passes_and_can_fail_the_run(
         result = inner.runpytest(f"--cudagraph-compare={bad}")
         assert result.ret == pytest.ExitCode.USAGE_ERROR
         result.stderr.fnmatch_lines([f"ERROR: --cudagraph-compare: *{why}*"])
+
+
+def test_compare_holds_figures_to_the_spread_of_several_kept_reports(inner: pytest.Pytester) -> None:
+    """--cudagraph-compare=a,b: each figure's noise is its spread over the kept reports (made from a
+    real run's report, their timings set so that the verdict cannot depend on this run's own); one
+    kept report's timings are judged by --cudagraph-compare-threshold (or its ini twin) only."""
+    inner.makepyfile(test_cmp=COMPARED)
+    inner.runpytest("--cudagraph-report=run.json", "-k", "test_two").assert_outcomes(failed=1)
+    run = _report(inner, "run.json")
+
+    def kept(name: str, capture: float, check: float, memory: int | None = None) -> None:
+        data = json.loads(json.dumps(run))
+        for record in data["tests"]["test_cmp.py::test_two"]["verifications"]:
+            record["report"]["capture_seconds"], record["report"]["check_seconds"] = capture, check
+            if memory is not None:
+                record["report"]["peak_memory_bytes"] = memory
+        (inner.path / name).write_text(json.dumps(data))
+
+    # The capture between 0 s and 1000 s (any run lies within), the checks at 1000 s and 1001 s.
+    kept("a.json", 0.0, 1000.0, memory=0)
+    kept("b.json", 1000.0, 1001.0, memory=1 << 50)
+    result = inner.runpytest("--cudagraph-compare=a.json,b.json", "-k", "test_two")
+    result.stdout.fnmatch_lines(
+        [
+            "cudagraph: compared with *a.json, *b.json: 0 new failure(s), 0 newly passing, *",
+            "cudagraph: 1 figure(s) moved beyond their run-to-run spread over the 2 kept reports *",
+            "  moved: test_cmp.py::test_two: verification 1 check_seconds: 1000.50 s -> * (x0.00; kept *)",
+        ]
+    )
+    assert "capture_seconds" not in result.stdout.str()
+    # One kept report: its timings are not judged without a threshold, and the summary says so ...
+    result = inner.runpytest("--cudagraph-compare=a.json", "-k", "test_two")
+    result.stdout.fnmatch_lines(["cudagraph: * timing(s) changed, not judged: one kept report gives no *"])
+    assert "check_seconds" not in result.stdout.str()
+    # ... and with one (the option or its ini twin), a timing beyond it moved.
+    for given in (["--cudagraph-compare-threshold=50%"], ["-o", "cudagraph_compare_threshold=0.5"]):
+        result = inner.runpytest("--cudagraph-compare=a.json", *given, "-k", "test_two")
+        result.stdout.fnmatch_lines(
+            ["cudagraph: * figure(s) moved beyond 50% (--cudagraph-compare-threshold)", "*check_seconds*"]
+        )
+    for bad in ("0", "-5%", "lots"):
+        result = inner.runpytest("--cudagraph-compare=a.json", f"--cudagraph-compare-threshold={bad}")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines(["ERROR: --cudagraph-compare-threshold: expected a fraction *"])
+    result = inner.runpytest("--cudagraph-compare=a.json,missing.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --cudagraph-compare: cannot read *missing.json*"])
 
 
 def test_one_options_object_is_the_source_of_every_keyword_list() -> None:

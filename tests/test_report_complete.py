@@ -312,3 +312,40 @@ def test_a_crash_report_from_xdist_is_collected_as_crashed() -> None:
         }
     }
     assert document["passed"] is False
+
+
+# -- the packages that took part -------------------------------------------------
+_USES_KERNELS = """
+def test_uses_a_kernel_library(cudagraph_manager):
+    import cgfake_kernels  # imported by the test only: on an xdist worker, never on the controller
+
+    assert cgfake_kernels.VERSION
+"""
+
+
+def _fake_distribution(folder: Path, name: str, version: str) -> None:
+    """An installed distribution ``name`` whose one top-level module is ``name`` with '-' as '_'."""
+    module = name.replace("-", "_")
+    (folder / module).mkdir()
+    (folder / module / "__init__.py").write_text(f"VERSION = {version!r}\n")
+    info = folder / f"{module}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text(module + "\n")
+
+
+@pytest.mark.parametrize("workers", [None, "1"], ids=["alone", "xdist"])
+def test_the_report_names_every_package_a_test_imported(inner: pytest.Pytester, workers: str | None) -> None:  # noqa: F811
+    """machine.packages: what the run's processes imported (an xdist worker's too), not a fixed list."""
+    _fake_distribution(inner.path, "cgfake-kernels", "1.2.3")
+    _fake_distribution(inner.path, "cgfake-unused", "4.5.6")  # installed, imported by no one
+    inner.makepyfile(test_kernels=_USES_KERNELS)
+    args = ["-p", "xdist.plugin", "-n", workers] if workers else ["-p", "no:xdist"]
+    if workers:
+        pytest.importorskip("xdist")
+    inner.runpytest(*args, "--cudagraph-report=report.json").assert_outcomes(passed=1)
+    packages = _load(inner.path / "report.json")["machine"]["packages"]
+    assert packages["cgfake-kernels"] == "1.2.3"
+    assert "cgfake-unused" not in packages
+    assert packages["pytest-cudagraph"] and packages["torch"]  # the fixed ones, always named
+    assert list(packages) == sorted(packages)

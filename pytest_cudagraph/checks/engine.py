@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
@@ -22,6 +21,7 @@ from ..manager.layout import MakeInputsError, not_a_module
 from ..options import VerifyOptions
 from ..plan import BatchDescriptor, CaptureConfig
 from ..plan.selection import select_descriptors
+from ..progress import over, progress_label, stage
 from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
 from .builtin.capture_safety import capture_safety, fix_of
 from .builtin.padded_size import CHECK as PADDED_SIZE_CHECK
@@ -130,11 +130,12 @@ def verify(
     with finite values). The module is verified in the mode it is in
     (``module.training``), which the report states. ``batch_dims`` (input
     name -> dimension) names the dimension that follows the batch where the
-    probes should not learn it (see ``GraphManager``). ``progress`` shows a
-    bar per descriptor checked on stderr: True always, False never, None (the
-    default) when stderr is a terminal and the checks run longer than
-    ``PROGRESS_DELAY`` seconds. ``batches`` (``Batch``es, such as a trace's
-    shapes: ``pytest_cudagraph.plan.trace.read_trace(path).shapes``) are the
+    probes should not learn it (see ``GraphManager``). ``progress`` shows the
+    stage and the descriptor (k of n) of the capture and the checks: under
+    the pytest plugin as ``--cudagraph-progress`` says, elsewhere as a bar
+    on stderr, True always, None (the default) when stderr is a terminal and
+    a stage runs longer than ``progress.PROGRESS_DELAY`` seconds; False
+    never. ``batches`` (``Batch``es, such as a trace's shapes: ``pytest_cudagraph.plan.trace.read_trace(path).shapes``) are the
     real batches the checks run, each with the descriptor that serves it, in
     place of the sweep of every token count; the dispatch check also holds
     each of them to the dispatch properties. Bad arguments raise ``ValueError``.
@@ -250,6 +251,7 @@ def _verify(
         checked_capture=True,
         eager_submodules=options.eager_submodules,
         batch_dims=options.batch_dims,
+        progress=progress,
     )
     selected = select_descriptors(manager.plan.capture_order, exhaustive=exhaustive)
     # The dispatch check concerns the whole plan: in a verification split by
@@ -289,6 +291,7 @@ def _verify(
         # would flush the interpreter's attribute caches every time.
         with meter.watching(), attributes_restored(module), host_methods_watched():
             check_forward_takes(module, manager.state.inputs)
+            stage(progress_label(report.module, manager.backend), "learning what forwards write", progress)
             with meter.step("learn"):
                 _learn_writes(ctx, selected)
             if selected and {c.name for c in checks} & _ASK_HOST_NUMBERS:
@@ -450,40 +453,6 @@ def _training_mode(module: torch.nn.Module) -> str:
     return "mixed"
 
 
-#: Seconds the checks run before an automatic progress bar appears.
-PROGRESS_DELAY = 2.0
-
-
-def progress_over(
-    items: list[BatchDescriptor], progress: bool | None, *, desc: str
-) -> Iterable[BatchDescriptor]:
-    """``items``, through a tqdm bar on stderr when ``progress`` is True, or
-    None and stderr is a terminal (then after ``PROGRESS_DELAY`` seconds, so
-    quick runs stay quiet). Captured output is not a terminal: pytest's
-    capture keeps it quiet, and the plugin passes False under ``-q``."""
-    auto = progress is None
-    if auto:
-        try:
-            progress = sys.stderr.isatty()
-        except (AttributeError, ValueError):  # a replaced or closed stderr
-            progress = False
-    if not progress:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is a dependency, but progress is optional
-        return items
-    bar: Iterable[BatchDescriptor] = tqdm(
-        items,
-        desc=desc,
-        unit="descriptor",
-        file=sys.stderr,
-        delay=PROGRESS_DELAY if auto else 0.0,
-        leave=False,
-    )
-    return bar
-
-
 def _run(
     ctx: VerifyContext,
     report: VerifyReport,
@@ -596,9 +565,9 @@ def _run(
     report.capture_seconds = manager.capture_seconds
     report.graph_memory = manager.graph_memory
     started = time.perf_counter()
-    label = f"Verifying {report.module} ({manager.backend})"
+    label = progress_label(report.module, manager.backend)
     per_descriptor = [c for c in runnable if c.scope == "descriptor"]
-    for desc in progress_over(selected, progress, desc=label):
+    for desc in over(selected, progress, label=label, stage="checks", unit="descriptor"):
         for check in per_descriptor:
             if desc in blocked:
                 report.add([Outcome(check.name, desc, True, blocked[desc], skipped=True)])
@@ -615,6 +584,7 @@ def _run(
         ctx.warm_prints.pop(desc, None)
         manager.drop_sample(desc)
     for check in (c for c in runnable if c.scope == "module"):
+        stage(label, check.name, progress)
         if not captured:
             report.add(
                 [
@@ -641,7 +611,7 @@ def _run(
         with meter.step(PADDED_SIZE_CHECK):
             every_size = queue_every_size(ctx, [d for d in manager.plan.capture_order if d not in selected])
     if later:
-        _after_release(ctx, report, selected, captured, blocked, later, meter, every_size)
+        _after_release(ctx, report, selected, captured, blocked, later, meter, every_size, progress)
     report.check_seconds = time.perf_counter() - started
 
 
@@ -654,6 +624,7 @@ def _after_release(
     checks: list[Check],
     meter: Meter,
     every_size: Iterable[BatchDescriptor] = (),
+    progress: bool | None = None,
 ) -> None:
     """The checks that need the graphs' memory: the graphs are released first (the verification's
     peak read before), and this stage's peak is reported apart (``report.reference_peak_memory``)."""
@@ -662,6 +633,7 @@ def _after_release(
     manager.release()
     report.reference_memory_at_start = start_peak(manager.device)
     for check in checks:
+        stage(progress_label(report.module, manager.backend), check.name, progress)
         with meter.step(check.name):
             descs = [*captured, *every_size] if check.name == PADDED_SIZE_CHECK else captured
             outcomes = _guarded_each(check, ctx, descs) if descs else []

@@ -1,33 +1,42 @@
-"""What one rank's process does: join the group, build its shard, verify it, write what it saw.
+"""What one rank does, however its process came to be: build its shard, verify it, say where it is.
 
-Runs in a process the launcher started (``torch.multiprocessing``, spawn).
-Everything it reports goes into files in the run's folder, so that the
-parent can read what every rank did even when one of them never returns:
+The same on ranks the harness spawns (``spawn.py``) and on ranks a launcher started
+(``launcher.py``); only how the process group comes to be and how the ranks hear from each other
+differ. A rank:
 
-- ``rank{r}.where``: "in NAME" while the rank is in a collective, "after
-  NAME" once it returned ("" before its first), kept
-  up to date by wrappers around ``torch.distributed``'s collectives and the
-  emulator's replay of them; what a hang is named by.
-- ``rank{r}.pkl``: the rank's ``VerifyReport`` and its agreement records
-  (``Seen``: for each real batch the manager ran, its shape, the descriptor
-  that served it and the outputs), or the exception that stopped it.
+- says where it is: "in NAME" while it is in a collective, "after NAME" once it returned ("" before
+  its first), kept up to date by wrappers around ``torch.distributed``'s collectives and the
+  emulator's replay of them, and written where its peers (or the spawning parent) read it; what a
+  hang is named by;
+- records what its peers are held to (``Seen``: for each real batch the manager ran, its shape,
+  the descriptor that served it and the outputs; a data-parallel training step records its
+  weights and gradients the same way);
+- runs its work (``verify`` of ``build(rank, world_size)``, or a training step's verification)
+  and keeps the report, or the exception that stopped it (``RankResult``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import pickle
-import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-__all__ = ["COLLECTIVES", "RankResult", "Seen", "rank_main"]
+__all__ = [
+    "COLLECTIVES",
+    "RankResult",
+    "RankStopped",
+    "RankWork",
+    "Seen",
+    "VerifyWork",
+    "Where",
+    "portable",
+    "recording",
+    "run_rank",
+    "watching",
+]
 
 #: The ``torch.distributed`` functions a module calls to communicate: each is
 #: wrapped in a rank's process so that the rank says where it waits.
@@ -51,12 +60,16 @@ COLLECTIVES = (
 
 @dataclass
 class Seen:
-    """One real batch as a rank's manager ran it."""
+    """One real batch (or one training step) as a rank ran it."""
 
     num_tokens: int
     num_reqs: int
     descriptor: str  # the label of the descriptor that served it
     output: Any  # on the CPU
+    #: What it is, where not a real batch ("the weights after step 2 at FULL-T4-R4"), and why ranks
+    #: that differ in it are wrong ("" for a real batch's outputs: a branch on the rank, say).
+    what: str = ""
+    cause: str = ""
 
 
 @dataclass
@@ -67,39 +80,62 @@ class RankResult:
     error: str | None = None  # the traceback that stopped the rank
 
 
-class _Where:
-    """Writes the collective a rank is in to its ``.where`` file."""
+class RankStopped(BaseException):
+    """Raised into a rank's main thread by the harness when the rank is past its time: a
+    ``BaseException``, so that no check's ``except Exception`` takes it for the check's failure."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+
+class Where:
+    """Where a rank is, told to ``write`` (a file the parent reads, or a key of the ranks' store)."""
+
+    def __init__(self, write: Callable[[str], object]) -> None:
+        self.write = write
         self.depth = 0
+        self.now = ""
+        write("")
 
     @contextlib.contextmanager
     def inside(self, name: str) -> Iterator[None]:
         """``in NAME`` while the collective runs, ``after NAME`` once it returned."""
         self.depth += 1
         if self.depth == 1:
-            self.path.write_text(f"in {name}")
+            self._say(f"in {name}")
         try:
             yield
         finally:
             self.depth -= 1
             if self.depth == 0:
-                self.path.write_text(f"after {name}")
+                self._say(f"after {name}")
+
+    def _say(self, text: str) -> None:
+        self.now = text
+        with contextlib.suppress(Exception):  # a store gone with its host: the verdict says so
+            self.write(text)
 
 
-def _watch_collectives(where: _Where) -> None:
+#: The ``Where`` of the verification running in this process (None between verifications).
+_current: list[Where] = []
+
+
+def _install_watch() -> None:
+    """Wrap ``torch.distributed``'s collectives once per process; each wrapper tells the current
+    ``Where`` (if any) that the rank is in it."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
     from ..backends import emulate
 
+    if getattr(dist, "_cudagraph_watched", False):
+        return
+
     def watched(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not _current:
+                return original(*args, **kwargs)
             first = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape")), None)
             shape = f" of {tuple(first.shape)}" if first is not None else ""
-            with where.inside(f"{name}{shape}"):
+            with _current[-1].inside(f"{name}{shape}"):
                 return original(*args, **kwargs)
 
         return wrapper
@@ -112,12 +148,30 @@ def _watch_collectives(where: _Where) -> None:
         setattr(dist, name, wrapper)
         if getattr(distributed_c10d, name, None) is original:
             setattr(distributed_c10d, name, wrapper)
+
     # The emulator's replay issues the captured collectives again, below dist.*.
-    emulate.collective_watch = lambda op: where.inside(f"{op} (replayed)")
+    def replayed(op: str) -> contextlib.AbstractContextManager[Any]:
+        return _current[-1].inside(f"{op} (replayed)") if _current else contextlib.nullcontext()
+
+    emulate.collective_watch = replayed
+    dist._cudagraph_watched = True  # type: ignore[attr-defined]
 
 
-def _record_batches(seen: list[Seen]) -> None:
-    """Record every real batch the manager runs: its shape, the descriptor serving it, its outputs."""
+@contextlib.contextmanager
+def watching(where: Where) -> Iterator[Where]:
+    """The collectives this process issues while the block runs are told to ``where``."""
+    _install_watch()
+    _current.append(where)
+    try:
+        yield where
+    finally:
+        _current.remove(where)
+
+
+@contextlib.contextmanager
+def recording(seen: list[Seen]) -> Iterator[list[Seen]]:
+    """Every real batch a ``GraphManager`` runs while the block runs: its shape, the descriptor
+    serving it, its outputs (on the CPU)."""
     from ..checks.verify_context import clone_tree
     from ..manager import GraphManager, tree
 
@@ -137,88 +191,77 @@ def _record_batches(seen: list[Seen]) -> None:
         return out
 
     GraphManager.run_batch = run_batch  # type: ignore[method-assign]
-
-
-def rank_main(
-    rank: int,
-    world_size: int,
-    init_file: str,
-    folder: str,
-    backend: str,
-    build: Callable[..., Any],
-    make_inputs: Callable[[int, int], Mapping[str, Any]],
-    keywords: dict[str, Any],
-    devices: list[int] | None,
-    sys_path: list[str],
-) -> None:
-    """One rank: the process group, ``build(rank, world_size)``, ``verify`` with ``keywords``."""
-    sys.path[:] = sys_path
-    out = Path(folder)
-    result = RankResult(rank)
-    where = _Where(out / f"rank{rank}.where")
-    where.path.write_text("")
     try:
+        yield seen
+    finally:
+        GraphManager.run_batch = original  # type: ignore[method-assign]
+
+
+#: What a rank runs: ``work(rank, world_size, device, seen) -> VerifyReport``, appending to
+#: ``seen`` what the ranks are held to each other by. Picklable (a spawned rank receives it).
+RankWork = Callable[[int, int, Any, list[Seen]], Any]
+
+
+@dataclass(frozen=True)
+class VerifyWork:
+    """``verify`` of ``build(rank, world_size)`` with ``keywords``: the work of ``verify_distributed``."""
+
+    build: Callable[..., Any]
+    make_inputs: Callable[[int, int], Mapping[str, Any]]
+    keywords: Mapping[str, Any]
+
+    def __call__(self, rank: int, world_size: int, device: Any, seen: list[Seen]) -> Any:
         import torch
-        import torch.distributed as dist
 
         from ..checks import verify
 
-        device: Any = "cpu"
-        if backend == "cuda":
-            index = devices[rank] if devices else rank
-            torch.cuda.set_device(index)
-            device = torch.device("cuda", index)
-        dist.init_process_group(
-            "nccl" if backend == "cuda" else "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-        )
-        _watch_collectives(where)
-        seen: list[Seen] = []
-        _record_batches(seen)
-        torch.manual_seed(int(keywords.get("seed", 0)))
-        module = build(rank, world_size)
+        seed = int(self.keywords.get("seed", 0))
+        torch.manual_seed(seed)
+        module = self.build(rank, world_size)
         # Every rank draws the same inputs: the same seed, the same sequence of calls.
-        torch.manual_seed(int(keywords.get("seed", 0)))
-        result.report = verify(
-            module, make_inputs, backend=backend, device=device, progress=False, **keywords
-        )
+        torch.manual_seed(seed)
+        with recording(seen):
+            return verify(
+                module,
+                self.make_inputs,
+                backend=_backend(device),
+                device=device,
+                progress=False,
+                **self.keywords,
+            )
+
+
+def _backend(device: Any) -> str:
+    return "cuda" if str(device).startswith("cuda") else "emulate"
+
+
+def run_rank(rank: int, world_size: int, device: Any, work: RankWork) -> RankResult:
+    """The rank's work, its report and records, or the exception that stopped it, told in words."""
+    result = RankResult(rank)
+    seen: list[Seen] = []
+    try:
+        result.report = work(rank, world_size, device, seen)
         result.seen = seen
     except (ValueError, TypeError) as exc:  # a usage error (make_inputs, keywords): its message says it all
         result.error = f"{type(exc).__name__}: {exc}"
+    except RankStopped as exc:
+        result.error = str(exc)
+    except KeyboardInterrupt:
+        raise
     except BaseException:
         result.error = traceback.format_exc()
-    _write(out / f"rank{rank}.pkl", result)
-    # A finished rank keeps its end of the group open until the parent says
-    # every rank is done (or gives up): a peer still in a collective then
-    # waits, and is reported as waiting there, instead of failing on a
-    # connection this rank closed.
-    release = out / "release"
-    while not release.exists():
-        time.sleep(0.05)
-    with contextlib.suppress(Exception):
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    os._exit(0)  # no interpreter teardown: a peer that hangs must not hold this rank
+    return result
 
 
-def _write(path: Path, result: RankResult) -> None:
-    tmp = path.with_suffix(".tmp")
+def portable(result: RankResult) -> bytes:
+    """``result`` pickled; a finding holding something unpicklable travels as its words."""
+    import pickle
+
     try:
-        data = pickle.dumps(result)
-    except Exception:  # a finding holding something unpicklable: the report's words still travel
-        result.report = _plain_report(result.report)
-        data = pickle.dumps(result)
-    tmp.write_bytes(data)
-    tmp.replace(path)
-
-
-def _plain_report(report: Any) -> Any:
-    for outcome in getattr(report, "outcomes", []):
-        finding = outcome.finding
-        if finding is not None:
-            finding.got, finding.expected = repr(finding.got), repr(finding.expected)
-    return report
+        return pickle.dumps(result)
+    except Exception:
+        for outcome in getattr(result.report, "outcomes", []):
+            finding = outcome.finding
+            if finding is not None:
+                finding.got, finding.expected = repr(finding.got), repr(finding.expected)
+        return pickle.dumps(result)

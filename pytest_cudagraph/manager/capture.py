@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
@@ -36,6 +35,7 @@ from ..errors import CaptureError, InternalError
 from ..guard import CaptureGuard, Violation, find_violations, host_methods_watched
 from ..observe import MODULE_INTERNALS, outside_forward
 from ..plan import BatchDescriptor, GraphMode
+from ..progress import over, progress_label
 from . import estimate, output_rows
 from .layout import MakeInputsError, call_make_inputs
 from .pieces import EagerPieceError, capture_in_pieces, piece_of, resolve_eager_submodules
@@ -235,7 +235,8 @@ class Capture:
                     if self.state.backend.checked
                     else self._warm_up(order, measure=measured and estimate.memory_check_enabled())
                 )
-                for desc in self._progress(order):
+                label = progress_label(type(self.state.module).__name__, self.state.backend.name)
+                for desc in over(order, self.state.progress, label=label, stage="capture", unit="graph"):
                     try:
                         self._capture_one(desc, staged.get(desc))
                     except CaptureError as exc:
@@ -269,21 +270,6 @@ class Capture:
         self.state.entries.clear()
         self.state.hot.clear()
         self.state.backend.release()
-
-    def _progress(self, order: list[BatchDescriptor]) -> Iterable[BatchDescriptor]:
-        show = self.state.progress
-        if show is None:
-            show = len(order) >= 16 and sys.stderr.isatty()
-        if not show:
-            return order
-        try:
-            from tqdm import tqdm
-        except ImportError:  # tqdm is a dependency, but progress is optional
-            return order
-        bar: Iterable[BatchDescriptor] = tqdm(
-            order, desc=f"Capturing graphs ({self.state.backend.name})", unit="graph"
-        )
-        return bar
 
     # -- staging --------------------------------------------------------
     @property

@@ -58,7 +58,10 @@ def call_make_inputs(
 
 
 def forward_signature(module: torch.nn.Module) -> Mapping[str, inspect.Parameter] | None:
-    """``forward``'s parameters; None where Python cannot describe it (its own call will say)."""
+    """``forward``'s parameters; None where Python cannot describe it (its own call will say).
+    ``DistributedDataParallel`` hands every input on to the module it wraps: that one's."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        module = module.module
     try:
         return inspect.signature(module.forward).parameters
     except (TypeError, ValueError):

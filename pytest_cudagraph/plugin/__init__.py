@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from . import ranks, settings, workers
 from . import report as pytest_report
-from . import settings, workers
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +25,14 @@ if TYPE_CHECKING:
     from ..bench.fixture import BenchmarkRunner
     from ..plan.batch import Batch
     from ..plan.properties import DispatchProperties
-    from .harness import DistributedVerifier, ManagerFactory, RunnerVerifier, TrainingVerifier, Verifier
+    from .harness import (
+        DistributedVerifier,
+        Launched,
+        ManagerFactory,
+        RunnerVerifier,
+        TrainingVerifier,
+        Verifier,
+    )
 
 _CUDA_MARKER = "cuda: the test needs a CUDA device; it is skipped cleanly where none is available"
 _CUDAGRAPH_MARKER = (
@@ -40,6 +47,9 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     from . import hookspecs
 
     pluginmanager.add_hookspecs(hookspecs)
+    # A rank's hooks (torchrun, srun): registered now so that they run in pytest's order; idle
+    # unless the launcher's environment is there.
+    pluginmanager.register(ranks.RankPlugin(), "cudagraph-ranks")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -67,8 +77,8 @@ class _Collector:
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         # The previous run's report must not look like this run's while this
         # one runs, nor after it if it is killed (SIGTERM, OOM) before the end.
-        if hasattr(self.config, "workerinput"):  # an xdist worker: the controller writes the report
-            return
+        if hasattr(self.config, "workerinput") or not ranks.writes_reports(self.config):
+            return  # an xdist worker (the controller writes the report), or a rank other than 0
         state = _state(self.config)
         if state.settings.report is not None:
             pytest_report.write_incomplete_report(state, state.settings.report)
@@ -106,6 +116,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _CUDAGRAPH_MARKER)
     if config.getoption("help", default=False):
         return  # --help works whatever the settings' values
+    ranks.configure(config)  # under torchrun or srun: which rank this is (only rank 0 writes --junitxml)
     run = settings.session_settings(config)
     state = config.stash[pytest_report.STATE_KEY] = pytest_report.RunState(run)
     if not hasattr(config, "workerinput"):  # checked once, before the run starts (and any worker)
@@ -236,6 +247,25 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     return None
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    # --cudagraph-progress: a verification's stage and descriptor on the terminal, past the capture.
+    if not _uses_plugin(item):
+        return (yield)
+    from .terminal_progress import showing
+
+    with showing(item.config):
+        return (yield)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    # pytest-xdist's controller: its workers show progress as it decided (their stdout is no terminal).
+    from .terminal_progress import WORKER_KEY, decided
+
+    node.workerinput[WORKER_KEY] = decided(node.config)
+
+
 def _needs_cuda(item: pytest.Item) -> bool:
     """A test that runs on the GPU: marked ``cuda``, or using the plugin where the run's backend is CUDA."""
     if item.get_closest_marker("cuda") is not None:
@@ -306,14 +336,21 @@ def pytest_runtest_makereport(
         setattr(report, pytest_report.BENCH_ATTR, rows)
     if _uses_plugin(item):
         setattr(report, pytest_report.USED_ATTR, True)
+    from .isolate import in_child
+
+    # The packages that took part, from every process of the run (xdist workers, isolated children).
+    if state.settings.report is not None or in_child():
+        modules = state.take_new_modules()
+        if modules:
+            setattr(report, pytest_report.MODULES_ATTR, modules)
     return report
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:
     config = session.config
-    if hasattr(config, "workerinput"):  # an xdist worker: the controller writes the report
-        return
+    if hasattr(config, "workerinput") or not ranks.writes_reports(config):
+        return  # an xdist worker (the controller writes the report), or a rank other than 0
     state = _state(config)
     run = state.settings
     if run.report is not None or run.compare is not None:
@@ -328,7 +365,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
         if run.compare is not None:
             from .compare_report import compare
 
-            state.comparison = compare(state.baseline or {}, document, str(run.compare))
+            state.comparison = compare(
+                state.baseline or [{}], document, ", ".join(map(str, run.compare)), run.compare_threshold
+            )
             if (
                 run.compare_fail
                 and state.comparison.new_failures
@@ -440,8 +479,8 @@ def cudagraph_verify(request: pytest.FixtureRequest, _cudagraph_slice: str | Non
         settings.marker_keywords(request.node),
         record,
         descriptor=_cudagraph_slice,
-        quiet=request.config.get_verbosity() < 0,
         hook_checks=_hook_checks(request),
+        launched=_launched(request.config),
     )
 
 
@@ -475,7 +514,9 @@ def cudagraph_verify_training(request: pytest.FixtureRequest) -> TrainingVerifie
 
     state = _state(request.config)
     record = functools.partial(state.add_pending, request.node.nodeid)
-    return TrainingVerifier(state.settings, settings.marker_keywords(request.node), record)
+    return TrainingVerifier(
+        state.settings, settings.marker_keywords(request.node), record, launched=_launched(request.config)
+    )
 
 
 @pytest.fixture
@@ -494,7 +535,22 @@ def cudagraph_verify_distributed(request: pytest.FixtureRequest) -> DistributedV
     state = _state(request.config)
     record = functools.partial(state.add_pending, request.node.nodeid)
     worker = request.config.workerinput["workerid"] if hasattr(request.config, "workerinput") else None
-    return DistributedVerifier(state.settings, settings.marker_keywords(request.node), record, worker=worker)
+    return DistributedVerifier(
+        state.settings,
+        settings.marker_keywords(request.node),
+        record,
+        worker=worker,
+        launched=_launched(request.config),
+        timeout=ranks.timeout(request.config),
+    )
+
+
+def _launched(config: pytest.Config) -> Launched | None:
+    """The ranks torchrun or srun started (None: no launcher), for the fixtures to verify across."""
+    from .harness import Launched
+
+    world_size = ranks.launched_world_size(config)
+    return None if world_size is None else Launched(world_size, ranks.timeout(config))
 
 
 def _hook_checks(request: pytest.FixtureRequest) -> list[Any]:

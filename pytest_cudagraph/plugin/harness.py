@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -78,6 +79,50 @@ def _usage(fixture: str, call: Callable[[], VerifyReport]) -> VerifyReport:
     except UsageError as exc:
         told = f"{fixture}: {exc}"
     pytest.fail(told, pytrace=False)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """The ranks a launcher started (torchrun, srun, a group the suite made): how many, and each
+    verification's seconds (--cudagraph-rank-timeout)."""
+
+    world_size: int
+    timeout: float
+
+
+def _on_ranks(
+    launched: Launched | None, keywords: Mapping[str, Any], verification: Callable[[], VerifyReport]
+) -> Callable[[], VerifyReport]:
+    """``verification``, or under a launcher the same on every rank with the reports merged (one
+    verdict on every rank)."""
+    if launched is None:
+        return verification
+    from ..distributed.verify import across_launched_ranks
+
+    backend = concrete_backend(str(keywords.get("backend", "auto")))
+    return lambda: across_launched_ranks(verification, timeout=launched.timeout, backend=backend)
+
+
+def _data_parallel(
+    launched: Launched,
+    module: torch.nn.Module,
+    make_inputs: Callable[[int, int], Mapping[str, Any]],
+    loss_fn: Callable[..., Any],
+    keywords: Mapping[str, Any],
+) -> Callable[[], VerifyReport]:
+    """A DDP module's step under a launcher: ``verify_data_parallel`` on the launcher's ranks."""
+    from ..distributed import verify_data_parallel
+
+    own = {k: v for k, v in keywords.items() if k not in ("backend", "device", "autocast")}
+    backend = concrete_backend(str(keywords.get("backend", "auto")))
+    return lambda: verify_data_parallel(
+        lambda rank, world_size: module,
+        make_inputs,
+        loss_fn,
+        timeout=launched.timeout,
+        backend=backend,
+        **own,
+    )
 
 
 def device_for_test(backend: str) -> torch.device:
@@ -166,16 +211,16 @@ class Verifier:
         sink: Callable[[dict[str, Any]], None],
         *,
         descriptor: str | None = None,
-        quiet: bool = False,
         hook_checks: list[Check] | None = None,
+        launched: Launched | None = None,
     ) -> None:
         self.settings = settings
+        #: Under torchrun or srun: every rank verifies its module and the reports are merged.
+        self.launched = launched
         #: Checks the session's ``pytest_cudagraph_checks`` hooks added, run after the built-ins.
         self.hook_checks = list(hook_checks or [])
         self.marker = dict(marker)
         self._sink = sink
-        #: -q: no progress bar, even on a terminal.
-        self.quiet = quiet
         #: The one descriptor to verify (--cudagraph-split=descriptor), by label.
         self.descriptor = descriptor
         self.reports: list[VerifyReport] = []
@@ -222,12 +267,13 @@ class Verifier:
             self._check_split(call)
             keywords["descriptors"] = (self.descriptor,)
         make_inputs = follow_device(module, make_inputs, keywords.get("device"))
-        if self.quiet:
-            keywords.setdefault("progress", False)
         if self.hook_checks:
             keywords["extra_checks"] = [*self.hook_checks, *check_list(keywords.get("extra_checks"))]
         try:
-            report = _usage("cudagraph_verify", lambda: verify(module, make_inputs, **keywords))
+            report = _usage(
+                "cudagraph_verify",
+                _on_ranks(self.launched, keywords, lambda: verify(module, make_inputs, **keywords)),
+            )
         except ValueError as exc:
             if self.descriptor is None or "not in the plan" not in str(exc):
                 raise
@@ -306,9 +352,16 @@ class TrainingVerifier:
     """
 
     def __init__(
-        self, settings: Settings, marker: Mapping[str, Any], sink: Callable[[dict[str, Any]], None]
+        self,
+        settings: Settings,
+        marker: Mapping[str, Any],
+        sink: Callable[[dict[str, Any]], None],
+        *,
+        launched: Launched | None = None,
     ) -> None:
         self.settings = settings
+        #: Under torchrun or srun: every rank verifies its step and the reports are merged.
+        self.launched = launched
         self.allowed = _training_keywords()
         self.marker = {k: v for k, v in marker.items() if k in self.allowed}
         self._sink = sink
@@ -330,9 +383,12 @@ class TrainingVerifier:
         keywords = {k: v for k, v in chosen.items() if k in self.allowed}
         keywords["backend"], keywords["device"] = backend, device
         make_inputs = follow_device(module, make_inputs, device)
-        report = _usage(
-            "cudagraph_verify_training", lambda: verify_training(module, make_inputs, loss_fn, **keywords)
+        verification = _on_ranks(
+            self.launched, keywords, lambda: verify_training(module, make_inputs, loss_fn, **keywords)
         )
+        if self.launched is not None and isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            verification = _data_parallel(self.launched, module, make_inputs, loss_fn, keywords)
+        report = _usage("cudagraph_verify_training", verification)
         return _recorded(self.reports, self._sink, report, keywords)
 
 
@@ -354,11 +410,17 @@ class DistributedVerifier:
         sink: Callable[[dict[str, Any]], None],
         *,
         worker: str | None = None,
+        launched: Launched | None = None,
+        timeout: float = 120.0,
     ) -> None:
         self.settings = settings
         self.marker = dict(marker)
         self._sink = sink
         self.worker = worker
+        #: The ranks a launcher started (None: the harness spawns ``world_size`` of its own).
+        self.launched = launched
+        #: Each rank's seconds, unless the call gives ``timeout=`` (--cudagraph-rank-timeout).
+        self.timeout = launched.timeout if launched is not None else timeout
         self.reports: list[VerifyReport] = []
 
     def __call__(
@@ -373,6 +435,11 @@ class DistributedVerifier:
         extra = ("world_size", "timeout", "replicated")
         check_keywords(call, (*VERIFY_KEYWORDS, *extra), "cudagraph_verify_distributed")
         world_size = call.pop("world_size", None) or self.settings.world_size
+        launched = self.launched
+        if launched is not None:  # torchrun, srun, the suite's group: the ranks that exist
+            if world_size is not None and int(world_size) != launched.world_size:
+                pytest.skip(f"needs {world_size} ranks; the launcher started {launched.world_size}")
+            world_size = launched.world_size
         if world_size is None:
             pytest.fail(
                 "cudagraph_verify_distributed needs world_size: pass world_size=..., or run with "
@@ -380,6 +447,7 @@ class DistributedVerifier:
                 pytrace=False,
             )
         own = {k: call.pop(k) for k in extra if k in call}
+        own["timeout"] = self.timeout if own.get("timeout") is None else own["timeout"]
         keywords = verify_keywords(self.settings, self.marker, call)
         if "capture_sizes" not in keywords:
             pytest.fail(f"cudagraph_verify_distributed {_NO_SIZES}", pytrace=False)
@@ -387,7 +455,7 @@ class DistributedVerifier:
         for name in ("device", "progress"):
             keywords.pop(name, None)
         devices = None
-        if concrete_backend(backend) == "cuda":
+        if concrete_backend(backend) == "cuda" and launched is None:
             devices = rank_devices(
                 self.worker, self.settings.devices, torch.cuda.device_count(), int(world_size)
             )
@@ -400,7 +468,7 @@ class DistributedVerifier:
         report = verify_distributed(
             build,
             make_inputs,
-            world_size=int(world_size),
+            world_size=None if launched is not None else int(world_size),
             backend=backend,
             devices=devices,
             **own,

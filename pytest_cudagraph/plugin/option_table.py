@@ -24,9 +24,11 @@ __all__ = [
     "option_name",
     "parse_backend",
     "parse_devices",
+    "parse_progress",
     "parse_seconds",
     "parse_sizes",
     "parse_split",
+    "parse_threshold",
     "parse_world_size",
     "run_default",
     "verify_option",
@@ -93,17 +95,20 @@ def verify_option(name: str, value: object, source: str) -> Any:
         raise pytest.UsageError(f"{source}: {exc}") from None
 
 
+def _positive(text: str, value: object, source: str, expected: str) -> float:
+    """``text`` as a finite number above 0; UsageError naming ``source`` and ``value`` otherwise."""
+    try:
+        number = float(text)
+    except ValueError:
+        number = float("nan")
+    if not number > 0 or number == float("inf"):
+        raise pytest.UsageError(f"{source}: expected {expected}; got {value!r}")
+    return number
+
+
 def parse_seconds(value: object, source: str) -> float:
     """A positive number of seconds; UsageError naming ``source`` otherwise."""
-    try:
-        seconds = float(str(value).strip())
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise pytest.UsageError(
-            f"{source}: expected a positive number of seconds, such as 600; got {value!r}"
-        )
-    return seconds
+    return _positive(str(value).strip(), value, source, "a positive number of seconds, such as 600")
 
 
 def parse_devices(value: object, source: str) -> tuple[int, ...]:
@@ -126,11 +131,33 @@ def parse_world_size(value: object, source: str) -> int:
     return int(text)
 
 
-def parse_split(value: object, source: str) -> str:
+def _one_of(choices: tuple[str, ...], value: object, source: str) -> str:
+    """``value`` (case-insensitive, spaces around it dropped) when it is one of ``choices``;
+    UsageError naming ``source`` otherwise."""
     text = value.strip().lower() if isinstance(value, str) else value
-    if text not in SPLITS:
-        raise pytest.UsageError(f"{source}: expected one of {', '.join(SPLITS)}; got {value!r}")
+    if text not in choices:
+        raise pytest.UsageError(f"{source}: expected one of {', '.join(choices)}; got {value!r}")
     return str(text)
+
+
+def parse_split(value: object, source: str) -> str:
+    return _one_of(SPLITS, value, source)
+
+
+PROGRESS = ("auto", "on", "off")
+
+
+def parse_progress(value: object, source: str) -> str:
+    return _one_of(PROGRESS, value, source)
+
+
+def parse_threshold(value: object, source: str) -> float:
+    """A fraction above 0 from '0.25' or '25%'; UsageError naming ``source`` otherwise."""
+    text = str(value).strip()
+    percent = text.endswith("%")
+    expected = "a fraction of the kept value above 0, such as 0.25 or 25%"
+    number = _positive(text[:-1] if percent else text, value, source, expected)
+    return number / 100 if percent else number
 
 
 @dataclass(frozen=True)
@@ -139,8 +166,9 @@ class OwnOption:
     ``_``) and the ini key ``cudagraph_<name>``, read into ``Settings.<name>``."""
 
     name: str
-    #: "flag" (store_true; a bool ini), "path" (relative to where it was given), or "value" (``parse``).
-    kind: Literal["flag", "path", "value"]
+    #: "flag" (store_true; a bool ini), "path" (relative to where it was given), "paths" (several,
+    #: comma-separated), or "value" (``parse``).
+    kind: Literal["flag", "path", "paths", "value"]
     help: str
     #: What the ini key holds, for ``--help``.
     ini_help: str
@@ -193,6 +221,23 @@ OWN_OPTIONS: tuple[OwnOption, ...] = (
         parse_world_size,
     ),
     OwnOption(
+        "rank_timeout",
+        "value",
+        "seconds each rank of a distributed verification may take (ranks spawned here, or those torchrun or srun "
+        "started): a rank still running after it is named with the collective it waits in, and no rank waits "
+        "longer. Default 120, or the call's timeout=",
+        "seconds a rank may take",
+        "SECONDS",
+        parse_seconds,
+    ),
+    OwnOption(
+        "all_ranks",
+        "flag",
+        "under torchrun or srun, every rank prints its terminal output (by default only rank 0 does, with every "
+        "rank's findings, and only rank 0 writes --junitxml and --cudagraph-report)",
+        "every rank prints",
+    ),
+    OwnOption(
         "split",
         "value",
         "test: one item per cudagraph_verify test (default); descriptor: one item per descriptor of tests whose "
@@ -229,13 +274,37 @@ OWN_OPTIONS: tuple[OwnOption, ...] = (
         parse_seconds,
     ),
     OwnOption(
+        "progress",
+        "value",
+        "a verification's stage and descriptor (k of n) on the terminal while it runs, past pytest's output capture "
+        "and from pytest-xdist workers: auto (the default) shows it for a verification running longer than 2 s "
+        "where the output is a terminal and not CI (the CI or BUILD_NUMBER environment variable) and not under -q; "
+        "on always, from the first step (a line a stage and at most one every 10 s where the output is not a "
+        "terminal); off never",
+        "auto, on or off",
+        "auto|on|off",
+        parse_progress,
+    ),
+    OwnOption(
         "compare",
-        "path",
-        "compare this run with the JSON report of an earlier one (--cudagraph-report): the terminal summary lists "
-        "what newly fails, what newly passes and which figures (capture time, peak and graph memory, check time) "
-        "moved by 10 %% or more",
-        "a JSON report to compare the run with, relative to the ini file",
-        "BASELINE.json",
+        "paths",
+        "compare this run with the JSON report of an earlier one (--cudagraph-report), or several of the same "
+        "code, comma-separated: the terminal summary lists what newly fails, what newly passes, then which "
+        "figures (capture time, check time, peak and graph memory) moved beyond their run-to-run spread over the "
+        "kept reports (and --cudagraph-compare-threshold); a timing of one kept report is judged only by the "
+        "threshold",
+        "JSON reports to compare the run with, comma-separated, relative to the ini file",
+        "BASELINE.json[,...]",
+    ),
+    OwnOption(
+        "compare_threshold",
+        "value",
+        "with --cudagraph-compare: a figure moved only when it changed by this fraction of its kept value or more "
+        "(such as 0.5 or 50%%), besides lying beyond its run-to-run spread where several kept reports give one. "
+        "Default: none for timings (one kept report: not judged), 10%% for memory",
+        "fraction a figure must move by, such as 0.5",
+        "FRACTION",
+        parse_threshold,
     ),
     OwnOption(
         "compare_fail",

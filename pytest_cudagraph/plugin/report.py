@@ -9,7 +9,9 @@ pytest-xdist ships the records from workers to the controller, and
 pytest-reportlog writes them) without any code of ours. The same way travel
 the flag ``USED_ATTR`` (the test used the plugin: it is listed in the JSON
 report whatever its outcome) and the ``cudagraph_benchmark`` rows
-(``BENCH_ATTR``, for the Markdown benchmark report).
+(``BENCH_ATTR``, for the Markdown benchmark report), and, where a JSON report is
+written, the top-level modules the test's process imported since its last report
+(``MODULES_ATTR``), from which the report names every package that took part.
 
 The JSON report loses nothing: it is replaced by a document saying
 ``"complete": false`` when the session starts, and written at the end
@@ -34,11 +36,12 @@ import pytest
 from ..files import atomic_write_text
 from ..options import VerifyOptions
 from ..units import format_bytes, format_seconds
-from .run_info import commit_info, machine_info, now_utc
+from .run_info import commit_info, imported_modules, machine_info, now_utc
 from .settings import Settings, option_name, session_settings
 
 __all__ = [
     "BENCH_ATTR",
+    "MODULES_ATTR",
     "REPORT_ATTR",
     "REPORT_SCHEMA",
     "REPORT_VERSION",
@@ -63,6 +66,8 @@ REPORT_ATTR = "cudagraph_records"
 USED_ATTR = "cudagraph_used"
 #: Attribute of a ``TestReport`` holding the ``cudagraph_benchmark`` rows made in that phase.
 BENCH_ATTR = "cudagraph_bench_rows"
+#: Attribute of a ``TestReport`` holding the top-level modules its process imported since the last one.
+MODULES_ATTR = "cudagraph_modules"
 #: Format version of the JSON report (2: ``complete``, ``exitstatus``, ``passed`` and
 #: ``outcomes`` at the top level; every test that used the plugin is listed. 3: ``started``,
 #: ``finished``, ``machine`` and ``commit``; a skipped check's ``passed`` is null and every
@@ -105,10 +110,15 @@ class RunState:
     not_run: list[str] = field(default_factory=list)
     #: when the session started (UTC, ISO 8601)
     started: str = field(default_factory=now_utc)
-    #: the report --cudagraph-compare names, read at the start (None: no comparison)
-    baseline: dict[str, Any] | None = None
+    #: the reports --cudagraph-compare names, read at the start (None: no comparison)
+    baseline: list[dict[str, Any]] | None = None
     #: what --cudagraph-compare found against it
     comparison: Any = None
+    #: top-level modules imported in this run's processes (xdist workers, isolated children), from
+    #: their reports: the JSON report's machine.packages names their distributions
+    modules: set[str] = field(default_factory=set)
+    #: the modules this process has put on a report already
+    modules_sent: set[str] = field(default_factory=set)
 
     def add_pending(self, nodeid: str, record: dict[str, Any]) -> None:
         self.pending.setdefault(nodeid, []).append(record)
@@ -121,9 +131,16 @@ class RunState:
         del self.bench_rows[:]  # in place: the fixture holds ``bench_rows.append``
         return rows
 
+    def take_new_modules(self) -> list[str]:
+        """The top-level modules imported in this process since the last call, sorted."""
+        new = imported_modules() - self.modules_sent
+        self.modules_sent |= new
+        return sorted(new)
+
     def collect(self, report: pytest.TestReport) -> None:
         """Take the records, rows and outcome of one phase's report (local or from an xdist worker)."""
         nodeid = report.nodeid
+        self.modules.update(getattr(report, MODULES_ATTR, None) or ())
         records = getattr(report, REPORT_ATTR, None)
         if records:
             self.results.setdefault(nodeid, []).extend(records)
@@ -388,7 +405,7 @@ def report_document(
         "outcomes": counts,
         "started": state.started,
         "finished": now_utc(),
-        "machine": machine_info(),
+        "machine": machine_info(state.modules),
         "commit": commit_info(root or Path.cwd()),
         "settings": state.settings.to_dict(),
         "tests": tests,

@@ -11,16 +11,19 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["commit_info", "machine_info", "now_utc"]
+__all__ = ["commit_info", "imported_modules", "machine_info", "now_utc", "packages"]
 
-#: Distributions whose versions the report records (None where not installed).
+#: Distributions the report always names, installed or not (null where not): the plugin and what it
+#: runs on. Every other distribution is named where a module of it was imported (``packages``).
 _PACKAGES = (
     "pytest-cudagraph",
     "pytest",
@@ -30,6 +33,33 @@ _PACKAGES = (
     "pytest-xdist",
     "pytest-benchmark",
 )
+
+
+def _normal(name: str) -> str:
+    """A distribution's name as PEP 503 compares names: 'Pytest_Xdist' -> 'pytest-xdist'."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def imported_modules() -> set[str]:
+    """The top-level names of the modules imported in this process now ('triton', 'torchao', ...)."""
+    return {name.partition(".")[0] for name in list(sys.modules)}
+
+
+def packages(modules: Iterable[str] = ()) -> dict[str, str | None]:
+    """The versions of the distributions that took part in the run: those of ``_PACKAGES``
+    (None where not installed) and every installed distribution a module of ``modules`` (top-level
+    names imported in this process or another of the run: an xdist worker, an isolated child)
+    or of this process belongs to, by PEP 503 name, sorted. Derived from what was imported, so
+    the kernels' and the quantization libraries' (triton, torchao) are there when a test used them,
+    and nothing is that no test imported."""
+    found: dict[str, str | None] = {name: _version(name) for name in _PACKAGES}
+    owners = metadata.packages_distributions()
+    for module in imported_modules() | set(modules):
+        for distribution in owners.get(module, ()):
+            name = _normal(distribution)
+            if found.get(name) is None:
+                found[name] = _version(distribution)
+    return dict(sorted(found.items()))
 
 
 def now_utc() -> str:
@@ -81,9 +111,10 @@ def _torch_info() -> dict[str, Any] | None:
     return info
 
 
-def machine_info() -> dict[str, Any]:
-    """Python, the operating system, the CPU count, the packages' versions, torch and its devices,
-    and the NVIDIA driver (from ``nvidia-smi``, where there is one)."""
+def machine_info(modules: Iterable[str] = ()) -> dict[str, Any]:
+    """Python, the operating system, the CPU count, the versions of the packages that took part
+    (``packages``: this process's imports and ``modules``, those of the run's other processes),
+    torch and its devices, and the NVIDIA driver (from ``nvidia-smi``, where there is one)."""
     driver = None
     if shutil.which("nvidia-smi"):
         out = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
@@ -96,7 +127,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "python_implementation": platform.python_implementation(),
         "cpu_count": os.cpu_count(),
-        "packages": {name: _version(name) for name in _PACKAGES},
+        "packages": packages(modules),
         "torch": _torch_info(),
         "nvidia_driver": driver,
     }

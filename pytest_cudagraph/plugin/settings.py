@@ -112,6 +112,10 @@ class Settings:
     bench_report: Path | None = None
     #: CUDA device indices workers take in turn (None: every visible device).
     devices: tuple[int, ...] | None = None
+    #: Seconds a rank of a distributed verification may take (None: the call's timeout, else 120).
+    rank_timeout: float | None = None
+    #: Under a launcher, every rank prints (by default rank 0 only).
+    all_ranks: bool = False
     #: "test": one item per verification; "descriptor": one per descriptor.
     split: str = "test"
     #: Ranks of distributed verifications that do not set world_size (None: they must).
@@ -124,8 +128,13 @@ class Settings:
     isolate: bool = False
     #: Seconds an isolated child may run (None: pytest-timeout's, if any, else no limit).
     isolate_timeout: float | None = None
-    #: A JSON report of an earlier run to compare this one with (--cudagraph-compare).
-    compare: Path | None = None
+    #: A verification's progress on the terminal: "auto", "on" or "off" (--cudagraph-progress).
+    progress: str = "auto"
+    #: JSON reports of earlier runs to compare this one with (--cudagraph-compare): one, or several
+    #: of the same code, whose spread is each figure's run-to-run noise.
+    compare: tuple[Path, ...] | None = None
+    #: A figure moved only when it changed by this fraction or more (--cudagraph-compare-threshold).
+    compare_threshold: float | None = None
     #: Fail the run when the comparison finds a new failure.
     compare_fail: bool = False
 
@@ -155,7 +164,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, tuple):
-        return list(value)
+        return [_plain(v) for v in value]
     return value
 
 
@@ -234,6 +243,8 @@ def session_settings(config: pytest.Config) -> Settings:
             own[entry.name] = _flag(config, f"cudagraph_{entry.name}")
         elif entry.kind == "path":
             own[entry.name] = _path(config, f"cudagraph_{entry.name}")
+        elif entry.kind == "paths":
+            own[entry.name] = _paths(config, f"cudagraph_{entry.name}")
         else:
             assert entry.parse is not None
             value = _option_or_ini(config, entry.name, entry.parse)
@@ -278,6 +289,22 @@ def _path(config: pytest.Config, name: str) -> Path | None:
         base = config.inipath.parent if config.inipath is not None else config.rootpath
         return base / ini
     return None
+
+
+def _paths(config: pytest.Config, name: str) -> tuple[Path, ...] | None:
+    """A comma-separated list of paths, each taken as ``_path`` takes one; None when not set."""
+    option = config.getoption(name, default=None)
+    text = option if option else _ini_str(config, name)
+    if not text:
+        return None
+    base = (
+        config.invocation_params.dir
+        if option
+        else config.inipath.parent
+        if config.inipath is not None
+        else config.rootpath
+    )
+    return tuple(base / part.strip() for part in str(text).split(",") if part.strip()) or None
 
 
 def check_report_path(path: Path, source: str) -> None:
@@ -338,14 +365,15 @@ def check_session(run: Settings, config: pytest.Config) -> None:
             )
 
 
-def compare_baseline(run: Settings, config: pytest.Config) -> dict[str, Any] | None:
-    """The report --cudagraph-compare (or its ini) names, read once when the session starts;
-    UsageError when it cannot be read as a finished run's report."""
+def compare_baseline(run: Settings, config: pytest.Config) -> list[dict[str, Any]] | None:
+    """The reports --cudagraph-compare (or its ini) names, read once when the session starts;
+    UsageError when one cannot be read as a finished run's report."""
     if run.compare is None:
         return None
     from .compare_report import load_baseline
 
-    return load_baseline(run.compare, _source(config, "cudagraph_compare"))
+    source = _source(config, "cudagraph_compare")
+    return [load_baseline(path, source) for path in run.compare]
 
 
 def _source(config: pytest.Config, name: str) -> str:

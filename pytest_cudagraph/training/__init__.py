@@ -6,4 +6,10 @@ from __future__ import annotations
 from .adapters import compiled_training, graphed_training
 from .verify import TRAINING_CHECKS, TrainingStep, verify_training
 
-__all__ = ["TRAINING_CHECKS", "TrainingStep", "compiled_training", "graphed_training", "verify_training"]
+__all__ = [
+    "TRAINING_CHECKS",
+    "TrainingStep",
+    "compiled_training",
+    "graphed_training",
+    "verify_training",
+]

@@ -20,6 +20,8 @@ MUTANTS: list[Mutant] = [
     *runner.DISTRIBUTED,
     *plan.TRACE,
     *plugin.FAULTS,
+    *plugin.REPORTS,
+    *plugin.PROGRESS,
     *checks.FLOOR,
     *precision.PADDED_SIZE,
     *precision.LAUNCHES,

@@ -3,7 +3,23 @@ with the emulator's collectives."""
 
 from __future__ import annotations
 
-from ..common import DIST_TESTS, DV, EM, MS, RC, RUNNER_TESTS, RV, RX, Mutant
+from ..common import (
+    DIST_TESTS,
+    DL,
+    DM,
+    DP,
+    DP_TESTS,
+    EM,
+    LAUNCHER_TESTS,
+    LE,
+    MS,
+    PRK,
+    RC,
+    RUNNER_TESTS,
+    RV,
+    RX,
+    Mutant,
+)
 
 RUNNER: list[Mutant] = [
     # -- verify_runner: the runner checks and their sweep ------------------------------------
@@ -61,7 +77,7 @@ DISTRIBUTED: list[Mutant] = [
     # -- verify_distributed and the emulator's collectives ------------------------------------
     Mutant(
         "distributed-rank-peaks-dropped",
-        DV,
+        DM,
         "        report.rank_peak_memory[rank] = result.report.peak_memory\n",
         "",
         ("examples/tensor_parallel/test_tensor_parallel.py::test_tp_module_passes_on_every_rank[llama]",),
@@ -69,7 +85,7 @@ DISTRIBUTED: list[Mutant] = [
     ),
     Mutant(
         "dist-outputs-not-compared",
-        DV,
+        DM,
         "diff = first_difference(b.output, a.output)",
         "diff = first_difference(a.output, a.output)",
         DIST_TESTS,
@@ -77,11 +93,60 @@ DISTRIBUTED: list[Mutant] = [
     ),
     Mutant(
         "dist-descriptor-not-compared",
-        DV,
+        DM,
         "if a.descriptor != b.descriptor:",
         "if False:",
         DIST_TESTS,
         "ranks that serve a batch with different graphs agree",
+    ),
+    # -- ranks a launcher started (#59) ----------------------------------------------------------
+    Mutant(
+        "launcher-verdict-not-agreed",
+        DL,
+        'agreed = self.store.compare_set(f"{label}/verdict", "", proposal)',
+        "agreed = proposal",
+        (f"{LAUNCHER_TESTS}::test_the_ranks_agree_on_the_first_verdict_proposed",),
+        "each rank takes its own verdict: ranks end one verification with different outcomes",
+    ),
+    Mutant(
+        "launcher-srun-ignored",
+        LE,
+        "    if tasks is None or proc is None or tasks < 2:",
+        "    if True:",
+        (f"{LAUNCHER_TESTS}::test_the_environment_says_which_rank_this_is",),
+        "srun's SLURM_PROCID / SLURM_NTASKS not read: its ranks would each spawn ranks of their own",
+    ),
+    Mutant(
+        "launcher-rank1-writes-reports",
+        PRK,
+        "    return env is None or env.rank == 0",
+        "    return True",
+        (f"{LAUNCHER_TESTS}::test_only_rank_0_writes_the_reports",),
+        "every rank writes --cudagraph-report over the same path",
+    ),
+    Mutant(
+        "launcher-rank1-writes-junit",
+        PRK,
+        "        config.option.xmlpath = None  # rank 0 writes it",
+        "        pass  # rank 0 writes it",
+        (f"{LAUNCHER_TESTS}::test_only_rank_0_writes_the_reports",),
+        "every rank writes --junitxml over the same path",
+    ),
+    Mutant(
+        "ddp-sync-unchecked",
+        DP,
+        "if sync != held), None)",
+        "if False), None)",
+        (f"{DP_TESTS}::test_the_sync_the_graph_holds_is_held_to_each_eager_step",),
+        "a graph captured with gradient sync on, replayed where eager runs under no_sync(), passes",
+    ),
+    Mutant(
+        "ddp-weights-not-held-across-ranks",
+        DP,
+        "                    copy.after.append(_held_equal(module, bool(copy.captured)))",
+        "                    pass",
+        (f"{DP_TESTS}::test_its_twin_all_reducing_outside_the_graph_passes",),
+        "the ranks' weights after each replayed step never compared",
     ),
     Mutant(
         "emulate-collective-not-replayed",
