@@ -33,13 +33,13 @@ from ..backends.base import CapturedGraph
 from ..context import running
 from ..errors import CaptureError, InternalError
 from ..guard import CaptureGuard, Violation, find_violations, host_methods_watched
-from ..observe import MODULE_INTERNALS, outside_forward
+from ..observe import MODULE_INTERNALS
 from ..plan import BatchDescriptor, GraphMode
 from ..progress import over, progress_label
 from . import estimate, output_rows
-from .layout import MakeInputsError, call_make_inputs
 from .pieces import EagerPieceError, capture_in_pieces, piece_of, resolve_eager_submodules
 from .runtime import Runtime
+from .staging import Staging
 from .types import Entry
 
 if TYPE_CHECKING:
@@ -145,6 +145,8 @@ class Capture:
     def __init__(self, state: ManagerState, runtime: Runtime) -> None:
         self.state = state
         self.runtime = runtime
+        #: make_inputs checked and each descriptor's sample staged (staging.py).
+        self.staging = Staging(state, runtime)
 
     # -- what an estimate reads besides the state (estimate.Sizing) ---------
     def capture_reqs(self, desc: BatchDescriptor) -> int:
@@ -152,6 +154,10 @@ class Capture:
 
     def eager_kwargs(self, inputs: Mapping[str, Any], num_tokens: int) -> dict[str, Any]:
         return self.runtime.eager_kwargs(inputs, num_tokens)
+
+    @property
+    def make_inputs(self) -> Callable[[int, int], Mapping[str, Any]]:
+        return self.staging.make_inputs
 
     # -- the sequence ---------------------------------------------------
     @property
@@ -271,84 +277,6 @@ class Capture:
         self.state.hot.clear()
         self.state.backend.release()
 
-    # -- staging --------------------------------------------------------
-    @property
-    def make_inputs(self) -> Callable[[int, int], Mapping[str, Any]]:
-        """``make_inputs``, checked: a call whose keys differ from the layout's raises ``ValueError``."""
-        return self._checked_make_inputs
-
-    def _checked_make_inputs(self, num_tokens: int, num_reqs: int) -> dict[str, Any]:
-        # A make_inputs that syncs weights in place (an RL engine's weight sync) writes the module
-        # outside any forward: told to the observer, so that nothing takes it for a forward's write.
-        with outside_forward(self.state.observer):
-            inputs = call_make_inputs(self.state.user_make_inputs, num_tokens, num_reqs)
-        if inputs.keys() != self.state.inputs.keys():
-            missing = sorted(n for n in self.state.inputs if n not in inputs)
-            extra = sorted(n for n in inputs if n not in self.state.inputs)
-            raise MakeInputsError(
-                f"make_inputs(num_tokens={num_tokens}, num_reqs={num_reqs}) returned inputs {sorted(inputs)}, "
-                f"but at the probe and largest shapes it returned {sorted(self.state.inputs)} "
-                f"(missing {missing}, new {extra}); make_inputs must return the same keys at every shape"
-            )
-        return inputs
-
-    def stage_sample(self, desc: BatchDescriptor) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``make_inputs`` at ``desc``'s own shape, loaded into the static buffers:
-        (the sample, the keyword inputs a forward of that shape reads).
-
-        Captures run on valid data of their very shape (indices in range, say):
-        a prefix of the largest shape's inputs need not be valid.
-        """
-        reqs = self.runtime.capture_reqs(desc)
-        sample = self._checked_make_inputs(desc.num_tokens, reqs)
-        if self.state.value_names:
-            # Python values that change with the batch: the graph holds what its own sample gave.
-            self.state.values_at[desc.num_tokens, reqs] = {n: sample[n] for n in self.state.value_names}
-        kwargs = self.runtime.forward_inputs(desc.num_tokens, reqs)
-        self._load_sample(desc, reqs, sample, kwargs)
-        return sample, kwargs
-
-    def _load_sample(
-        self, desc: BatchDescriptor, reqs: int, sample: Mapping[str, Any], kwargs: Mapping[str, Any]
-    ) -> None:
-        """Copy ``desc``'s own sample into the static buffers.
-
-        A sample of the descriptor's exact shape (what ``make_inputs`` gives at
-        that shape) fills the windows the forward reads, ``kwargs``, as they
-        are: each tensor is copied straight in and no load plan is built, since
-        nothing is padded. Anything else (a key, dtype, device or shape off the
-        layout) goes through ``batch_of`` and ``load_inputs``, which say what
-        is wrong or pad what is short.
-        """
-        if sample.keys() == self.state.run_names:
-            index = self.state.device_index
-            exact = True
-            for name, spec in self.state.tensor_specs:
-                value = sample[name]
-                if not (
-                    isinstance(value, torch.Tensor)
-                    and value.dtype == spec.dtype
-                    and value.shape == kwargs[name].shape
-                    and (value.is_cpu if index < 0 else value.get_device() == index)
-                ):
-                    exact = False
-                    break
-            if exact:
-                with torch.no_grad():
-                    for name, _ in self.state.tensor_specs:
-                        kwargs[name].copy_(sample[name])
-                    if self.state.is_padding is not None:
-                        kwargs["is_padding"].fill_(False)
-                return
-        batch = self.runtime.batch_of(sample, num_reqs=reqs)
-        if batch.num_tokens != desc.num_tokens:
-            raise MakeInputsError(
-                f"make_inputs(num_tokens={desc.num_tokens}, num_reqs={reqs}) returned a batch of "
-                f"{batch.num_tokens} tokens; make_inputs must return exactly num_tokens tokens (a rank or a "
-                "call that adds its own makes another batch than its peers')"
-            )
-        self.runtime.load_inputs(desc, sample, batch)
-
     # -- warm-up ----------------------------------------------------------
     def _warm_up(
         self, order: list[BatchDescriptor], *, measure: bool = False
@@ -376,7 +304,7 @@ class Capture:
 
         def warm() -> None:
             for desc in order:
-                sample, kwargs = self.stage_sample(desc)
+                sample, kwargs = self.staging.stage_sample(desc)
                 try:
                     with self._phase("warm-up", desc), running(desc):
                         if desc is largest and meter is not None:
@@ -402,7 +330,7 @@ class Capture:
                 # warm-up again, under the storage counter, on its own sample.
                 return self.state.backend.warmup(
                     lambda: estimate.measure_forward(
-                        self.state.module, self.stage_sample(largest)[1], marker=largest
+                        self.state.module, self.staging.stage_sample(largest)[1], marker=largest
                     )
                 )
 
@@ -427,7 +355,7 @@ class Capture:
         if isinstance(staged, _Staged):
             sample, kwargs = staged.sample, staged.kwargs
         else:
-            sample, kwargs = self.stage_sample(desc)
+            sample, kwargs = self.staging.stage_sample(desc)
 
         def forward() -> Any:
             with running(desc):

@@ -357,11 +357,11 @@ class GraphManager:
     @property
     def make_inputs(self) -> Callable[[int, int], Mapping[str, Any]]:
         """``make_inputs``, checked: a call whose keys differ from the layout's raises ``ValueError``."""
-        return self._capture.make_inputs
+        return self._capture.staging.make_inputs
 
     def stage_sample(self, desc: BatchDescriptor) -> tuple[dict[str, Any], dict[str, Any]]:
-        """See ``Capture.stage_sample``."""
-        return self._capture.stage_sample(desc)
+        """See ``Staging.stage_sample``."""
+        return self._capture.staging.stage_sample(desc)
 
     def eager_modules(self, desc: BatchDescriptor) -> list[torch.nn.Module]:
         """See ``Capture.eager_modules``."""
