@@ -13,7 +13,10 @@ from typing import Any
 import torch
 
 from ..checks.compare import first_difference
+from ..checks.engine import check_keywords
 from ..checks.report import Finding, Outcome, VerifyReport
+from ..options import MAX_SECONDS, MAX_WORLD_SIZE
+from ..plan.validate import UsageError, check_int
 from .rank import RankResult, rank_main
 
 __all__ = ["AGREEMENT_CHECK", "verify_distributed"]
@@ -80,15 +83,19 @@ def verify_distributed(
     rank is stopped, and ``rank_agreement`` fails naming each rank that did
     not finish and the collective it waits in.
     """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"verify_distributed: world_size must be a positive int; got {world_size!r}")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"verify_distributed: timeout must be a positive number of seconds; got {timeout!r}")
+    check_int("verify_distributed: world_size", world_size, maximum=MAX_WORLD_SIZE)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_SECONDS:
+        raise UsageError(
+            f"verify_distributed: timeout must be a positive number of seconds up to {MAX_SECONDS:.0f}; got {timeout!r}"
+        )
     if "capture_sizes" not in keywords and "config" not in keywords:
-        raise ValueError("verify_distributed: needs capture_sizes=[...] (or config=...), as verify() does")
+        raise UsageError("verify_distributed: needs capture_sizes=[...] (or config=...), as verify() does")
     for name in ("device", "progress"):
         if name in keywords:
             raise TypeError(f"verify_distributed: {name} is chosen per rank by the harness; do not pass it")
+    # What each rank's verify() would refuse, refused here once, before any process starts.
+    rest = {k: v for k, v in keywords.items() if k not in ("config", "options")}
+    check_keywords(keywords.get("config"), keywords.get("options"), rest, "verify_distributed")
     _check_picklable("build", build)
     _check_picklable("make_inputs", make_inputs)
     chosen = _resolve_backend(backend, world_size)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..options import concrete_backend
+from ..plan.validate import UsageError
 
 __all__ = ["default_device", "follow_device", "inputs_on", "move_to"]
 
@@ -20,9 +21,9 @@ def default_device(backend: str) -> torch.device:
     backend = concrete_backend(backend)
     if backend == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(
-                "backend 'cuda' was asked for (fixture keyword, marker, --cudagraph-backend or ini "
-                "cudagraph_backend), but torch.cuda.is_available() is False here; use 'emulate' or 'auto'"
+            raise UsageError(
+                "backend 'cuda' was asked for, but torch.cuda.is_available() is False here (no GPU, or a CPU "
+                "build of torch); use 'emulate' or 'auto'"
             )
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
