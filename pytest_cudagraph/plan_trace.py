@@ -27,6 +27,7 @@ from typing import Any
 from .errors import UsageError
 from .files import atomic_write_text, check_output_path
 from .plan import CaptureConfig, CapturePlan, GraphMode
+from .plan.config import MAX_CAPTURE_TOKENS
 from .plan.trace import Analysis, Trace, TraceError, analyse, assumed, read_trace, suggest
 from .units import format_bytes
 
@@ -58,12 +59,14 @@ _sizes = _counts(1, "token counts", "1,2,4,8")
 
 
 def _positive(text: str) -> int:
+    """An argparse type: an integer from 1 to ``MAX_CAPTURE_TOKENS`` (a count of requests, tokens a
+    request, graphs or rows: beyond it a number is a typo, as the plan says of larger counts)."""
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {text!r}")
+    if not 1 <= value <= MAX_CAPTURE_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_CAPTURE_TOKENS}; got {text!r}")
     return value
 
 

@@ -65,9 +65,9 @@ class BenchmarkRunner:
         pad_values: Mapping[str, Any] | None = None,
         **config: Any,
     ) -> list[DescriptorBench] | None:
+        check_keywords(config, (*_OWN, *CaptureConfig.field_names()), "cudagraph_benchmark")
         if self._session is None:
             raise UsageError("cudagraph_benchmark needs pytest-benchmark (pip install pytest-benchmark)")
-        check_keywords(config, (*_OWN, *CaptureConfig.field_names()), "cudagraph_benchmark")
         check_int("rounds", rounds, maximum=MAX_ROUNDS)
         check_int("calls_per_round", calls_per_round, maximum=MAX_CALLS)
         check_int("warmup", warmup, minimum=0, maximum=MAX_ROUNDS)

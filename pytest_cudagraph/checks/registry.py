@@ -36,9 +36,10 @@ import inspect
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Literal
 
-from ..plan.validate import UsageError, did_you_mean, short
+from ..plan.validate import MAX_ITEMS, UsageError, did_you_mean, short
 from .report import Finding, Outcome
 
 __all__ = [
@@ -156,7 +157,10 @@ def check_list(checks: Check | Iterable[Any] | None, *, what: str = "extra_check
         return [checks]
     if isinstance(checks, (str, bytes, Mapping)) or not isinstance(checks, Iterable):
         raise UsageError(f"{what} must be a list of pytest_cudagraph.checks.Check; got {short(checks)}")
-    return list(checks)
+    items = list(islice(checks, MAX_ITEMS + 1))  # an endless iterable is refused, never read whole
+    if len(items) > MAX_ITEMS:
+        raise UsageError(f"{what} must be a list of pytest_cudagraph.checks.Check; got more than {MAX_ITEMS}")
+    return items
 
 
 class CheckRegistry:

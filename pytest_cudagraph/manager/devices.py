@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..backends.factory import as_device
 from ..options import concrete_backend
 from ..plan.validate import UsageError
 
@@ -65,9 +66,9 @@ def follow_device(
     """On a CUDA device, the same test as on the CPU: the module moves there (in place,
     ``module.to(device)``) when it has CPU parameters or buffers, and the tensors
     ``make_inputs`` returns are moved there; elsewhere both are left as they are."""
-    if device is None or torch.device(device).type != "cuda":
+    target = as_device(device)  # a UsageError for a device this torch lacks, before anything moves
+    if target is None or target.type != "cuda":
         return make_inputs
-    target = torch.device(device)
     if any(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers())):
         module.to(target)
     return inputs_on(make_inputs, target)

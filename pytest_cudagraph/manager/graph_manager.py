@@ -134,6 +134,16 @@ class GraphManager:
             )
         for name, value in (("pad_values", pad_values), ("batch_dims", batch_dims)):
             check_named(name, value)
+        for name, value, none in (
+            ("output_views", output_views, False),
+            ("measure_device_memory", measure_device_memory, False),
+            ("progress", progress, True),
+            ("checked_capture", checked_capture, True),
+        ):
+            if not isinstance(value, bool) and not (none and value is None):
+                raise UsageError(
+                    f"{name} must be True or False{' or None' if none else ''}; got {short(value)}"
+                )
         plan = CapturePlan(config)
         _check_not_meta(module)
         eager_pieces = resolve_eager_submodules(

@@ -102,6 +102,6 @@ def unreadable(value: Any) -> str | None:
             "list of numbers): pass each tensor as an input of its own"
         )
     return (
-        f"a {kind.__name__}, which the harness can neither copy into a static buffer nor compare; pass a "
+        f"an object of type {kind.__name__}, which the harness can neither copy into a static buffer nor compare; pass a "
         "tensor, or a number, bool or None"
     )

@@ -21,6 +21,7 @@ range, say) rather than uninitialised memory.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from ..context import running
 from ..guard import CaptureGuard
 from ..observe import plain_parts
 from ..plan import BatchDescriptor
-from ..plan.validate import UsageError
+from ..plan.validate import MAX_ITEMS, UsageError, short
 
 __all__ = [
     "EagerCall",
@@ -81,12 +82,16 @@ def resolve_eager_submodules(module: torch.nn.Module, spec: EagerSpec) -> list[t
                 chosen.append((name, sub))
     else:
         try:
-            items = list(spec)  # type: ignore[arg-type]
+            items = list(islice(spec, MAX_ITEMS + 1))  # type: ignore[arg-type]  # never an endless one whole
         except TypeError:
             raise UsageError(
                 "eager_submodules must be a module type, a dotted submodule name, a list of those, "
                 f"or a predicate (name, module) -> bool; got {type(spec).__name__}"
             ) from None
+        if len(items) > MAX_ITEMS or isinstance(spec, (bytes, bytearray)):
+            raise UsageError(
+                f"eager_submodules must be a list of module types or dotted names; got {short(spec)}"
+            )
         names = {n for n, _ in named}
         types: list[type] = []
         wanted: set[str] = set()

@@ -163,6 +163,7 @@ class CaptureConfig:
         _check_at_most("num_ubatches", num_ubatches, MAX_CAPTURE_TOKENS, "microbatches of one batch")
         if not is_int(ubatch_min_tokens) or ubatch_min_tokens < 1:
             raise UsageError(f"ubatch_min_tokens must be an integer >= 1; got {ubatch_min_tokens!r}")
+        _check_at_most("ubatch_min_tokens", ubatch_min_tokens, MAX_CAPTURE_TOKENS, "tokens in one graph")
         if decode_query_lens is None:
             lens: tuple[int, ...] = (decode_query_len,)
         else:

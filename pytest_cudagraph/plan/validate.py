@@ -56,19 +56,21 @@ def check_int(name: str, value: object, minimum: int = 1, maximum: int | None = 
     return value  # type: ignore[return-value]
 
 
-def check_tolerance(name: str, value: object) -> float | None:
-    """A tolerance: None (the dtype's default) or a finite number >= 0. NaN would make every
-    comparison pass (or fail) whatever the values, and inf passes everything."""
+def check_tolerance(name: str, value: object, maximum: float = math.inf) -> float | None:
+    """A tolerance: None (the dtype's default) or a finite number from 0 to ``maximum``. NaN would
+    make every comparison pass (or fail) whatever the values, and inf passes everything; a relative
+    tolerance above 1 (``maximum``) lets a result of any sign pass."""
     if value is None:
         return None
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
-        or value < 0
+        or not 0 <= value <= maximum
     ):
+        bound = f"from 0 to {maximum:g}" if math.isfinite(maximum) else ">= 0"
         raise UsageError(
-            f"{name} must be a finite number >= 0, or None for the dtype's default; got {short(value)}"
+            f"{name} must be a finite number {bound}, or None for the dtype's default; got {short(value)}"
         )
     return float(value)
 

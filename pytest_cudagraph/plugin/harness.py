@@ -83,7 +83,7 @@ def _usage(fixture: str, call: Callable[[], _R]) -> _R:
     try:
         return call()
     except UsageError as exc:
-        told = str(exc) if str(exc).startswith(f"{fixture}:") else f"{fixture}: {exc}"
+        told = str(exc) if str(exc).startswith(fixture) else f"{fixture}: {exc}"
     pytest.fail(told, pytrace=False)
 
 
