@@ -132,14 +132,15 @@ class GraphManager:
             raise UsageError(
                 f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}"
             )
-        for name, value in (("pad_values", pad_values), ("batch_dims", batch_dims)):
-            check_named(name, value)
-        for name, value, none in (
+        check_named("pad_values", pad_values)
+        check_named("batch_dims", batch_dims)
+        flags: tuple[tuple[str, object, bool], ...] = (
             ("output_views", output_views, False),
             ("measure_device_memory", measure_device_memory, False),
             ("progress", progress, True),
             ("checked_capture", checked_capture, True),
-        ):
+        )
+        for name, value, none in flags:
             if not isinstance(value, bool) and not (none and value is None):
                 raise UsageError(
                     f"{name} must be True or False{' or None' if none else ''}; got {short(value)}"
