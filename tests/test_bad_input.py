@@ -48,6 +48,7 @@ def _refused(said: str, module: Any = None, make: Any = None, **keywords: Any) -
     ("keywords", "said"),
     [
         ({"atol": float("nan")}, r"atol must be a finite number >= 0"),
+        ({"atol": float("inf")}, r"atol must be a finite number >= 0"),
         ({"rtol": float("inf")}, r"rtol must be a finite number from 0 to 1"),
         ({"rtol": 2.0}, r"rtol must be a finite number from 0 to 1"),
         ({"seed": 2**70}, r"seed must be an integer from -2\*\*63 to 2\*\*64 - 1"),
