@@ -289,6 +289,14 @@ def build(rank, world_size):
 """
 
 #: (name, the test's body or its marker and body, expected): one test each in one file.
+#: A fixture's call with the keywords of one case (``{}``): the rest is a correct call.
+_V = "cudagraph_verify(lin(), make, capture_sizes=[1, 2], {})"
+_T = "cudagraph_verify_training(lin(), make, loss, {})"
+_R = "cudagraph_verify_runner(lin(), lin(), make, capture_sizes=[1, 2], {})"
+_B = "cudagraph_benchmark(lin(), make, capture_sizes=[1, 2], {})"
+_M = "cudagraph_manager(lin(), make, capture_sizes=[1, 2], {})"
+_D = "cudagraph_verify_distributed(build, make, world_size=1, capture_sizes=[1, 2], {})"
+
 FIXTURE_CASES: list[tuple[str, str, str]] = [
     ("verify capture_size= (a typo)", "cudagraph_verify(lin(), make, capture_size=[1, 2])", "did you mean"),
     ("verify capture_sizes='abc'", "cudagraph_verify(lin(), make, capture_sizes='abc')", "capture_sizes"),
@@ -300,41 +308,41 @@ FIXTURE_CASES: list[tuple[str, str, str]] = [
         "capture_sizes",
     ),
     ("verify capture_sizes=b'1,2'", "cudagraph_verify(lin(), make, capture_sizes=b'1,2')", "capture_sizes"),
-    ("verify mode='BOGUS'", "cudagraph_verify(lin(), make, capture_sizes=[1, 2], mode='BOGUS')", "mode"),
-    ("verify backend='gpu'", "cudagraph_verify(lin(), make, capture_sizes=[1, 2], backend='gpu')", "backend"),
-    ("verify checks='bogus'", "cudagraph_verify(lin(), make, capture_sizes=[1, 2], checks='bogus')", "bogus"),
-    ("verify rtol=-1", "cudagraph_verify(lin(), make, capture_sizes=[1, 2], rtol=-1)", "rtol"),
-    ("verify atol=nan", "cudagraph_verify(lin(), make, capture_sizes=[1, 2], atol=float('nan'))", "atol"),
-    ("verify seed=1.5", "cudagraph_verify(lin(), make, capture_sizes=[1, 2], seed=1.5)", "seed"),
+    ("verify mode='BOGUS'", _V.format("mode='BOGUS'"), "mode"),
+    ("verify backend='gpu'", _V.format("backend='gpu'"), "backend"),
+    ("verify checks='bogus'", _V.format("checks='bogus'"), "bogus"),
+    ("verify rtol=-1", _V.format("rtol=-1"), "rtol"),
+    ("verify atol=nan", _V.format("atol=float('nan')"), "atol"),
+    ("verify seed=1.5", _V.format("seed=1.5"), "seed"),
     (
         "verify exhaustive='yes'",
-        "cudagraph_verify(lin(), make, capture_sizes=[1, 2], exhaustive='yes')",
+        _V.format("exhaustive='yes'"),
         "exhaustive",
     ),
     (
         "verify descriptors=5",
-        "cudagraph_verify(lin(), make, capture_sizes=[1, 2], descriptors=5)",
+        _V.format("descriptors=5"),
         "descriptors",
     ),
     (
         "verify batch_dims=[1]",
-        "cudagraph_verify(lin(), make, capture_sizes=[1, 2], batch_dims=[1])",
+        _V.format("batch_dims=[1]"),
         "batch_dims",
     ),
     (
         "verify eager_submodules=5",
-        "cudagraph_verify(lin(), make, capture_sizes=[1, 2], eager_submodules=5)",
+        _V.format("eager_submodules=5"),
         "eager_submodules",
     ),
-    ("verify device='tpu'", "cudagraph_verify(lin(), make, capture_sizes=[1, 2], device='tpu')", "device"),
-    ("verify device=5", "cudagraph_verify(lin(), make, capture_sizes=[1, 2], device=5)", "device"),
+    ("verify device='tpu'", _V.format("device='tpu'"), "device"),
+    ("verify device=5", _V.format("device=5"), "device"),
     (
         "verify device='cuda:0' without CUDA",
-        "cudagraph_verify(lin(), make, capture_sizes=[1, 2], device='cuda:0')",
+        _V.format("device='cuda:0'"),
         "cuda",
     ),
-    ("verify batches=[]", "cudagraph_verify(lin(), make, capture_sizes=[1, 2], batches=[])", "batches"),
-    ("verify mode='NONE'", "cudagraph_verify(lin(), make, capture_sizes=[1, 2], mode='NONE')", NOT_VERIFIED),
+    ("verify batches=[]", _V.format("batches=[]"), "batches"),
+    ("verify mode='NONE'", _V.format("mode='NONE'"), NOT_VERIFIED),
     (
         "verify all-NaN inputs",
         "cudagraph_verify(lin(), lambda n, r: {'input': torch.full((n, 4), float('nan'))}, capture_sizes=[1, 2])",
@@ -362,32 +370,32 @@ FIXTURE_CASES: list[tuple[str, str, str]] = [
     ),
     (
         "training optimizer='adam'",
-        "cudagraph_verify_training(lin(), make, loss, optimizer='adam', capture_sizes=[1, 2])",
+        _T.format("optimizer='adam', capture_sizes=[1, 2]"),
         "optimizer",
     ),
     (
         "training autocast='bf16'",
-        "cudagraph_verify_training(lin(), make, loss, autocast='bf16', capture_sizes=[1, 2])",
+        _T.format("autocast='bf16', capture_sizes=[1, 2]"),
         "autocast",
     ),
     (
         "training steps=0",
-        "cudagraph_verify_training(lin(), make, loss, steps=0, capture_sizes=[1, 2])",
+        _T.format("steps=0, capture_sizes=[1, 2]"),
         "steps",
     ),
     (
         "training steps=10**9",
-        "cudagraph_verify_training(lin(), make, loss, steps=10**9, capture_sizes=[1, 2])",
+        _T.format("steps=10**9, capture_sizes=[1, 2]"),
         "steps",
     ),
     (
         "training stepz= (a typo)",
-        "cudagraph_verify_training(lin(), make, loss, stepz=2, capture_sizes=[1, 2])",
+        _T.format("stepz=2, capture_sizes=[1, 2]"),
         "did you mean",
     ),
     (
         "training device='tpu'",
-        "cudagraph_verify_training(lin(), make, loss, device='tpu', capture_sizes=[1, 2])",
+        _T.format("device='tpu', capture_sizes=[1, 2]"),
         "device",
     ),
     (
@@ -397,17 +405,17 @@ FIXTURE_CASES: list[tuple[str, str, str]] = [
     ),
     (
         "runner checks='bogus'",
-        "cudagraph_verify_runner(lin(), lin(), make, capture_sizes=[1, 2], checks='bogus')",
+        _R.format("checks='bogus'"),
         "bogus",
     ),
     (
         "runner rtol=nan",
-        "cudagraph_verify_runner(lin(), lin(), make, capture_sizes=[1, 2], rtol=float('nan'))",
+        _R.format("rtol=float('nan')"),
         "rtol",
     ),
     (
         "runner mode='FULL' (a manager's keyword)",
-        "cudagraph_verify_runner(lin(), lin(), make, capture_sizes=[1, 2], mode='FULL')",
+        _R.format("mode='FULL'"),
         "mode",
     ),
     ("runner runner=5", "cudagraph_verify_runner(5, lin(), make, capture_sizes=[1, 2])", "runner"),
@@ -419,28 +427,28 @@ FIXTURE_CASES: list[tuple[str, str, str]] = [
     ),
     (
         "benchmark mode='BOGUS'",
-        "cudagraph_benchmark(lin(), make, capture_sizes=[1, 2], mode='BOGUS')",
+        _B.format("mode='BOGUS'"),
         "mode",
     ),
-    ("benchmark rounds=0", "cudagraph_benchmark(lin(), make, capture_sizes=[1, 2], rounds=0)", "rounds"),
+    ("benchmark rounds=0", _B.format("rounds=0"), "rounds"),
     (
         "benchmark rounds=10**12",
-        "cudagraph_benchmark(lin(), make, capture_sizes=[1, 2], rounds=10**12)",
+        _B.format("rounds=10**12"),
         "rounds",
     ),
     (
         "benchmark roundz= (a typo)",
-        "cudagraph_benchmark(lin(), make, capture_sizes=[1, 2], roundz=3)",
+        _B.format("roundz=3"),
         "did you mean",
     ),
-    ("manager mode='BOGUS'", "cudagraph_manager(lin(), make, capture_sizes=[1, 2], mode='BOGUS')", "mode"),
+    ("manager mode='BOGUS'", _M.format("mode='BOGUS'"), "mode"),
     ("manager capture_size= (a typo)", "cudagraph_manager(lin(), make, capture_size=[1, 2])", "did you mean"),
     (
         "manager pad_values=5",
-        "cudagraph_manager(lin(), make, capture_sizes=[1, 2], pad_values=5)",
+        _M.format("pad_values=5"),
         "pad_values",
     ),
-    ("manager device='tpu'", "cudagraph_manager(lin(), make, capture_sizes=[1, 2], device='tpu')", "device"),
+    ("manager device='tpu'", _M.format("device='tpu'"), "device"),
     (
         "distributed world_size=0",
         "cudagraph_verify_distributed(build, make, world_size=0, capture_sizes=[1, 2])",
@@ -453,12 +461,12 @@ FIXTURE_CASES: list[tuple[str, str, str]] = [
     ),
     (
         "distributed checks='bogus'",
-        "cudagraph_verify_distributed(build, make, world_size=1, capture_sizes=[1, 2], checks='bogus')",
+        _D.format("checks='bogus'"),
         "bogus",
     ),
     (
         "distributed mode='BOGUS'",
-        "cudagraph_verify_distributed(build, make, world_size=1, capture_sizes=[1, 2], mode='BOGUS')",
+        _D.format("mode='BOGUS'"),
         "mode",
     ),
     (
