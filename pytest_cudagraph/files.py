@@ -41,7 +41,7 @@ def check_output_path(path: Path | str) -> Path:
             else "not a file"
         )
         raise UsageError(
-            f"{path} exists and is not a regular file ({kind}); the plugin writes its files whole and will not "
+            f"{path} exists and is not a regular file ({kind}); pytest-cudagraph writes its files whole and will not "
             "replace it: give the path of a new or regular file"
         )
     return path
