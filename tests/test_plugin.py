@@ -1163,7 +1163,7 @@ def test_one_options_object_is_the_source_of_every_keyword_list() -> None:
     ]
     assert set(runner) == set(RUNNER_KEYWORDS)
     assert set(VerifyOptions.runner_field_names()) <= set(fields)
-    with pytest.raises(ValueError, match="rtol must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="rtol must be a finite number from 0 to 1"):
         VerifyOptions(rtol=-1)
     with pytest.raises(ValueError, match="backend must be one of auto, cuda, emulate"):
         verify(
