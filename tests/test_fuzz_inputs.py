@@ -202,7 +202,7 @@ VERIFY_NAMES = verify_keyword_names()[2:]  # config and options are not drawn
 
 
 @_fuzz("verify")
-@given(keywords=_keywords(VERIFY_NAMES))
+@given(keywords=_keywords(VERIFY_NAMES, max_size=1))
 def test_verify_refuses_bad_keywords_in_one_line(keywords: dict[str, Any]) -> None:
     given_keywords = {"capture_sizes": [1, 2], "backend": "emulate", **keywords}
     _case(
@@ -317,7 +317,7 @@ def test_every_fixture_fails_a_bad_keyword_with_one_line(data: st.DataObject, wh
 
 
 @_fuzz("marker")
-@given(keywords=_keywords(cg_settings.MARKER_KEYWORDS), positional=st.booleans())
+@given(keywords=_keywords(cg_settings.MARKER_KEYWORDS, max_size=1), positional=st.booleans())
 def test_a_bad_marker_is_one_line_and_a_good_one_verifies(keywords: dict[str, Any], positional: bool) -> None:
     mark = (pytest.mark.cudagraph(1, **keywords) if positional else pytest.mark.cudagraph(**keywords)).mark
 
@@ -371,11 +371,15 @@ class _Extra(torch.nn.Module):
 
 @_fuzz("inputs")
 @given(
-    entries=st.dictionaries(
-        st.sampled_from(["input", "extra", 0, None]), st.sampled_from(sorted(INPUTS)), min_size=1, max_size=3
-    )
+    # The input forward computes from: a good one (the others decide) or any.
+    first=st.tuples(st.booleans(), st.sampled_from(sorted(INPUTS))).map(lambda p: "randn" if p[0] else p[1]),
+    others=st.dictionaries(
+        st.sampled_from(["extra", "more", 0, None]), st.sampled_from(sorted(INPUTS)), max_size=2
+    ),
 )
-def test_make_inputs_results_the_harness_cannot_read_are_one_line(entries: dict[Any, str]) -> None:
+def test_make_inputs_results_the_harness_cannot_read_are_one_line(first: str, others: dict[Any, str]) -> None:
+    entries = {"input": first, **others}
+
     def make(num_tokens: int, num_reqs: int) -> dict[Any, Any]:
         return {key: INPUTS[kind][0](num_tokens, num_reqs) for key, kind in entries.items()}
 
