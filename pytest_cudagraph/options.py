@@ -14,12 +14,28 @@ import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from .plan.batch import Batch
+from .plan.config import CaptureConfig
 from .plan.properties import invalid_reason
+from .plan.validate import MAX_ITEMS, UsageError, check_tolerance, did_you_mean, short, unknown_keyword
 
-__all__ = ["BACKENDS", "RUN_SETTINGS", "RunOption", "VerifyOptions", "concrete_backend"]
+__all__ = [
+    "BACKENDS",
+    "MAX_SECONDS",
+    "MAX_WORLD_SIZE",
+    "RUN_SETTINGS",
+    "SEED_RANGE",
+    "RunOption",
+    "VerifyOptions",
+    "capture_config",
+    "check_named",
+    "concrete_backend",
+    "split_keywords",
+    "verify_keyword_names",
+]
 
 BACKENDS: tuple[str, ...] = ("auto", "cuda", "emulate")
 #: Fields the run sets (``--cudagraph-verify``), not a test's marker.
@@ -63,6 +79,14 @@ def _run_option(help: str, *, name: str = "", metavar: str | None = None, runner
 
 
 _CHECK_NAME = re.compile(r"-?[a-z][a-z0-9_]*")
+#: The most ranks a distributed verification runs: a process each, on this one host (on CUDA a GPU
+#: each). Beyond it a number is a typo (10**6), whose processes alone would take the machine.
+MAX_WORLD_SIZE = 64
+#: The longest a setting in seconds may be: a week. Beyond it a number is a typo (1e300), which the
+#: timers it sets would overflow.
+MAX_SECONDS = 7 * 24 * 3600.0
+#: The seeds torch's generators take (``torch.manual_seed``): beyond them it overflows.
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,28 +157,40 @@ class VerifyOptions:
     batches: tuple[Batch, ...] | None = None
 
     def __post_init__(self) -> None:
-        # Normalised here, so that every consumer sees one form.
+        # Normalised here, so that every consumer sees one form. Every refusal is a UsageError: one
+        # line that the fixtures fail a test with, before anything runs.
         if not isinstance(self.backend, str) or self.backend.strip().lower() not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+            hint = (
+                did_you_mean(self.backend.strip().lower(), BACKENDS) if isinstance(self.backend, str) else ""
+            )
+            raise UsageError(f"backend must be one of {', '.join(BACKENDS)}; got {short(self.backend)}{hint}")
         object.__setattr__(self, "backend", self.backend.strip().lower())
-        for name in ("rtol", "atol"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
-            ):
-                raise ValueError(f"{name} must be a number >= 0 or None (dtype default); got {value!r}")
+        # rtol above 1 (100 %) lets any result pass: no comparison. atol's scale is the outputs'.
+        object.__setattr__(self, "rtol", check_tolerance("rtol", self.rtol, maximum=1.0))
+        object.__setattr__(self, "atol", check_tolerance("atol", self.atol))
         for name in ("batch_invariant", "exhaustive", "nonfinite_padding"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                if value in (0, 1):  # numpy and torch booleans, 0 and 1
+                if _bool_like(value):  # numpy and torch booleans, 0 and 1
                     object.__setattr__(self, name, bool(value))
                 else:
-                    raise ValueError(f"{name} must be True or False; got {value!r}")
+                    raise UsageError(f"{name} must be True or False; got {short(value)}")
         if self.progress is not None and not isinstance(self.progress, bool):
-            raise ValueError(f"progress must be True, False or None; got {self.progress!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int; got {self.seed!r}")
-        object.__setattr__(self, "checks", _check_names(self.checks))
+            raise UsageError(f"progress must be True, False or None; got {short(self.progress)}")
+        low, high = SEED_RANGE
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not low <= self.seed <= high:
+            raise UsageError(
+                f"seed must be an integer from -2**63 to 2**64 - 1, as torch takes it; got {short(self.seed)}"
+            )
+        for name in ("pad_values", "scratch_state", "batch_dims"):
+            check_named(name, getattr(self, name))
+        for name, dim in (self.batch_dims or {}).items():
+            if isinstance(dim, bool) or not isinstance(dim, int):
+                raise UsageError(
+                    f"batch_dims['{name}'] must be an int, the one dimension of '{name}' that follows "
+                    f"num_tokens or num_reqs; got {short(dim)}"
+                )
+        object.__setattr__(self, "checks", _check_names_of_checks(self.checks))
         object.__setattr__(self, "descriptors", _labels(self.descriptors))
         object.__setattr__(self, "batches", _batches(self.batches))
 
@@ -181,22 +217,53 @@ class VerifyOptions:
         )
 
 
-def _check_names(checks: Iterable[str] | str | None) -> tuple[str, ...] | None:
+def _bool_like(value: object) -> bool:
+    """numpy's and torch's booleans, 0 and 1: read as True or False (a comparison that raises is not)."""
+    try:
+        return bool(value in (0, 1))
+    except Exception:
+        return False
+
+
+#: What each keyword that maps names says it maps, for its message.
+_MAPS = {
+    "pad_values": "input names to the value their padded rows hold, such as {'mask': False}",
+    "batch_dims": "input names to the one dimension that follows the batch, e.g. {'input_ids': 1}",
+    "scratch_state": "module state names to the region forward may leave changed",
+}
+
+
+def check_named(name: str, value: object) -> None:
+    """``value`` is None or maps input (or state) names, strings, to something."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise UsageError(f"{name} must map {_MAPS.get(name, 'names to values')}; got {short(value)}")
+    bad = [k for k in value if not isinstance(k, str)]
+    if bad:
+        raise UsageError(f"{name} must be keyed by name (a string); got the key {short(bad[0])}")
+
+
+def _check_names_of_checks(checks: Iterable[str] | str | None) -> tuple[str, ...] | None:
     """``checks`` as a tuple of names: a string splits at commas and spaces ('real_batches,-determinism');
     whether each names a check is the registry's to say, with the list of checks."""
     if checks is None:
         return None
     items = [p for p in re.split(r"[,\s]+", checks.strip()) if p] if isinstance(checks, str) else None
     if items is None:
-        if not isinstance(checks, Iterable) or isinstance(checks, bytes):
-            raise ValueError(
-                f"checks must be check names, such as ['real_batches', '-determinism']; got {checks!r}"
+        if not isinstance(checks, Iterable) or isinstance(checks, (bytes, Mapping)):
+            raise UsageError(
+                f"checks must be check names, such as ['real_batches', '-determinism']; got {short(checks)}"
             )
-        items = list(checks)
-    if not items or not all(isinstance(c, str) and _CHECK_NAME.fullmatch(c) for c in items):
-        raise ValueError(
+        items = list(islice(checks, MAX_ITEMS + 1))
+    if (
+        not items
+        or len(items) > MAX_ITEMS
+        or not all(isinstance(c, str) and _CHECK_NAME.fullmatch(c) for c in items)
+    ):
+        raise UsageError(
             "checks must be check names separated by commas, a leading '-' to deselect one, such as "
-            f"capture_safety,real_batches or -determinism; got {checks!r}"
+            f"capture_safety,real_batches or -determinism; got {short(checks)}"
         )
     return tuple(items)
 
@@ -206,9 +273,12 @@ def _labels(descriptors: Iterable[str] | str | None) -> tuple[str, ...] | None:
         return None
     if isinstance(descriptors, str):
         return (descriptors,)  # one label, not its characters
-    labels = tuple(descriptors)
-    if not labels or not all(isinstance(label, str) for label in labels):
-        raise ValueError(f"descriptors must be descriptor labels such as 'FULL-T8-R4'; got {descriptors!r}")
+    expected = f"descriptors must be descriptor labels such as 'FULL-T8-R4'; got {short(descriptors)}"
+    if isinstance(descriptors, (bytes, Mapping)) or not isinstance(descriptors, Iterable):
+        raise UsageError(expected)
+    labels = tuple(islice(descriptors, MAX_ITEMS + 1))
+    if not labels or len(labels) > MAX_ITEMS or not all(isinstance(label, str) for label in labels):
+        raise UsageError(expected)
     return labels
 
 
@@ -216,17 +286,81 @@ def _batches(batches: Iterable[Batch] | None) -> tuple[Batch, ...] | None:
     """``batches`` checked: real batches dispatch answers (``invalid_reason``), without repeats."""
     if batches is None:
         return None
-    if isinstance(batches, (str, bytes, Batch)) or not isinstance(batches, Iterable):
-        raise ValueError(
+    if isinstance(batches, (str, bytes, Batch, Mapping)) or not isinstance(batches, Iterable):
+        raise UsageError(
             f"batches must be an iterable of pytest_cudagraph.plan.Batch (a trace's shapes: "
             f"read_trace(path).shapes); got {type(batches).__name__}"
         )
     found: dict[Batch, None] = {}
     for batch in batches:
         if not isinstance(batch, Batch):
-            raise ValueError(f"batches must hold pytest_cudagraph.plan.Batch objects; got {batch!r}")
+            raise UsageError(f"batches must hold pytest_cudagraph.plan.Batch objects; got {short(batch)}")
         reason = invalid_reason(batch)
         if reason is not None or batch.num_tokens == 0:
-            raise ValueError(f"batches: {batch} is not a real batch: {reason or 'it holds no token'}")
+            raise UsageError(f"batches: {batch} is not a real batch: {reason or 'it holds no token'}")
         found[batch] = None
+    if not found:
+        # Every check that runs real batches would have none, and pass having seen nothing.
+        raise UsageError(
+            "batches is empty: the checks that run real batches would run none; give the trace's shapes, "
+            "or leave batches out for the sweep of every token count"
+        )
     return tuple(found)
+
+
+def verify_keyword_names() -> tuple[str, ...]:
+    """Every keyword ``verify`` takes besides the module and ``make_inputs``: ``config``,
+    ``options``, ``VerifyOptions``' fields, then ``CaptureConfig``'s."""
+    return ("config", "options", *VerifyOptions.field_names(), *CaptureConfig.field_names())
+
+
+def split_keywords(
+    keywords: Mapping[str, Any], where: str = "verify()"
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``verify``'s keywords as (``CaptureConfig``'s, ``VerifyOptions``'), those given as None
+    dropped (a default); a ``UsageError`` with the nearest known name for one it does not take."""
+    known = verify_keyword_names()
+    fields = set(VerifyOptions.field_names())
+    config: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    for name, value in keywords.items():
+        if name not in known or name in ("config", "options"):
+            raise UsageError(f"{where}: {unknown_keyword(name, known[2:], where)}")
+        if value is not None:
+            (options if name in fields else config)[name] = value
+    return config, options
+
+
+def capture_config(
+    config: CaptureConfig | Mapping[str, Any] | None, keywords: Mapping[str, Any]
+) -> CaptureConfig:
+    """The capture configuration: ``config``, or ``CaptureConfig``'s keywords given to ``verify``
+    (``max_num_reqs`` defaults to the largest capture size). A ``UsageError`` for what it refuses."""
+    fields = CaptureConfig.field_names()
+    unknown = [name for name in keywords if name not in fields]
+    if unknown:
+        raise UsageError(unknown_keyword(unknown[0], fields, "CaptureConfig"))
+    if config is not None:
+        if keywords:
+            raise UsageError(f"pass config or its keywords ({', '.join(sorted(keywords))}), not both")
+        if isinstance(config, CaptureConfig):
+            return config
+        if not isinstance(config, Mapping):
+            raise UsageError(
+                f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}"
+            )
+        bad = [name for name in config if name not in fields]
+        if bad:
+            raise UsageError(f"config: {unknown_keyword(bad[0], fields, 'CaptureConfig')}")
+        keywords = config
+    keywords = {k: v for k, v in keywords.items() if v is not None}
+    if "capture_sizes" not in keywords:
+        raise UsageError(
+            "verify() needs capture_sizes (the token counts to capture a graph for), or a config"
+        )
+    if "max_num_reqs" not in keywords:
+        # As many requests as the largest graph has tokens: every decode batch has a graph. Read
+        # from the sizes as CaptureConfig checks them (an endless range is refused, not read).
+        sizes = CaptureConfig(capture_sizes=keywords["capture_sizes"], max_num_reqs=1).capture_sizes
+        keywords["capture_sizes"], keywords["max_num_reqs"] = sizes, max(sizes)
+    return CaptureConfig(**keywords)

@@ -24,7 +24,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .errors import UsageError
+from .files import atomic_write_text, check_output_path
 from .plan import CaptureConfig, CapturePlan, GraphMode
+from .plan.config import MAX_CAPTURE_TOKENS
 from .plan.trace import Analysis, Trace, TraceError, analyse, assumed, read_trace, suggest
 from .units import format_bytes
 
@@ -56,13 +59,22 @@ _sizes = _counts(1, "token counts", "1,2,4,8")
 
 
 def _positive(text: str) -> int:
+    """An argparse type: an integer from 1 to ``MAX_CAPTURE_TOKENS`` (a count of requests, tokens a
+    request, graphs or rows: beyond it a number is a typo, as the plan says of larger counts)."""
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {text!r}")
+    if not 1 <= value <= MAX_CAPTURE_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_CAPTURE_TOKENS}; got {text!r}")
     return value
+
+
+def _output(text: str) -> Path:
+    """An argparse type: a path to write, not empty (an empty one would name the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file path, such as out.json")
+    return Path(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,10 +146,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave out lines that are not batches (listed with their numbers) instead of stopping",
     )
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
+    p.add_argument("--json", type=_output, default=None, metavar="OUT", help="write the results as JSON")
     p.add_argument(
         "--plot",
-        type=Path,
+        type=_output,
         default=None,
         metavar="OUT.png",
         help="draw padding against tokens for both ladders (needs matplotlib: the 'plot' extra)",
@@ -252,12 +264,26 @@ def _estimates(args: argparse.Namespace, configs: Sequence[CaptureConfig]) -> tu
     sys.path.insert(0, str(Path.cwd()))
     factory = _load(args.module, "--module")
     make_inputs = _load(args.make_inputs, "--make-inputs")
+    import torch
+
     from .manager import GraphManager
     from .manager.devices import default_device, follow_device
     from .manager.estimate import estimate_capture
 
-    module = factory()
-    device = default_device(args.backend)  # ValueError (exit 2) when CUDA is asked for and absent
+    try:
+        module = factory()
+    except Exception as exc:
+        raise _UsageError(f"--module {args.module}: calling it raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(module, torch.nn.Module):
+        raise _UsageError(
+            f"--module {args.module} must return a torch.nn.Module; it returned {type(module).__name__}"
+        )
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        raise _UsageError(
+            "--backend cuda asks for real CUDA graphs, but torch.cuda.is_available() is False here; use "
+            "--backend emulate (or auto) to estimate on the CPU emulator"
+        )
+    device = default_device(args.backend)
     # On a GPU the module and its inputs move there, as the fixtures do.
     make = follow_device(module, make_inputs, device)
     found: list[int | None] = []
@@ -312,13 +338,21 @@ def _plot(path: Path, before: Analysis, after: Analysis | None, title: str) -> N
 
 
 def _writable(path: Path, option: str) -> None:
-    """A usage error, not a traceback, when an output's folder does not exist."""
+    """A usage error, not a traceback, when an output's folder does not exist, or the path is one
+    the command must not replace (a folder, a device, a FIFO: ``files.check_output_path``)."""
+    try:
+        check_output_path(path)
+    except UsageError as exc:
+        raise _UsageError(f"{option}: {exc}") from None
     if not path.parent.is_dir():
         raise ValueError(f"{option} {path}: the folder {path.parent} does not exist; create it first")
 
 
 def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, Any]:
     """Everything ``main`` does but parsing and exiting: prints with ``out`` and returns the JSON document."""
+    for path, option in ((args.json, "--json"), (args.plot, "--plot")):
+        if path is not None:  # before any work: an output that cannot be written is said first
+            _writable(path, option)
     trace: Trace = read_trace(args.trace, skip_bad=args.skip_bad_lines)
     max_reqs = args.max_num_reqs or max(b.num_reqs for b in trace.counts)
     sizes = args.capture_sizes or DEFAULT_CAPTURE_SIZES
@@ -435,13 +469,13 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
             }
         )
     if args.plot is not None:
-        _writable(args.plot, "--plot")
+        _writable(args.plot, "--plot")  # again: something may have taken the path meanwhile
         _plot(args.plot, before, after, f"{Path(trace.path).name}: {config.mode.name}")
         out(f"\nplot written to {args.plot}")
     if args.json is not None:
         _writable(args.json, "--json")
         try:
-            args.json.write_text(json.dumps(doc, indent=2) + "\n")
+            atomic_write_text(args.json, json.dumps(doc, indent=2) + "\n")
         except OSError as exc:
             raise ValueError(f"cannot write {args.json} (--json): {exc.strerror or exc}") from None
         out(f"JSON written to {args.json}")

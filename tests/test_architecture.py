@@ -337,6 +337,8 @@ def test_each_part_writes_only_the_state_it_owns() -> None:
 # -- the house's bounds: modules and classes split along their seams ---------------------------------
 MAX_MODULE_LINES = 700
 MAX_CLASS_LINES = 450
+
+
 def _over_bounds() -> dict[str, int]:
     """Each module of the package over ``MAX_MODULE_LINES`` lines, and each class over
     ``MAX_CLASS_LINES`` lines (from its ``class`` statement to its last line, decorators not

@@ -108,7 +108,7 @@ def test_bad_arguments_are_value_errors(device, backend):
 
     with pytest.raises(ValueError, match="unknown check"):
         run(NoMemo, backend, device, checks=["replay"])
-    with pytest.raises(ValueError, match="rtol must be a number"):
+    with pytest.raises(ValueError, match="rtol must be a finite number"):
         run(NoMemo, backend, device, rtol=-1)
     with pytest.raises(ValueError, match="scratch_state names"):
         run(NoMemo, backend, device, scratch_state={"kv": 0})

@@ -744,7 +744,7 @@ def test_capture_mode_is_resolved_from_environment_then_argument_then_default(mo
     monkeypatch.setenv(CAPTURE_ENV, "Checked")
     assert resolve_checked(False, default=False) is True
     monkeypatch.setenv(CAPTURE_ENV, "slow")
-    with pytest.raises(ValueError, match="PYTEST_CUDAGRAPH_CAPTURE must be 'checked' or 'fast'; got 'slow'"):
+    with pytest.raises(ValueError, match="PYTEST_CUDAGRAPH_CAPTURE='slow': expected checked or fast"):
         resolve_checked(None, default=False)
     monkeypatch.delenv(CAPTURE_ENV)
     mgr = GraphManager(

@@ -221,12 +221,14 @@ def test_bad_arguments_say_what_was_expected(kw, match):
 
 
 def test_bad_runner_module_or_make_inputs_are_refused():
+    from pytest_cudagraph.errors import UsageError
+
     module = Cached()
-    with pytest.raises(TypeError, match="runner"):
+    with pytest.raises(UsageError, match="runner"):
         verify_runner(object(), module, make_inputs, capture_sizes=SIZES)
-    with pytest.raises(TypeError, match="module"):
+    with pytest.raises(UsageError, match="module"):
         verify_runner(Runner(module), object(), make_inputs, capture_sizes=SIZES)
-    with pytest.raises(TypeError, match="make_inputs"):
+    with pytest.raises(UsageError, match="make_inputs"):
         verify_runner(Runner(module), module, None, capture_sizes=SIZES)
 
 

@@ -68,6 +68,7 @@ SMOKE: dict[str, Smoke] = {
         ("--cpu-smoke", "--model", "llama-1b"),
         r"^correct step: passed\n.*^bug \(loss over padded rows\): caught by \[.training_padding.",
     ),
+    "scripts/bad_inputs.py": Smoke(("--smoke", "--quiet"), r"^(\d+) of \1 bad inputs handled right"),
     "scripts/capturability.py": Smoke(
         ("table", "docs/data/capturability_h200_cases.jsonl.gz", "--out", "{tmp}/table.json"),
         r"^\d+ cases -> \d+ ops, \d+ patterns: .*; wrote ",

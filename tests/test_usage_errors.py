@@ -365,9 +365,16 @@ MISTAKES = {
     ),
     "an input is a long Python list": (
         _lin,
-        lambda n, r: {"input": [[0.5] * 4] * n * 50},
+        lambda n, r: {"input": [0.5] * n * 50},
         {},
         r"input 'input' is a Python value that changes .*\.\.\. \(\d+ characters\) at 7 tokens",
+    ),
+    "an input is a list of lists": (
+        _lin,
+        lambda n, r: {"input": [[0.5] * 4] * n},
+        {},
+        r"make_inputs\(num_tokens=7, num_reqs=3\) returned input 'input' as a list holding a list; the harness "
+        r"reads each input as one tensor",
     ),
     "a key forward does not take": (
         _lin,

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .. import environment
 from ..guard import CaptureGuard
 
 __all__ = ["BACKEND_NAMES", "Backend", "CapturedGraph", "OpenCapture"]
@@ -46,7 +46,7 @@ class CapturedGraph(ABC):
 
 
 #: Overrides every capture's mode when set: "checked" or "fast".
-CAPTURE_ENV = "PYTEST_CUDAGRAPH_CAPTURE"
+CAPTURE_ENV = environment.CAPTURE.name
 
 
 def resolve_checked(checked: bool | None, *, default: bool) -> bool:
@@ -57,11 +57,9 @@ def resolve_checked(checked: bool | None, *, default: bool) -> bool:
     capture checked. ``PYTEST_CUDAGRAPH_CAPTURE=fast|checked`` overrides both,
     to run a whole suite one way.
     """
-    forced = os.environ.get(CAPTURE_ENV, "").strip().lower()
-    if forced in ("checked", "fast"):
-        return forced == "checked"
-    if forced:
-        raise ValueError(f"{CAPTURE_ENV} must be 'checked' or 'fast'; got {forced!r}")
+    forced = environment.read(environment.CAPTURE)  # a UsageError for a value it cannot read
+    if forced is not None:
+        return bool(forced == "checked")
     return default if checked is None else bool(checked)
 
 

@@ -18,14 +18,22 @@ import pytest
 import torch
 
 from ..manager import GraphManager
+from ..options import capture_config
 from ..plan import CaptureConfig, GraphMode
+from ..plan.validate import UsageError, check_int, check_keywords
 from .measure import DescriptorBench, measure_manager
 from .memory import estimate_full_graph_memory, estimate_pool_replica
 from .timing import Timing
 
-__all__ = ["KINDS", "BenchmarkRunner"]
+__all__ = ["KINDS", "MAX_CALLS", "MAX_ROUNDS", "BenchmarkRunner"]
 
 KINDS = ("eager", "run", "replay")
+#: The most rounds (and warm-up calls) a benchmark takes, and calls a round: beyond them a count is
+#: a typo (10**12) that would time for ever.
+MAX_ROUNDS = 10_000
+MAX_CALLS = 100_000
+#: The runner's own keywords, beside ``CaptureConfig``'s.
+_OWN = ("rounds", "calls_per_round", "warmup", "pad_values")
 
 
 class BenchmarkRunner:
@@ -57,14 +65,18 @@ class BenchmarkRunner:
         pad_values: Mapping[str, Any] | None = None,
         **config: Any,
     ) -> list[DescriptorBench] | None:
+        check_keywords(config, (*_OWN, *CaptureConfig.field_names()), "cudagraph_benchmark")
         if self._session is None:
-            raise ValueError("cudagraph_benchmark needs pytest-benchmark (pip install pytest-benchmark)")
-        if "max_num_reqs" not in config and "capture_sizes" in config:
-            config["max_num_reqs"] = max(config["capture_sizes"])
+            raise UsageError("cudagraph_benchmark needs pytest-benchmark (pip install pytest-benchmark)")
+        check_int("rounds", rounds, maximum=MAX_ROUNDS)
+        check_int("calls_per_round", calls_per_round, maximum=MAX_CALLS)
+        check_int("warmup", warmup, minimum=0, maximum=MAX_ROUNDS)
+        if "capture_sizes" not in config:
+            raise UsageError("cudagraph_benchmark needs capture_sizes: the token counts to capture and time")
         manager = GraphManager(
-            module.eval(),
+            module.eval() if isinstance(module, torch.nn.Module) else module,
             make_inputs,
-            CaptureConfig(**config),
+            capture_config(None, config),
             backend=self._backend,
             device=self._device,
             pad_values=pad_values,

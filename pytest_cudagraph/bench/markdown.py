@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_write_text
+from ..errors import UsageError
+from ..files import atomic_write_text, check_output_path
 from ..units import format_bytes
 
 __all__ = ["write_bench_report"]
@@ -73,6 +75,11 @@ def write_bench_report(rows: Iterable[Mapping[str, Any]], path: Path) -> list[Pa
 def _plot(rows: list[Mapping[str, Any]], path: Path) -> Path | None:
     graphed = [r for r in rows if not r["emulated"] and r["speedup"] is not None]
     if not graphed:
+        return None
+    try:
+        check_output_path(path)
+    except UsageError as exc:  # checked when the session started; something took the path since
+        warnings.warn(f"cudagraph: the benchmark plot was not written: {exc}", RuntimeWarning, stacklevel=2)
         return None
     try:
         import matplotlib

@@ -20,6 +20,7 @@ __all__ = [
     "largest_difference",
     "last_place",
     "leaves",
+    "nothing_finite",
     "same_print",
     "tree_print",
 ]
@@ -80,6 +81,22 @@ TreePrint = tuple[tuple[Any, ...], list[torch.Tensor]]
 
 #: Leaves other than tensors that a print holds as they are (compared with ==).
 _PLAIN_LEAVES = (type(None), bool, int, float, str)
+
+
+def nothing_finite(value: Any) -> bool:
+    """True when ``value`` holds tensors, every one of them floating (or complex) and NaN or inf in
+    every element: a comparison of such outputs sees NaN equal NaN and inf equal inf, bit for bit,
+    whatever computed them, so it can tell nothing. A tensor of integers or bools, a finite element
+    anywhere, or no element at all: False."""
+    tensors = [leaf for _, leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
+    if not tensors or not any(t.numel() for t in tensors):
+        return False
+    for t in tensors:
+        if not (t.is_floating_point() or t.is_complex()):
+            return False
+        if t.numel() and bool(torch.isfinite(t).any()):
+            return False
+    return True
 
 
 def tree_print(value: Any) -> TreePrint | None:

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from .. import faults
-from ..errors import EagerFailure, InternalError
+from ..errors import EagerFailure, InternalError, UsageError
 from ..guard import Violation, capturability_table, host_methods_watched
-from ..manager import GraphManager
+from ..manager import GraphManager, tree
 from ..manager.inputs import check_forward_takes
-from ..manager.layout import MakeInputsError, not_a_module
-from ..options import VerifyOptions
-from ..plan import BatchDescriptor, CaptureConfig
+from ..manager.layout import MakeInputsError, check_module
+from ..options import VerifyOptions, capture_config, split_keywords
+from ..plan import BatchDescriptor, CaptureConfig, CapturePlan
 from ..plan.selection import select_descriptors
 from ..progress import over, progress_label, stage
 from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
@@ -27,6 +27,7 @@ from .builtin.capture_safety import capture_safety, fix_of
 from .builtin.padded_size import CHECK as PADDED_SIZE_CHECK
 from .builtin.padded_size import queue_every_size
 from .builtin.side_outputs import attributes_restored, tensor_attributes
+from .compare import nothing_finite
 from .cost import Meter, peak_memory, start_peak
 from .registry import Check, CheckRegistry, check_list
 from .report import Finding, Outcome, VerifyReport
@@ -37,6 +38,9 @@ from .verify_context import VerifyContext
 __all__ = [
     "CHECKS",
     "DISPATCH_CHECK",
+    "capture_config",
+    "check_arguments",
+    "check_keywords",
     "could_not_run",
     "guarded",
     "registry_with",
@@ -59,43 +63,6 @@ def registry_with(extra_checks: Iterable[Check] | Check | None) -> CheckRegistry
     """The built-in checks, then ``extra_checks`` (ValueError on anything that is not a ``Check``)."""
     extra = check_list(extra_checks)
     return BUILTIN.extended(extra) if extra else BUILTIN
-
-
-def capture_config(
-    config: CaptureConfig | Mapping[str, Any] | None, keywords: Mapping[str, Any]
-) -> CaptureConfig:
-    """The capture configuration: ``config``, or ``CaptureConfig``'s keywords given to ``verify``."""
-    fields = CaptureConfig.field_names()
-    unknown = sorted(set(keywords) - set(fields))
-    if unknown:
-        raise ValueError(
-            f"verify() got unexpected keyword(s) {', '.join(unknown)}; besides its own it takes "
-            f"CaptureConfig's: {', '.join(fields)}"
-        )
-    if config is not None:
-        if keywords:
-            raise ValueError(f"pass config or its keywords ({', '.join(sorted(keywords))}), not both")
-        if isinstance(config, CaptureConfig):
-            return config
-        if not isinstance(config, Mapping):
-            raise ValueError(
-                f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}"
-            )
-        keywords = config
-    keywords = dict(keywords)
-    if "capture_sizes" not in keywords:
-        raise ValueError(
-            "verify() needs capture_sizes (the token counts to capture a graph for), or a config"
-        )
-    sizes = keywords["capture_sizes"]
-    if isinstance(sizes, Iterable) and not isinstance(sizes, (str, bytes)):
-        keywords["capture_sizes"] = sizes = tuple(sizes)
-    if keywords.get("max_num_reqs") is None:
-        # As many requests as the largest graph has tokens: every decode batch has a graph.
-        keywords["max_num_reqs"] = (
-            max(sizes) if isinstance(sizes, tuple) and sizes and all(isinstance(n, int) for n in sizes) else 1
-        )
-    return CaptureConfig(**keywords)
 
 
 def verify(
@@ -138,21 +105,10 @@ def verify(
     never. ``batches`` (``Batch``es, such as a trace's shapes: ``pytest_cudagraph.plan.trace.read_trace(path).shapes``) are the
     real batches the checks run, each with the descriptor that serves it, in
     place of the sweep of every token count; the dispatch check also holds
-    each of them to the dispatch properties. Bad arguments raise ``ValueError``.
+    each of them to the dispatch properties. Bad arguments raise a ``UsageError`` (a
+    ``ValueError``): one line, before anything runs.
     """
-    if not isinstance(module, torch.nn.Module):
-        raise ValueError(not_a_module(module))
-    if options is not None and not isinstance(options, VerifyOptions):
-        raise ValueError(f"options must be a pytest_cudagraph.VerifyOptions; got {type(options).__name__}")
-    names = set(VerifyOptions.field_names())
-    given = {k: v for k, v in keywords.items() if k in names and v is not None}
-    try:
-        opts = dataclasses.replace(options or VerifyOptions(), **given)
-    except TypeError as exc:  # a frozen dataclass's own words: keep them, without its frames
-        raise ValueError(str(exc)) from None
-    registry = registry_with(opts.extra_checks)
-    selected = [registry[n] for n in registry.select(opts.checks)]
-    plan_config = capture_config(config, {k: v for k, v in keywords.items() if k not in names})
+    opts, plan_config, selected = check_arguments(module, make_inputs, config, options, keywords)
     # Verification runs make_inputs and the module many times (probes,
     # warm-ups, captures, eager references): the random generators are put
     # back afterwards, and so are the module's buffers.
@@ -163,6 +119,76 @@ def verify(
     except faults.ContextLost as lost:
         # Told from here, without the frames of the harness it went through.
         raise faults.ContextLost(lost.code, lost.error, lost.where) from None
+
+
+def check_arguments(
+    module: object,
+    make_inputs: object,
+    config: CaptureConfig | Mapping[str, Any] | None,
+    options: VerifyOptions | None,
+    keywords: Mapping[str, Any],
+    where: str = "verify()",
+) -> tuple[VerifyOptions, CaptureConfig, list[Check]]:
+    """Everything ``verify`` is given, checked before anything runs: the module, ``make_inputs``,
+    every keyword (one unknown is named with the nearest known one), the options, the checks
+    chosen and the plan, which must hold a graph to verify. A ``UsageError`` for the first thing
+    wrong; else (the options, the plan's configuration, the checks to run)."""
+    check_module(module)
+    if not callable(make_inputs):
+        raise UsageError(
+            f"make_inputs must be a callable (num_tokens, num_reqs) -> dict of inputs; got {type(make_inputs).__name__}"
+        )
+    return check_keywords(config, options, keywords, where)
+
+
+def check_keywords(
+    config: CaptureConfig | Mapping[str, Any] | None,
+    options: VerifyOptions | None,
+    keywords: Mapping[str, Any],
+    where: str = "verify()",
+) -> tuple[VerifyOptions, CaptureConfig, list[Check]]:
+    """``verify``'s keywords checked (``check_arguments`` without the module): what a launcher of
+    ``verify`` elsewhere (``verify_distributed``'s ranks) checks before it starts anything."""
+    if options is not None and not isinstance(options, VerifyOptions):
+        raise UsageError(f"options must be a pytest_cudagraph.VerifyOptions; got {type(options).__name__}")
+    config_keywords, given = split_keywords(keywords, where)
+    opts = dataclasses.replace(options or VerifyOptions(), **given)
+    registry = registry_with(opts.extra_checks)
+    selected = [registry[n] for n in registry.select(opts.checks)]
+    plan_config = capture_config(config, config_keywords)
+    plan = CapturePlan(plan_config)
+    if not plan.descriptors:
+        raise UsageError(f"{_nothing_planned(plan_config)}: nothing would be captured or verified")
+    if opts.descriptors is not None:
+        labels = [d.label() for d in plan.capture_order]
+        unknown = [label for label in opts.descriptors if label not in labels]
+        if unknown:
+            raise UsageError(
+                f"descriptors {unknown} are not in the plan; its descriptors are {', '.join(labels)}"
+            )
+    if opts.batches is not None and all(plan.dispatch_batch(b).mode.name == "NONE" for b in opts.batches):
+        # Every check that runs real batches would have none, and pass having seen nothing.
+        raise UsageError(
+            f"none of the {len(opts.batches)} batches given is served by a graph of the plan (each runs "
+            f"eagerly: {plan.dispatch_batch(opts.batches[0]).mode.name} for {opts.batches[0]}), so no check "
+            "would run a real batch through a graph; give capture sizes that serve the trace's batches"
+        )
+    return opts, plan_config, selected
+
+
+def _nothing_planned(config: CaptureConfig) -> str:
+    """Why a configuration plans no graph, in words."""
+    said = (
+        f"the plan {config.mode.name} at capture_sizes {list(config.capture_sizes)} (max_num_reqs "
+        f"{config.max_num_reqs}, decode_query_len {config.decode_query_len}) holds no graph"
+    )
+    if config.mode.name == "NONE":
+        return f"{said}: mode NONE runs every batch eagerly; give FULL, PIECEWISE or a split mode"
+    return (
+        f"{said}: no capture size is a uniform decode batch (a multiple of decode_query_len, at most "
+        "max_num_reqs requests); give sizes such as "
+        f"{[config.decode_query_len * k for k in (1, 2, 4)]}"
+    )
 
 
 def _signature() -> inspect.Signature:
@@ -257,14 +283,9 @@ def _verify(
     # The dispatch check concerns the whole plan: in a verification split by
     # descriptor it runs once, in the item of the plan's first descriptor.
     dispatch_here = True
-    if descriptors is not None:
+    if descriptors is not None:  # each is in the plan (check_arguments)
         order = manager.plan.capture_order
         labels = [d.label() for d in order]
-        unknown = [label for label in descriptors if label not in labels]
-        if unknown:
-            raise ValueError(
-                f"descriptors {unknown} are not in the plan; its descriptors are {', '.join(labels)}"
-            )
         # Named descriptors are verified whatever the quick selection says.
         selected = [d for d in order if d.label() in descriptors]
         dispatch_here = labels[0] in descriptors
@@ -332,6 +353,7 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
     )
 
     failures: list[tuple[BatchDescriptor, Exception]] = []
+    outputs: dict[BatchDescriptor, Any] = {}
 
     # make_inputs runs outside the pass: what it draws is not the module's randomness.
     made = {desc: ctx.make(ctx.exact_batch(desc)) for desc in shapes}
@@ -340,7 +362,9 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
         batch = ctx.exact_batch(desc)
         try:
             # As users run it, tagged with the descriptor it stands for (a lost context names it).
-            ctx.eager(ctx.manager.eager_kwargs(made[desc], batch.num_tokens), desc, captured_path=False)
+            outputs[desc] = ctx.eager(
+                ctx.manager.eager_kwargs(made[desc], batch.num_tokens), desc, captured_path=False
+            )
         except Exception as exc:
             _raise_if_lost(exc)
             InternalError.raise_if_in(exc)  # the harness's bookkeeping under the forward failed
@@ -365,6 +389,23 @@ def _learn_writes(ctx: VerifyContext, selected: list[BatchDescriptor]) -> None:
             f"or compared; run module(**make_inputs({desc.num_tokens}, {ctx.manager.capture_reqs(desc)})) "
             "eagerly to see it"
         ) from exc
+    if len(outputs) == len(shapes) and all(nothing_finite(out) for out in outputs.values()):
+        shown = ", ".join(
+            f"(num_tokens={d.num_tokens}, num_reqs={ctx.manager.capture_reqs(d)})" for d in shapes
+        )
+        inputs = [
+            t for t in tree.leaves(made[shapes[0]]) if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ]
+        cause = (
+            "make_inputs' floating inputs are NaN or inf everywhere"
+            if inputs and all(nothing_finite(t) for t in inputs)
+            else "the forward makes them so"
+        )
+        raise UsageError(
+            f"{type(ctx.module).__name__}'s outputs are NaN or inf in every element at {shown} ({cause}): every "
+            "check would compare NaN with NaN and inf with inf, equal bit for bit, and nothing would be verified; "
+            "build inputs with finite values (torch.randn(...)) on which the forward's outputs are finite"
+        )
     if ctx.unseen:
         names = ", ".join(repr(n) for n in ctx.unseen)
         ctx.notes.append(

@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Literal
 
+from ..plan.validate import MAX_ITEMS, UsageError, did_you_mean, short
 from .report import Finding, Outcome
 
 __all__ = [
@@ -79,23 +81,23 @@ class Check:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ValueError(
+            raise UsageError(
                 f"a check's name must be lower_snake_case letters, digits and '_' (it is selected with "
                 f"checks=... and shown in reports); got {self.name!r}"
             )
         if self.scope not in SCOPES:
-            raise ValueError(
+            raise UsageError(
                 f"check {self.name!r}: scope must be one of {', '.join(SCOPES)}; got {self.scope!r}"
             )
         if not callable(self.run):
-            raise ValueError(
+            raise UsageError(
                 f"check {self.name!r}: run must be a function ({_SIGNATURES[self.scope]}); "
                 f"got {type(self.run).__name__}"
             )
         if self.prepare is not None and not callable(self.prepare):
-            raise ValueError(f"check {self.name!r}: prepare must be a function (ctx) -> None or None")
+            raise UsageError(f"check {self.name!r}: prepare must be a function (ctx) -> None or None")
         if not isinstance(self.compares, str) or not self.compares.strip():
-            raise ValueError(
+            raise UsageError(
                 f"check {self.name!r}: compares must say, in a sentence, what the check compares"
             )
         if not self.doc:
@@ -153,9 +155,12 @@ def check_list(checks: Check | Iterable[Any] | None, *, what: str = "extra_check
         return []
     if isinstance(checks, Check):
         return [checks]
-    if isinstance(checks, (str, bytes)) or not isinstance(checks, Iterable):
-        raise ValueError(f"{what} must be a list of pytest_cudagraph.checks.Check; got {checks!r}")
-    return list(checks)
+    if isinstance(checks, (str, bytes, Mapping)) or not isinstance(checks, Iterable):
+        raise UsageError(f"{what} must be a list of pytest_cudagraph.checks.Check; got {short(checks)}")
+    items = list(islice(checks, MAX_ITEMS + 1))  # an endless iterable is refused, never read whole
+    if len(items) > MAX_ITEMS:
+        raise UsageError(f"{what} must be a list of pytest_cudagraph.checks.Check; got more than {MAX_ITEMS}")
+    return items
 
 
 class CheckRegistry:
@@ -168,11 +173,11 @@ class CheckRegistry:
 
     def register(self, check: Check) -> Check:
         if not isinstance(check, Check):
-            raise ValueError(
+            raise UsageError(
                 f"register a pytest_cudagraph.checks.Check (name, run, compares, ...); got {type(check).__name__}"
             )
         if check.name in self._checks:
-            raise ValueError(f"a check named {check.name!r} is already registered; give yours another name")
+            raise UsageError(f"a check named {check.name!r} is already registered; give yours another name")
         self._checks[check.name] = check
         return check
 
@@ -212,19 +217,20 @@ class CheckRegistry:
         known = self.names()
         bad = [c for c in given if not isinstance(c, str)]
         if bad:
-            raise ValueError(f"checks must be check names (strings); got {bad[0]!r}")
+            raise UsageError(f"checks must be check names (strings); got {short(bad[0])}")
         dropped = [c[1:] for c in given if c.startswith("-")]
         chosen = [c for c in given if not c.startswith("-")]
         unknown = [c for c in (*chosen, *dropped) if c not in self._checks]
         if unknown:
-            raise ValueError(
-                f"unknown check(s) {unknown}; the checks are {', '.join(known)} (a leading '-' deselects one)"
+            raise UsageError(
+                f"unknown check(s) {unknown}{did_you_mean(unknown[0], known)}; the checks are {', '.join(known)} "
+                "(a leading '-' deselects one)"
             )
         if not chosen and dropped:
             chosen = [c.name for c in self if c.default]
         chosen = [c for c in chosen if c not in dropped]
         if not chosen:
-            raise ValueError(f"checks must name at least one of {', '.join(known)}; got {given!r}")
+            raise UsageError(f"checks must name at least one of {', '.join(known)}; got {short(given)}")
         return tuple(c for c in known if c in chosen)
 
     def markdown_table(self) -> str:

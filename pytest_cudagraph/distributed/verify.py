@@ -16,7 +16,10 @@ from typing import Any
 
 import torch
 
+from ..checks.engine import check_keywords
 from ..checks.report import VerifyReport
+from ..options import MAX_SECONDS, MAX_WORLD_SIZE
+from ..plan.validate import UsageError, check_int
 from . import launcher
 from .merge import AGREEMENT_CHECK, merged
 from .rank import RankWork, Seen, VerifyWork, recording
@@ -66,12 +69,12 @@ def on_ranks(
     """``work`` on every rank, the reports merged: on the launcher's ranks where a launcher started
     this process (``world_size`` None: as many as it started), else on ``world_size`` spawned ones
     (``picklable``: what a spawned rank receives, checked by name first)."""
-    if world_size is not None and (
-        not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1
-    ):
-        raise ValueError(f"{where}: world_size must be a positive int; got {world_size!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"{where}: timeout must be a positive number of seconds; got {timeout!r}")
+    if world_size is not None:
+        check_int(f"{where}: world_size", world_size, maximum=MAX_WORLD_SIZE)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_SECONDS:
+        raise UsageError(
+            f"{where}: timeout must be a positive number of seconds up to {MAX_SECONDS:.0f}; got {timeout!r}"
+        )
     ranks = launcher.current(float(timeout))
     if ranks is not None:
         if world_size is not None and world_size != ranks.world_size:
@@ -132,10 +135,13 @@ def verify_distributed(
     not finish and the collective it waits in.
     """
     if "capture_sizes" not in keywords and "config" not in keywords:
-        raise ValueError("verify_distributed: needs capture_sizes=[...] (or config=...), as verify() does")
+        raise UsageError("verify_distributed: needs capture_sizes=[...] (or config=...), as verify() does")
     for name in ("device", "progress"):
         if name in keywords:
             raise TypeError(f"verify_distributed: {name} is chosen per rank by the harness; do not pass it")
+    # What each rank's verify() would refuse, refused here once, before any rank starts.
+    rest = {k: v for k, v in keywords.items() if k not in ("config", "options")}
+    check_keywords(keywords.get("config"), keywords.get("options"), rest, "verify_distributed")
     return on_ranks(
         VerifyWork(build, make_inputs, keywords),
         world_size=world_size,

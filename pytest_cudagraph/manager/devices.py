@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
+from ..backends.factory import as_device
 from ..options import concrete_backend
+from ..plan.validate import UsageError
 
 __all__ = ["default_device", "follow_device", "inputs_on", "move_to"]
 
@@ -20,9 +22,9 @@ def default_device(backend: str) -> torch.device:
     backend = concrete_backend(backend)
     if backend == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(
-                "backend 'cuda' was asked for (fixture keyword, marker, --cudagraph-backend or ini "
-                "cudagraph_backend), but torch.cuda.is_available() is False here; use 'emulate' or 'auto'"
+            raise UsageError(
+                "backend 'cuda' was asked for, but torch.cuda.is_available() is False here (no GPU, or a CPU "
+                "build of torch); use 'emulate' or 'auto'"
             )
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -64,9 +66,9 @@ def follow_device(
     """On a CUDA device, the same test as on the CPU: the module moves there (in place,
     ``module.to(device)``) when it has CPU parameters or buffers, and the tensors
     ``make_inputs`` returns are moved there; elsewhere both are left as they are."""
-    if device is None or torch.device(device).type != "cuda":
+    target = as_device(device)  # a UsageError for a device this torch lacks, before anything moves
+    if target is None or target.type != "cuda":
         return make_inputs
-    target = torch.device(device)
     if any(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers())):
         module.to(target)
     return inputs_on(make_inputs, target)

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import tree_leaves
 
+from .. import environment
 from ..backends.base import Backend
 from ..context import running
 from ..errors import CaptureError
@@ -98,7 +99,7 @@ __all__ = [
 DIRECT_TOKENS = 1024
 
 #: ``PYTEST_CUDAGRAPH_MEMORY_CHECK=0`` skips the estimate (and its forwards).
-CHECK_ENV = "PYTEST_CUDAGRAPH_MEMORY_CHECK"
+CHECK_ENV = environment.MEMORY_CHECK.name
 
 
 @dataclass(frozen=True)
@@ -354,8 +355,9 @@ def _capture_estimate(
 
 
 def memory_check_enabled() -> bool:
-    """False when ``PYTEST_CUDAGRAPH_MEMORY_CHECK=0`` switches the estimate off."""
-    return os.environ.get(CHECK_ENV, "").strip() != "0"
+    """False when ``PYTEST_CUDAGRAPH_MEMORY_CHECK`` switches the estimate off (``0``, ``false``,
+    ``no``, ``off``: read as an ini boolean)."""
+    return bool(environment.read(environment.MEMORY_CHECK))
 
 
 def check_capture_memory(manager: Sizing, descriptors: Iterable[BatchDescriptor]) -> CaptureEstimate | None:

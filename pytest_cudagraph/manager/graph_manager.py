@@ -23,12 +23,13 @@ from ..backends.factory import make_backend
 from ..errors import CaptureError
 from ..guard import ModuleTracker
 from ..observe import ForwardObserver, named_tensors, restoring
+from ..options import check_named
 from ..plan import Batch, BatchDescriptor, CaptureConfig, CapturePlan
-from ..plan.validate import UsageError
+from ..plan.validate import UsageError, short, unknown_keyword
 from .capture import Capture
 from .devices import move_to
 from .inputs import call_make_inputs
-from .layout import InputSpec, PadValue, infer_layout, not_a_module
+from .layout import InputSpec, PadValue, check_module, infer_layout
 from .pieces import EagerSpec, resolve_eager_submodules
 from .runtime import Runtime
 from .state import ManagerState
@@ -111,31 +112,44 @@ class GraphManager:
         eager_submodules: EagerSpec = None,
         batch_dims: Mapping[str, int] | None = None,
     ) -> None:
-        if not isinstance(module, torch.nn.Module):
-            raise ValueError(not_a_module(module))
+        check_module(module)
         if not callable(make_inputs):
-            raise ValueError("make_inputs must be a callable (num_tokens, num_reqs) -> dict of inputs")
+            raise UsageError(
+                f"make_inputs must be a callable (num_tokens, num_reqs) -> dict of inputs; got {type(make_inputs).__name__}"
+            )
         if isinstance(config, Mapping):
             keywords = dict(config)
-            try:
-                config = CaptureConfig(**keywords)
-            except TypeError as exc:
-                raise ValueError(
-                    f"config {keywords!r} is not a CaptureConfig's keywords ({exc}); it needs "
-                    f"{' and '.join(CaptureConfig.required_names())}, and may set "
-                    f"{', '.join(CaptureConfig.defaults())}"
-                ) from None
+            unknown = [k for k in keywords if k not in CaptureConfig.field_names()]
+            missing = [k for k in CaptureConfig.required_names() if k not in keywords]
+            if unknown or missing:
+                raise UsageError(
+                    f"config {short(keywords)} is not a CaptureConfig's keywords "
+                    f"({unknown_keyword(unknown[0], CaptureConfig.field_names(), 'CaptureConfig') if unknown else 'missing ' + ', '.join(missing)}); "
+                    f"it needs {' and '.join(CaptureConfig.required_names())}"
+                )
+            config = CaptureConfig(**keywords)
         if not isinstance(config, CaptureConfig):
-            raise ValueError(
+            raise UsageError(
                 f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}"
             )
-        if batch_dims is not None and not isinstance(batch_dims, Mapping):
-            raise ValueError(
-                f"batch_dims must map input names to the one dimension that follows the batch, "
-                f"e.g. {{'input_ids': 1}}; got {type(batch_dims).__name__}"
-            )
+        check_named("pad_values", pad_values)
+        check_named("batch_dims", batch_dims)
+        flags: tuple[tuple[str, object, bool], ...] = (
+            ("output_views", output_views, False),
+            ("measure_device_memory", measure_device_memory, False),
+            ("progress", progress, True),
+            ("checked_capture", checked_capture, True),
+        )
+        for name, value, none in flags:
+            if not isinstance(value, bool) and not (none and value is None):
+                raise UsageError(
+                    f"{name} must be True or False{' or None' if none else ''}; got {short(value)}"
+                )
         plan = CapturePlan(config)
         _check_not_meta(module)
+        eager_pieces = resolve_eager_submodules(
+            module, eager_submodules
+        )  # what it refuses, before any forward
         _materialise_lazy(module, make_inputs)
         chosen = make_backend(backend, device if device is not None else _module_device(module))
         chosen.measure_device_memory = bool(measure_device_memory)
@@ -169,7 +183,7 @@ class GraphManager:
             eager_spec=eager_submodules,
             tracker=ModuleTracker(module),
             observer=ForwardObserver(module),
-            eager_pieces=resolve_eager_submodules(module, eager_submodules),
+            eager_pieces=eager_pieces,
         )
         self._runtime = Runtime(self.state)
         self._capture = Capture(self.state, self._runtime)
@@ -612,7 +626,7 @@ def _check_module_device(module: torch.nn.Module, backend: str, device: torch.de
     tensors: list[tuple[str, torch.Tensor]] = [*module.named_parameters(), *module.named_buffers()]
     for name, tensor in tensors:
         if tensor.device != device and not (tensor.device.type == device.type == "cpu"):
-            raise ValueError(
+            raise UsageError(
                 f"module tensor '{name}' is on {tensor.device}, but the {backend} "
                 f"backend runs on {device}; move the module with module.to('{device}')"
             )

@@ -35,6 +35,7 @@ __all__ = [
     "InputSpec",
     "MakeInputsError",
     "call_make_inputs",
+    "check_module",
     "forward_probes",
     "infer_layout",
     "not_a_module",
@@ -206,6 +207,20 @@ def not_a_module(module: object, where: str = "module") -> str:
         "captured per module (its parameters and buffers are what replay reads); wrap the code in a "
         "Module: class Wrapped(torch.nn.Module): def forward(self, x): return f(x)"
     )
+
+
+def check_module(module: object, where: str = "module") -> None:
+    """A ``UsageError`` unless ``module`` is an ``nn.Module`` the harness can run: not a function or
+    another object, not a TorchScript module (which takes no forward hooks, and whose ops the
+    guard and the observer cannot see)."""
+    if not isinstance(module, torch.nn.Module):
+        raise UsageError(not_a_module(module, where))
+    if isinstance(module, torch.jit.ScriptModule):
+        raise UsageError(
+            f"{where} is a TorchScript module ({type(module).__name__}, from torch.jit.script or torch.jit.trace): "
+            "its forward takes no hooks and runs outside Python, so the harness can neither guard nor observe "
+            "it; verify the eager module you scripted"
+        )
 
 
 def _shapes_seen(shapes: list[tuple[int, ...]], max_tokens: int, max_reqs: int) -> str:

@@ -21,6 +21,7 @@ range, say) rather than uninitialised memory.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from ..context import running
 from ..guard import CaptureGuard
 from ..observe import plain_parts
 from ..plan import BatchDescriptor
+from ..plan.validate import MAX_ITEMS, UsageError, short
 
 __all__ = [
     "EagerCall",
@@ -60,7 +62,7 @@ def resolve_eager_submodules(module: torch.nn.Module, spec: EagerSpec) -> list[t
     if isinstance(spec, torch.nn.Module):
         path = next((n for n, m in named if m is spec), None)
         hint = f"its name ({path!r})" if path else "its dotted name"
-        raise ValueError(
+        raise UsageError(
             f"eager_submodules got a module instance ({type(spec).__name__}); pass {hint}, its type "
             f"({type(spec).__name__}), or a predicate (name, module) -> bool"
         )
@@ -72,7 +74,7 @@ def resolve_eager_submodules(module: torch.nn.Module, spec: EagerSpec) -> list[t
         for name, sub in named:
             verdict = predicate(name, sub)
             if not isinstance(verdict, bool):
-                raise ValueError(
+                raise UsageError(
                     f"eager_submodules predicate must return a bool for (name, module); "
                     f"got {verdict!r} for {name!r}"
                 )
@@ -80,40 +82,44 @@ def resolve_eager_submodules(module: torch.nn.Module, spec: EagerSpec) -> list[t
                 chosen.append((name, sub))
     else:
         try:
-            items = list(spec)  # type: ignore[arg-type]
+            items = list(islice(spec, MAX_ITEMS + 1))  # type: ignore[arg-type]  # never an endless one whole
         except TypeError:
-            raise ValueError(
+            raise UsageError(
                 "eager_submodules must be a module type, a dotted submodule name, a list of those, "
                 f"or a predicate (name, module) -> bool; got {type(spec).__name__}"
             ) from None
+        if len(items) > MAX_ITEMS or isinstance(spec, (bytes, bytearray)):
+            raise UsageError(
+                f"eager_submodules must be a list of module types or dotted names; got {short(spec)}"
+            )
         names = {n for n, _ in named}
         types: list[type] = []
         wanted: set[str] = set()
         for item in items:
             if isinstance(item, torch.nn.Module):
-                raise ValueError(
+                raise UsageError(
                     f"eager_submodules got a module instance ({type(item).__name__}); pass its dotted "
                     f"name or its type"
                 )
             if isinstance(item, type):
                 if not issubclass(item, torch.nn.Module):
-                    raise ValueError(f"eager_submodules type {item.__name__} is not an nn.Module subclass")
+                    raise UsageError(f"eager_submodules type {item.__name__} is not an nn.Module subclass")
                 types.append(item)
             elif isinstance(item, str):
                 if item not in names:
                     shown = ", ".join(sorted(names)[:12]) + (", ..." if len(names) > 12 else "")
-                    raise ValueError(
+                    raise UsageError(
                         f"eager_submodules names {item!r}, which is not a submodule; "
                         f"the submodules are: {shown}"
                     )
                 wanted.add(item)
             else:
-                raise ValueError(
+                raise UsageError(
                     f"eager_submodules entries must be module types or dotted names; got {item!r}"
                 )
         chosen = [(n, m) for n, m in named if n in wanted or isinstance(m, tuple(types))]
         if types and not any(isinstance(m, tuple(types)) for _, m in named):
-            raise ValueError(
+            raise UsageError(
                 f"eager_submodules names type(s) {', '.join(t.__name__ for t in types)}, "
                 f"but no submodule of {type(module).__name__} is one"
             )

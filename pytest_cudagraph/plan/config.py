@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from itertools import islice
 from typing import Any
 
 from .modes import GraphMode
-from .validate import UsageError, is_int
+from .validate import UsageError, is_int, short, text_items
 
 __all__ = ["MAX_CAPTURE_TOKENS", "MAX_GRAPHS", "MAX_LORA_CASE", "CaptureConfig"]
 
@@ -27,14 +27,24 @@ MAX_LORA_CASE = 1 << 16
 MAX_GRAPHS = 1 << 14
 
 
-def _int_tuple(name: str, values: Iterable[int] | int, *, minimum: int, maximum: int) -> tuple[int, ...]:
-    if is_int(values):
-        values = (values,)  # type: ignore[assignment]
+def _int_tuple(
+    name: str, values: Iterable[int] | int | str, *, minimum: int, maximum: int
+) -> tuple[int, ...]:
+    given: Any = values
+    if is_int(given):
+        given = (given,)
+    elif isinstance(given, str):
+        given = text_items(given)  # "1,2,4", as the options and the marker take it
+    elif isinstance(given, (bytes, bytearray, Mapping)):
+        # bytes iterate as their character codes (b"1,2" would be sizes 49, 44, 50)
+        raise UsageError(f"{name} must be a list of integers such as [1, 2, 4, 8]; got {short(values)}")
     try:
         # At most MAX_GRAPHS + 1 items are read: range(2**40) is an error, not a wait.
-        items = tuple(islice(values, MAX_GRAPHS + 1))  # type: ignore[arg-type]
+        items: tuple[Any, ...] = tuple(islice(given, MAX_GRAPHS + 1))
     except TypeError:
-        raise UsageError(f"{name} must be a sequence of integers; got {values!r}") from None
+        raise UsageError(
+            f"{name} must be a list of integers such as [1, 2, 4, 8]; got {short(values)}"
+        ) from None
     if len(items) > MAX_GRAPHS:
         raise UsageError(
             f"{name} holds more than {MAX_GRAPHS} values: far more graphs than any engine "
@@ -153,6 +163,7 @@ class CaptureConfig:
         _check_at_most("num_ubatches", num_ubatches, MAX_CAPTURE_TOKENS, "microbatches of one batch")
         if not is_int(ubatch_min_tokens) or ubatch_min_tokens < 1:
             raise UsageError(f"ubatch_min_tokens must be an integer >= 1; got {ubatch_min_tokens!r}")
+        _check_at_most("ubatch_min_tokens", ubatch_min_tokens, MAX_CAPTURE_TOKENS, "tokens in one graph")
         if decode_query_lens is None:
             lens: tuple[int, ...] = (decode_query_len,)
         else:

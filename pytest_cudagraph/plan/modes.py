@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 
+from .validate import UsageError, did_you_mean, short
+
 __all__ = ["GraphMode"]
 
 
@@ -72,5 +74,6 @@ class GraphMode(enum.Enum):
                 return cls[value.strip().upper()]
             except KeyError:
                 pass
-        names = ", ".join(m.name for m in cls)
-        raise ValueError(f"mode must be a GraphMode or one of {names}; got {value!r}")
+        names = [m.name for m in cls]
+        hint = did_you_mean(value.strip().upper(), names) if isinstance(value, str) else ""
+        raise UsageError(f"mode must be a GraphMode or one of {', '.join(names)}; got {short(value)}{hint}")

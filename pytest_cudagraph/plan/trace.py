@@ -30,7 +30,7 @@ from typing import IO, Any
 
 from .batch import Batch
 from .capture_plan import CapturePlan
-from .config import MAX_GRAPHS, CaptureConfig
+from .config import MAX_CAPTURE_TOKENS, MAX_GRAPHS, MAX_LORA_CASE, CaptureConfig
 from .descriptor import BatchDescriptor
 from .modes import GraphMode
 
@@ -114,6 +114,8 @@ def _batch_reason(values: tuple[Any, ...]) -> str | None:
     t, r, u, q, loras = values
     if t < 1:
         return f"num_tokens must be >= 1; got {t}"
+    if t > MAX_CAPTURE_TOKENS:
+        return f"num_tokens must be <= {MAX_CAPTURE_TOKENS}; got {t}, far beyond any batch an engine runs"
     if r < 1:
         return f"num_reqs must be >= 1; got {r}"
     if r > t:
@@ -140,6 +142,8 @@ def _batch_reason(values: tuple[Any, ...]) -> str | None:
             )
     if loras < 0:
         return f"num_active_loras must be >= 0; got {loras}"
+    if loras > MAX_LORA_CASE:
+        return f"num_active_loras must be <= {MAX_LORA_CASE}; got {loras}, far beyond any engine's adapters"
     return None
 
 
@@ -232,7 +236,14 @@ def read_trace(path: str | Path, *, skip_bad: bool = False) -> Trace:
     p = Path(path)
     name = str(path)
     if not p.is_file():
-        raise TraceError(name, "no such file (a trace is a JSON Lines or CSV file, one batch a line)")
+        what = (
+            "is a directory"
+            if p.is_dir()
+            else "is not a regular file (a device, a FIFO or a socket)"
+            if p.exists()
+            else "no such file"
+        )
+        raise TraceError(name, f"{what} (a trace is a JSON Lines or CSV file, one batch a line)")
     counts: Counter[tuple[Any, ...]] = Counter()
     checked: dict[tuple[Any, ...], str | None] = {}
     bad: list[BadLine] = []

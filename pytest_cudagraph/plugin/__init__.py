@@ -16,16 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from .. import environment
 from . import ranks, settings, workers
 from . import report as pytest_report
 
 if TYPE_CHECKING:
     import torch
 
-    from ..bench.fixture import BenchmarkRunner
     from ..plan.batch import Batch
     from ..plan.properties import DispatchProperties
     from .harness import (
+        Benchmark,
         DistributedVerifier,
         Launched,
         ManagerFactory,
@@ -116,6 +117,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _CUDAGRAPH_MARKER)
     if config.getoption("help", default=False):
         return  # --help works whatever the settings' values
+    settings.check_environment()  # a value the plugin cannot read stops the run here (exit 4)
     ranks.configure(config)  # under torchrun or srun: which rank this is (only rank 0 writes --junitxml)
     run = settings.session_settings(config)
     state = config.stash[pytest_report.STATE_KEY] = pytest_report.RunState(run)
@@ -138,18 +140,9 @@ _THREADS_KEY = pytest.StashKey["str | None"]()
 #: that the plugin knows them without importing hypothesis.
 HYPOTHESIS_PROFILES = ("cudagraph-ci", "cudagraph-thorough")
 
-#: The environment variables the plugin reads, shown in --help (their homes import torch; these
-#: names are held equal to theirs by a test).
-ENVIRONMENT = (
-    (
-        "PYTEST_CUDAGRAPH_THREADS",
-        "torch intra-op threads of a test process (0: leave torch alone; default: the "
-        "cores shared among xdist workers, unless OMP_NUM_THREADS or MKL_NUM_THREADS is set)",
-    ),
-    ("PYTEST_CUDAGRAPH_CAPTURE", "checked or fast: the mode of every capture, over the default"),
-    ("PYTEST_CUDAGRAPH_MEMORY_CHECK", "0 skips the graph-memory estimate made before capturing"),
-    ("PYTEST_CUDAGRAPH_ISOLATED", "set by --cudagraph-isolate in its child processes (not for users to set)"),
-)
+#: The environment variables the plugin reads, shown in --help: from their one table
+#: (``pytest_cudagraph.environment``, no torch), which also reads them.
+ENVIRONMENT = tuple((var.name, var.help) for var in environment.VARIABLES)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -170,6 +163,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             settings.marker_keywords(item)  # pytest.UsageError on a malformed cudagraph marker
         except pytest.UsageError as exc:
             item.stash[settings.MARKER_ERROR_KEY] = str(exc)
+        except Exception as exc:  # never the session's error: the test's own, said in one line
+            item.stash[settings.MARKER_ERROR_KEY] = (
+                f"@pytest.mark.cudagraph on {item.nodeid}: could not be read ({type(exc).__name__}: {exc})"
+            )
     _check_checks_option(config, items)
 
 
@@ -571,7 +568,7 @@ def _hook_checks(request: pytest.FixtureRequest) -> list[Any]:
 
 
 @pytest.fixture
-def cudagraph_benchmark(request: pytest.FixtureRequest) -> BenchmarkRunner:
+def cudagraph_benchmark(request: pytest.FixtureRequest) -> Benchmark:
     """``cudagraph_benchmark(module, make_inputs, *, capture_sizes, ..., rounds=30, calls_per_round=20)``.
 
     Captures every descriptor and times eager, ``run()`` and bare replay for
@@ -581,17 +578,19 @@ def cudagraph_benchmark(request: pytest.FixtureRequest) -> BenchmarkRunner:
     disabled, under xdist say: then each graph runs once, untimed).
     """
     from ..bench.fixture import BenchmarkRunner
-    from .harness import default_device
+    from .harness import Benchmark, default_device
 
     state = _state(request.config)
     test = settings.resolve(state.settings, settings.marker_keywords(request.node))
     backend = settings.concrete_backend(test.backend)
-    return BenchmarkRunner(
-        request.node,
-        getattr(request.config, "_benchmarksession", None),
-        backend=backend,
-        device=default_device(backend),
-        record=state.bench_rows.append,
+    return Benchmark(
+        BenchmarkRunner(
+            request.node,
+            getattr(request.config, "_benchmarksession", None),
+            backend=backend,
+            device=default_device(backend),
+            record=state.bench_rows.append,
+        )
     )
 
 

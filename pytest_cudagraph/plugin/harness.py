@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -18,9 +18,10 @@ from ..checks.registry import check_list
 from ..errors import UsageError
 from ..manager import GraphManager
 from ..manager.devices import default_device, follow_device, inputs_on, move_to
-from ..manager.layout import not_a_module
-from ..options import VerifyOptions
+from ..manager.layout import check_module
+from ..options import MAX_WORLD_SIZE, VerifyOptions
 from ..plan import CaptureConfig
+from ..plan.validate import check_int
 from .report import make_record
 from .settings import (
     CONFIG_KEYWORDS,
@@ -34,6 +35,7 @@ from .settings import (
 )
 
 __all__ = [
+    "Benchmark",
     "DistributedVerifier",
     "ManagerFactory",
     "RunnerVerifier",
@@ -71,13 +73,18 @@ _NO_SIZES = (
 )
 
 
-def _usage(fixture: str, call: Callable[[], VerifyReport]) -> VerifyReport:
-    """``call()``; a usage error (what the test gave is wrong) fails the test with its one line,
-    no traceback through the package (and once: the failure is raised outside the handler)."""
+_R = TypeVar("_R")
+
+
+def _usage(fixture: str, call: Callable[[], _R]) -> _R:
+    """``call()``; a usage error (what the test gave is wrong: a keyword, a marker value, the
+    module, make_inputs' results) fails the test with its one line, no traceback through the
+    package (and once: the failure is raised outside the handler). Every fixture runs its whole
+    call through this, keyword resolution included."""
     try:
         return call()
     except UsageError as exc:
-        told = f"{fixture}: {exc}"
+        told = str(exc) if str(exc).startswith(fixture) else f"{fixture}: {exc}"
     pytest.fail(told, pytrace=False)
 
 
@@ -138,8 +145,7 @@ def device_for_test(backend: str) -> torch.device:
 
 
 def _check_module(module: object, where: str) -> None:
-    if not isinstance(module, torch.nn.Module):
-        pytest.fail(not_a_module(module, f"{where}: module"), pytrace=False)
+    check_module(module, f"{where}: module")
 
 
 def _backend_and_device(
@@ -259,6 +265,14 @@ class Verifier:
         make_inputs: Callable[[int, int], Mapping[str, Any]],
         **call: Any,
     ) -> VerifyReport:
+        return _usage("cudagraph_verify", lambda: self._verify(module, make_inputs, **call))
+
+    def _verify(
+        self,
+        module: torch.nn.Module,
+        make_inputs: Callable[[int, int], Mapping[str, Any]],
+        **call: Any,
+    ) -> VerifyReport:
         _check_module(module, "cudagraph_verify")
         keywords = self.keywords(module, **call)
         if "capture_sizes" not in keywords:
@@ -270,11 +284,8 @@ class Verifier:
         if self.hook_checks:
             keywords["extra_checks"] = [*self.hook_checks, *check_list(keywords.get("extra_checks"))]
         try:
-            report = _usage(
-                "cudagraph_verify",
-                _on_ranks(self.launched, keywords, lambda: verify(module, make_inputs, **keywords)),
-            )
-        except ValueError as exc:
+            report = _on_ranks(self.launched, keywords, lambda: verify(module, make_inputs, **keywords))()
+        except UsageError as exc:
             if self.descriptor is None or "not in the plan" not in str(exc):
                 raise
             pytest.fail(
@@ -284,6 +295,19 @@ class Verifier:
                 pytrace=False,
             )
         return _recorded(self.reports, self._sink, report, keywords)
+
+
+class Benchmark:
+    """``cudagraph_benchmark(module, make_inputs, **keywords)``: the ``BenchmarkRunner``'s call, a
+    usage error (a keyword, the module, make_inputs) failing the test in one line."""
+
+    def __init__(self, runner: Callable[..., Any]) -> None:
+        self.runner = runner
+
+    def __call__(
+        self, module: torch.nn.Module, make_inputs: Callable[[int, int], Mapping[str, Any]], **keywords: Any
+    ) -> Any:
+        return _usage("cudagraph_benchmark", lambda: self.runner(module, make_inputs, **keywords))
 
 
 class RunnerVerifier:
@@ -311,6 +335,15 @@ class RunnerVerifier:
         make_inputs: Callable[[int, int], Mapping[str, Any]],
         **call: Any,
     ) -> VerifyReport:
+        return _usage("cudagraph_verify_runner", lambda: self._verify(runner, module, make_inputs, **call))
+
+    def _verify(
+        self,
+        runner: Callable[..., Any],
+        module: torch.nn.Module,
+        make_inputs: Callable[[int, int], Mapping[str, Any]],
+        **call: Any,
+    ) -> VerifyReport:
         from ..runner import verify_runner
 
         _check_module(module, "cudagraph_verify_runner")
@@ -324,9 +357,7 @@ class RunnerVerifier:
             keywords.pop("max_num_reqs", None)
         elif "capture_sizes" not in keywords:
             pytest.fail(f"cudagraph_verify_runner {_NO_SIZES}", pytrace=False)
-        report = _usage(
-            "cudagraph_verify_runner", lambda: verify_runner(runner, module, make_inputs, **keywords)
-        )
+        report = verify_runner(runner, module, make_inputs, **keywords)
         return _recorded(self.reports, self._sink, report, keywords)
 
 
@@ -374,6 +405,15 @@ class TrainingVerifier:
         loss_fn: Callable[..., Any],
         **call: Any,
     ) -> VerifyReport:
+        return _usage("cudagraph_verify_training", lambda: self._verify(module, make_inputs, loss_fn, **call))
+
+    def _verify(
+        self,
+        module: torch.nn.Module,
+        make_inputs: Callable[[int, int], Mapping[str, Any]],
+        loss_fn: Callable[..., Any],
+        **call: Any,
+    ) -> VerifyReport:
         from ..training import verify_training
 
         _check_module(module, "cudagraph_verify_training")
@@ -388,7 +428,7 @@ class TrainingVerifier:
         )
         if self.launched is not None and isinstance(module, torch.nn.parallel.DistributedDataParallel):
             verification = _data_parallel(self.launched, module, make_inputs, loss_fn, keywords)
-        report = _usage("cudagraph_verify_training", verification)
+        report = verification()
         return _recorded(self.reports, self._sink, report, keywords)
 
 
@@ -429,16 +469,29 @@ class DistributedVerifier:
         make_inputs: Callable[[int, int], Mapping[str, Any]],
         **call: Any,
     ) -> VerifyReport:
+        return _usage("cudagraph_verify_distributed", lambda: self._verify(build, make_inputs, **call))
+
+    def _verify(
+        self,
+        build: Callable[[int, int], torch.nn.Module],
+        make_inputs: Callable[[int, int], Mapping[str, Any]],
+        **call: Any,
+    ) -> VerifyReport:
         from ..distributed import verify_distributed
         from .settings import rank_devices
 
         extra = ("world_size", "timeout", "replicated")
         check_keywords(call, (*VERIFY_KEYWORDS, *extra), "cudagraph_verify_distributed")
-        world_size = call.pop("world_size", None) or self.settings.world_size
+        world_size = call.pop("world_size", None)
+        if world_size is None:
+            world_size = self.settings.world_size
         launched = self.launched
         if launched is not None:  # torchrun, srun, the suite's group: the ranks that exist
-            if world_size is not None and int(world_size) != launched.world_size:
-                pytest.skip(f"needs {world_size} ranks; the launcher started {launched.world_size}")
+            wanted = (
+                None if world_size is None else check_int("world_size", world_size, maximum=MAX_WORLD_SIZE)
+            )
+            if wanted is not None and wanted != launched.world_size:
+                pytest.skip(f"needs {wanted} ranks; the launcher started {launched.world_size}")
             world_size = launched.world_size
         if world_size is None:
             pytest.fail(
@@ -446,6 +499,7 @@ class DistributedVerifier:
                 "--cudagraph-world-size=2 (ini cudagraph_world_size)",
                 pytrace=False,
             )
+        world_size = check_int("world_size", world_size, maximum=MAX_WORLD_SIZE)
         own = {k: call.pop(k) for k in extra if k in call}
         own["timeout"] = self.timeout if own.get("timeout") is None else own["timeout"]
         keywords = verify_keywords(self.settings, self.marker, call)
@@ -501,11 +555,20 @@ class ManagerFactory:
         config: CaptureConfig | Mapping[str, Any] | None = None,
         **keywords: Any,
     ) -> GraphManager:
+        return _usage("cudagraph_manager", lambda: self._make(module, make_inputs, config, **keywords))
+
+    def _make(
+        self,
+        module: torch.nn.Module,
+        make_inputs: Callable[[int, int], Mapping[str, Any]],
+        config: CaptureConfig | Mapping[str, Any] | None = None,
+        **keywords: Any,
+    ) -> GraphManager:
         _check_module(module, "cudagraph_manager")
         check_keywords(keywords, CONFIG_KEYWORDS + MANAGER_KEYWORDS, "cudagraph_manager")
         config_given = [k for k in keywords if k in CONFIG_KEYWORDS]
         if config is not None and config_given:
-            raise TypeError(
+            raise UsageError(
                 f"cudagraph_manager: pass config or its keywords ({', '.join(config_given)}), not both"
             )
         marker = self.marker

@@ -7,16 +7,21 @@ with their help and their validation (``verify_option``); the plugin's own setti
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Literal
 
 import pytest
 
-from ..options import RunOption, VerifyOptions
+from ..options import MAX_SECONDS, MAX_WORLD_SIZE, RunOption, VerifyOptions
+from ..plan.config import MAX_CAPTURE_TOKENS
+from ..plan.validate import MAX_ITEMS, UsageError, short, text_items
 
 __all__ = [
+    "MAX_DEVICE_INDEX",
     "OWN_OPTIONS",
     "SPLITS",
     "OwnOption",
@@ -56,28 +61,34 @@ def parse_sizes(value: object, source: str) -> tuple[int, ...]:
     """Capture sizes from '1,2,4' (commas and/or spaces) or an iterable of ints.
 
     Returns them sorted and without repeats; UsageError naming ``source`` when
-    a size is not a whole number >= 1 or none is given.
+    a size is not a whole number from 1 to ``MAX_CAPTURE_TOKENS``, or none is given (at most
+    ``MAX_ITEMS`` are read: an endless range is refused, never materialised).
     """
     expected = "expected a comma-separated list of token counts >= 1, such as 1,2,4,8"
     if isinstance(value, str):
-        items: list[object] = [p for p in re.split(r"[,\s]+", value.strip()) if p]
-    elif isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
-        items = list(value)
+        items: list[object] = text_items(value)
+    elif isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray, Mapping)):
+        items = list(islice(value, MAX_ITEMS + 1))
     else:
-        raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
+        raise pytest.UsageError(f"{source}: {expected}; got {short(value)}")
+    if len(items) > MAX_ITEMS:
+        raise pytest.UsageError(f"{source}: {expected}; got more than {MAX_ITEMS} sizes")
     sizes: list[int] = []
     for item in items:
-        if isinstance(item, str) and re.fullmatch(r"[+-]?\d+", item):
-            size = int(item)
-        elif isinstance(item, int) and not isinstance(item, bool):
-            size = item
-        else:
-            raise pytest.UsageError(f"{source}: {expected}; got {value!r} ({item!r} is not a whole number)")
-        if size < 1:
-            raise pytest.UsageError(f"{source}: {expected}; got {value!r} ({size} is less than 1)")
-        sizes.append(size)
+        if not isinstance(item, int) or isinstance(item, bool):
+            raise pytest.UsageError(
+                f"{source}: {expected}; got {short(value)} ({short(item)} is not a whole number)"
+            )
+        if item < 1:
+            raise pytest.UsageError(f"{source}: {expected}; got {short(value)} ({item} is less than 1)")
+        if item > MAX_CAPTURE_TOKENS:
+            raise pytest.UsageError(
+                f"{source}: {expected}; got {short(value)} ({item} is more than {MAX_CAPTURE_TOKENS}, far beyond "
+                "any device)"
+            )
+        sizes.append(item)
     if not sizes:
-        raise pytest.UsageError(f"{source}: {expected}; got {value!r} (no size)")
+        raise pytest.UsageError(f"{source}: {expected}; got {short(value)} (no size)")
     return tuple(sorted(set(sizes)))
 
 
@@ -91,32 +102,40 @@ def verify_option(name: str, value: object, source: str) -> Any:
     given: dict[str, Any] = {name: value}
     try:
         return getattr(VerifyOptions(**given), name)
-    except ValueError as exc:
+    except UsageError as exc:
         raise pytest.UsageError(f"{source}: {exc}") from None
 
 
-def _positive(text: str, value: object, source: str, expected: str) -> float:
-    """``text`` as a finite number above 0; UsageError naming ``source`` and ``value`` otherwise."""
+#: The largest CUDA device index a setting may name.
+MAX_DEVICE_INDEX = 1023
+
+
+def _positive(text: str, value: object, source: str, expected: str, maximum: float = math.inf) -> float:
+    """``text`` as a finite number above 0 (at most ``maximum``); UsageError naming ``source`` and
+    ``value`` otherwise."""
     try:
         number = float(text)
     except ValueError:
         number = float("nan")
-    if not number > 0 or number == float("inf"):
-        raise pytest.UsageError(f"{source}: expected {expected}; got {value!r}")
+    if not 0 < number <= maximum or not math.isfinite(number):
+        raise pytest.UsageError(f"{source}: expected {expected}; got {short(value)}")
     return number
 
 
 def parse_seconds(value: object, source: str) -> float:
-    """A positive number of seconds; UsageError naming ``source`` otherwise."""
-    return _positive(str(value).strip(), value, source, "a positive number of seconds, such as 600")
+    """A positive number of seconds, at most ``MAX_SECONDS``; UsageError naming ``source`` otherwise."""
+    expected = f"a positive number of seconds up to {MAX_SECONDS:.0f} (a week), such as 600"
+    return _positive(str(value).strip(), value, source, expected, MAX_SECONDS)
 
 
 def parse_devices(value: object, source: str) -> tuple[int, ...]:
     """CUDA device indices from '0,1' (commas and/or spaces); UsageError naming ``source`` otherwise."""
-    expected = "expected a comma-separated list of CUDA device indices, such as 0,1"
+    expected = (
+        f"expected a comma-separated list of CUDA device indices from 0 to {MAX_DEVICE_INDEX}, such as 0,1"
+    )
     items = [p for p in re.split(r"[,\s]+", str(value).strip()) if p] if isinstance(value, str) else None
-    if not items or not all(re.fullmatch(r"\d+", p) for p in items):
-        raise pytest.UsageError(f"{source}: {expected}; got {value!r}")
+    if not items or not all(re.fullmatch(r"\d{1,4}", p) and int(p) <= MAX_DEVICE_INDEX for p in items):
+        raise pytest.UsageError(f"{source}: {expected}; got {short(value)}")
     devices = tuple(int(p) for p in items)
     if len(set(devices)) != len(devices):
         raise pytest.UsageError(f"{source}: {expected}, each once; got {value!r}")
@@ -124,10 +143,12 @@ def parse_devices(value: object, source: str) -> tuple[int, ...]:
 
 
 def parse_world_size(value: object, source: str) -> int:
-    """A positive number of ranks; UsageError naming ``source`` otherwise."""
+    """A positive number of ranks, at most ``MAX_WORLD_SIZE``; UsageError naming ``source`` otherwise."""
     text = str(value).strip()
-    if not re.fullmatch(r"\d+", text) or int(text) < 1:
-        raise pytest.UsageError(f"{source}: expected a positive number of ranks, such as 2; got {value!r}")
+    if not re.fullmatch(r"\d{1,9}", text) or not 1 <= int(text) <= MAX_WORLD_SIZE:
+        raise pytest.UsageError(
+            f"{source}: expected a number of ranks from 1 to {MAX_WORLD_SIZE}, such as 2; got {short(value)}"
+        )
     return int(text)
 
 
@@ -136,7 +157,7 @@ def _one_of(choices: tuple[str, ...], value: object, source: str) -> str:
     UsageError naming ``source`` otherwise."""
     text = value.strip().lower() if isinstance(value, str) else value
     if text not in choices:
-        raise pytest.UsageError(f"{source}: expected one of {', '.join(choices)}; got {value!r}")
+        raise pytest.UsageError(f"{source}: expected one of {', '.join(choices)}; got {short(value)}")
     return str(text)
 
 

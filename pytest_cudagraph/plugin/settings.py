@@ -10,7 +10,6 @@ Pure Python: importing this module does not import torch.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, replace
@@ -20,11 +19,13 @@ from typing import Any, TypeVar
 
 import pytest
 
+from .. import environment
+from ..files import check_output_path
 from ..options import BACKENDS, RUN_SETTINGS, VerifyOptions, concrete_backend
 from ..plan.batch import Batch
 from ..plan.config import CaptureConfig
 from ..plan.modes import GraphMode
-from ..plan.validate import check_int
+from ..plan.validate import UsageError, check_keywords, unknown_keyword
 from .option_table import (
     OWN_OPTIONS,
     OwnOption,
@@ -46,6 +47,7 @@ __all__ = [
     "OwnOption",
     "Settings",
     "add_options",
+    "check_environment",
     "check_keywords",
     "check_report_path",
     "check_session",
@@ -283,6 +285,11 @@ def _path(config: pytest.Config, name: str) -> Path | None:
     """A path option: from the invocation directory (option) or the ini file's (ini)."""
     option = config.getoption(name, default=None)
     ini = _ini_str(config, name)
+    if option is not None and not str(option).strip():
+        flag = "--" + name.replace("_", "-")
+        raise pytest.UsageError(
+            f"{flag}: an empty path; give a file path, such as {flag}=out.json, or leave it out"
+        )
     if option:
         return Path(config.invocation_params.dir, option)
     if ini:
@@ -318,10 +325,10 @@ def check_report_path(path: Path, source: str) -> None:
     """
     import tempfile
 
-    if path.is_dir():
-        raise pytest.UsageError(
-            f"{source}: {path} is a directory; give a file path, such as {path / 'report.json'}"
-        )
+    try:
+        check_output_path(path)
+    except UsageError as exc:
+        raise pytest.UsageError(f"{source}: {exc}") from None
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -342,6 +349,15 @@ def check_report_path(path: Path, source: str) -> None:
         ) from None
 
 
+def check_environment() -> None:
+    """Every environment variable the package reads (``pytest_cudagraph.environment``), read once
+    when pytest starts: one it cannot read stops the run (exit 4) before anything is collected."""
+    try:
+        environment.check_all()
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 def check_session(run: Settings, config: pytest.Config) -> None:
     """Usage errors a run's settings can only show once it starts (before any test runs).
 
@@ -353,7 +369,12 @@ def check_session(run: Settings, config: pytest.Config) -> None:
     if run.report is not None:
         check_report_path(run.report, _source(config, "cudagraph_report"))
     if run.bench_report is not None:
-        check_report_path(run.bench_report, _source(config, "cudagraph_bench_report"))
+        source = _source(config, "cudagraph_bench_report")
+        check_report_path(run.bench_report, source)
+        try:  # its plot beside it, PATH.png: written only where nothing else is
+            check_output_path(run.bench_report.with_suffix(".png"))
+        except UsageError as exc:
+            raise pytest.UsageError(f"{source}: its plot {exc}") from None
     if run.backend == "cuda":
         import torch
 
@@ -384,46 +405,33 @@ def _source(config: pytest.Config, name: str) -> str:
 
 
 # -- the marker ------------------------------------------------------------
-def _unknown(kind: str, name: str, allowed: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(name, allowed, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown keyword {name!r}{hint}; {kind} takes only these keywords: {', '.join(allowed)}"
-
-
-def check_keywords(keywords: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
-    """TypeError naming the first keyword not in ``allowed``."""
-    for name in keywords:
-        if name not in allowed:
-            raise TypeError(f"{where}: {_unknown(where, name, allowed)}")
-
-
-#: The plan's counts a marker may set, each an integer >= 1.
-_COUNTS = frozenset({"max_num_reqs", "decode_query_len", "num_ubatches", "ubatch_min_tokens"})
-
-
 def _check_marker(mark: pytest.Mark, nodeid: str) -> None:
+    """The marker's keywords checked as ``verify()`` checks its own: the plan by ``CaptureConfig``,
+    the rest by ``VerifyOptions``, in one place each; ``pytest.UsageError`` naming the marker."""
     where = f"@pytest.mark.cudagraph on {nodeid}"
     if mark.args:
         raise pytest.UsageError(
             f"{where}: takes keywords only, got positional argument(s) {mark.args!r}; "
             f"the signature is {MARKER_SIGNATURE}"
         )
-    for name, value in mark.kwargs.items():
+    for name in mark.kwargs:
         if name not in MARKER_KEYWORDS:
-            raise pytest.UsageError(f"{where}: {_unknown('the marker', name, MARKER_KEYWORDS)}")
-        if value is None:
-            continue
-        if name == "capture_sizes":
-            parse_sizes(value, f"{where}: capture_sizes")
-        elif name in _COUNTS:
-            # The plan's counts, checked at the marker as capture_sizes is (the plan would say it later).
-            try:
-                check_int(name, value)
-            except ValueError as exc:
-                raise pytest.UsageError(f"{where}: {exc}") from None
-        elif name in _VERIFY_FIELDS:
-            # VerifyOptions' own validation, the one place a verify() keyword is checked.
-            verify_option(name, value, where)
+            raise pytest.UsageError(f"{where}: {unknown_keyword(name, MARKER_KEYWORDS, 'the marker')}")
+    given = {name: value for name, value in mark.kwargs.items() if value is not None}
+    plan = {name: value for name, value in given.items() if name in CONFIG_KEYWORDS}
+    if "capture_sizes" in plan:
+        plan["capture_sizes"] = parse_sizes(plan["capture_sizes"], f"{where}: capture_sizes")
+    else:
+        # The sizes come from the run (--cudagraph-sizes) or the call: the rest of the plan is checked
+        # with a stand-in, and the bound that depends on the sizes is left to the call.
+        plan["capture_sizes"] = (1,)
+        plan.pop("max_capture_size", None)
+    plan.setdefault("max_num_reqs", max(plan["capture_sizes"]))
+    try:
+        CaptureConfig(**plan)
+        VerifyOptions(**{name: value for name, value in given.items() if name in _VERIFY_FIELDS})
+    except UsageError as exc:
+        raise pytest.UsageError(f"{where}: {exc}") from None
 
 
 def marker_keywords(item: pytest.Item) -> dict[str, Any]:
@@ -445,11 +453,12 @@ def _given(keywords: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _for_test(parse: Callable[[object, str], _T], value: object, source: str) -> _T:
-    """``parse(value, source)``, its UsageError (a session's) raised as the ValueError of one test."""
+    """``parse(value, source)``, its ``pytest.UsageError`` (a session's) raised as the package's
+    ``UsageError``: the test's, which the fixtures fail it with in one line."""
     try:
         return parse(value, source)
     except pytest.UsageError as exc:
-        raise ValueError(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 def resolve(
@@ -459,7 +468,7 @@ def resolve(
 
     ``capture_sizes`` sets ``sizes``; each ``VerifyOptions`` field a run sets (``backend``,
     ``checks``, ``nonfinite_padding``, and, from a call only, ``exhaustive``) sets its own, checked
-    by ``VerifyOptions``. A bad value is the test's error (ValueError), not the session's.
+    by ``VerifyOptions``. A bad value is the test's error (``UsageError``), not the session's.
     """
     chosen = {**_given(marker), **_given(call)}
     options = dict(run.options)

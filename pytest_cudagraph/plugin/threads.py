@@ -20,6 +20,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .. import environment
+
 __all__ = [
     "THREADS_ENV",
     "USER_THREAD_ENVS",
@@ -33,27 +35,19 @@ __all__ = [
 #: Environment variables that mean the user chose torch's thread count.
 USER_THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 #: The plugin's own override: a thread count, or 0 to leave torch alone.
-THREADS_ENV = "PYTEST_CUDAGRAPH_THREADS"
+THREADS_ENV = environment.THREADS.name
 
 
 def plan_threads(*, cores: int, workers: int, env: Mapping[str, str]) -> int | None:
     """Torch intra-op threads for one of ``workers`` processes on ``cores``
     cores; None when the user chose (see the module's docstring).
 
-    ``PYTEST_CUDAGRAPH_THREADS`` that is not a whole number >= 0 is a
-    ``ValueError``.
+    ``PYTEST_CUDAGRAPH_THREADS`` that is not a whole number from 0 to ``environment.MAX_THREADS``
+    is a ``UsageError`` (the plugin refuses it when pytest starts).
     """
-    own = env.get(THREADS_ENV, "").strip()
-    if own:
-        try:
-            count = int(own)
-        except ValueError:
-            count = -1
-        if count < 0:
-            raise ValueError(
-                f"{THREADS_ENV} must be a number of threads >= 1, or 0 to leave torch's alone; got {own!r}"
-            )
-        return count or None
+    own = environment.read(environment.THREADS, env)
+    if own is not None:
+        return int(own) or None
     if any(env.get(name, "").strip() for name in USER_THREAD_ENVS):
         return None
     return max(1, max(1, cores) // max(1, workers))

@@ -9,13 +9,16 @@ from typing import Any
 
 import torch
 
+from ..backends.factory import as_device
 from ..checks.builtin.common import finding_of
 from ..checks.engine import capture_config, could_not_run, guarded
 from ..checks.registry import Check, check_list
 from ..checks.report import Finding, Outcome, VerifyReport
-from ..manager.layout import not_a_module
+from ..manager.layout import check_module
+from ..options import VerifyOptions
 from ..plan import CaptureConfig
-from ..plan.validate import int_list, optional_int
+from ..plan.config import MAX_CAPTURE_TOKENS
+from ..plan.validate import UsageError, int_list, optional_int
 from .checks import RUNNER_CHECKS
 from .runner_context import RunnerContext
 
@@ -26,8 +29,9 @@ RUNNER_CAPTURE = "runner_capture"
 
 
 def _device_of(module: torch.nn.Module, device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
+    given = as_device(device)  # a UsageError for a device this torch lacks
+    if given is not None:
+        return given
     found = next((t.device for t in (*module.parameters(), *module.buffers())), None)
     return found if found is not None else torch.device("cpu")
 
@@ -93,13 +97,12 @@ def verify_runner(
     the same signatures (``run(ctx: RunnerContext, descriptor)``).
     """
     if not callable(runner):
-        raise TypeError(
+        raise UsageError(
             f"verify_runner: runner must be callable as runner(**inputs); got {type(runner).__name__}"
         )
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(not_a_module(module, "verify_runner: module"))
+    check_module(module, "verify_runner: module")
     if not callable(make_inputs):
-        raise TypeError(
+        raise UsageError(
             "verify_runner: make_inputs must be a function (num_tokens, num_reqs) -> dict of inputs; "
             f"got {type(make_inputs).__name__}"
         )
@@ -107,21 +110,34 @@ def verify_runner(
         # The plan the runner captured, as verify() and GraphManager take it: its sizes and
         # request count (the runner's own modes are its business).
         if capture_sizes is not None or max_num_reqs is not None:
-            raise ValueError("verify_runner: pass config or capture_sizes/max_num_reqs, not both")
+            raise UsageError("verify_runner: pass config or capture_sizes/max_num_reqs, not both")
         plan = capture_config(config, {})
         capture_sizes, max_num_reqs = plan.capture_sizes, plan.max_num_reqs
     if capture_sizes is None:
-        raise ValueError(
+        raise UsageError(
             "verify_runner: needs capture_sizes (the token counts the runner captured graphs for) or a config"
         )
     sizes = int_list(
-        "verify_runner: capture_sizes", capture_sizes, what="the token counts the runner captured graphs for"
+        "verify_runner: capture_sizes",
+        capture_sizes,
+        what="the token counts the runner captured graphs for",
+        maximum=MAX_CAPTURE_TOKENS,
     )
-    optional_int("verify_runner: max_num_reqs", max_num_reqs)
-    optional_int("verify_runner: max_tokens", max_tokens)
+    optional_int("verify_runner: max_num_reqs", max_num_reqs, maximum=MAX_CAPTURE_TOKENS)
+    optional_int("verify_runner: max_tokens", max_tokens, maximum=MAX_CAPTURE_TOKENS)
     top = max_tokens if max_tokens is not None else sizes[-1] + 1
+    # The keywords verify() takes too, checked as verify() checks them (one place: VerifyOptions).
+    opts = VerifyOptions(
+        checks=checks,  # type: ignore[arg-type]  # a string or names: VerifyOptions takes both
+        rtol=rtol,
+        atol=atol,
+        batch_invariant=batch_invariant,
+        seed=seed,
+        scratch_state=scratch_state,
+    )
+    rtol, atol, batch_invariant = opts.rtol, opts.atol, opts.batch_invariant
     registry = RUNNER_CHECKS.extended(check_list(extra_checks))
-    selected = registry.select(checks)
+    selected = registry.select(opts.checks)
     dev = _device_of(module, device)
     ctx = RunnerContext(
         runner,

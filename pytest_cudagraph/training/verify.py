@@ -41,14 +41,16 @@ from typing import Any
 import torch
 
 from ..backends.base import Backend
-from ..backends.factory import make_backend
+from ..backends.factory import as_device, make_backend
 from ..checks.report import Finding, Outcome, VerifyReport
-from ..errors import EagerFailure, InternalError, UsageError
+from ..errors import EagerFailure, InternalError
 from ..guard import CaptureGuard, ModuleTracker, Violation
 from ..manager.inputs import check_forward_takes, forward_mismatch
-from ..manager.layout import infer_layout
+from ..manager.layout import check_module, infer_layout
+from ..options import VerifyOptions
 from ..plan import BatchDescriptor, GraphMode
-from ..plan.validate import check_int, int_list, is_int
+from ..plan.config import MAX_CAPTURE_TOKENS
+from ..plan.validate import UsageError, check_int, int_list, short
 from .checks import (
     TRAINING_CHECKS,
     _fail,
@@ -75,25 +77,40 @@ from .replicas import (
     _Sides,
 )
 
-__all__ = ["TRAINING_CHECKS", "TrainingStep", "verify_training"]
+__all__ = ["MAX_STEPS", "TRAINING_CHECKS", "TrainingStep", "verify_training"]
+
+#: The most steps (and warm-up steps) a verification takes: each is a training step of the module,
+#: and beyond this a count is a typo (10**9), not a test.
+MAX_STEPS = 10_000
 
 
 def _options(
     steps: Any, capture_sizes: Any, max_num_reqs: Any, warmup_steps: Any, seed: Any, autocast: Any
 ) -> _Options:
-    """Every keyword checked in one place, by the package's validators (plan/validate.py)."""
-    sizes = int_list("capture_sizes", capture_sizes)
+    """Every keyword checked in one place, by the package's validators (plan/validate.py; the seed
+    as ``VerifyOptions`` checks it); a ``UsageError`` for the first one wrong."""
+    sizes = int_list("capture_sizes", capture_sizes, maximum=MAX_CAPTURE_TOKENS)
     # A step runs before capture: gradients and the optimizer's state are made there, outside the
     # graph's pool, as torch's documentation of whole-network capture asks.
-    check_int("warmup_steps", warmup_steps)
-    if not is_int(seed):
-        raise ValueError(f"seed must be an integer; got {seed!r}")
-    reqs = max(sizes) if max_num_reqs is None else check_int("max_num_reqs", max_num_reqs)
+    check_int("warmup_steps", warmup_steps, maximum=MAX_STEPS)
+    VerifyOptions(seed=seed)
+    reqs = (
+        max(sizes)
+        if max_num_reqs is None
+        else check_int("max_num_reqs", max_num_reqs, maximum=MAX_CAPTURE_TOKENS)
+    )
     if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
-        raise ValueError(
-            f"autocast must be None or a floating dtype such as torch.bfloat16; got {autocast!r}"
+        raise UsageError(
+            f"autocast must be None or a floating dtype such as torch.bfloat16; got {short(autocast)}"
         )
-    return _Options(autocast, check_int("steps", steps), tuple(reversed(sizes)), reqs, warmup_steps, seed)
+    return _Options(
+        autocast,
+        check_int("steps", steps, maximum=MAX_STEPS),
+        tuple(reversed(sizes)),
+        reqs,
+        warmup_steps,
+        seed,
+    )
 
 
 @contextlib.contextmanager
@@ -225,29 +242,30 @@ def verify_training(
     module: a ``TrainingStep`` whose ``run(inputs)`` is captured and whose ``between()`` runs
     eagerly after every step (None: the default step, which zeroes the gradients in place, runs the
     forward, the loss and backward, and the optimizer's step, all captured)."""
-    if not isinstance(module, torch.nn.Module):
-        raise ValueError(f"module must be a torch.nn.Module; got {type(module).__name__}")
-    if not callable(make_inputs) or not callable(loss_fn):
-        raise ValueError(
-            "make_inputs and loss_fn must be callables: make_inputs(num_tokens, num_reqs) -> dict, "
-            "loss_fn(output, inputs) -> scalar loss"
-        )
+    check_module(module)
+    for name, value, what in (
+        ("make_inputs", make_inputs, "make_inputs(num_tokens, num_reqs) -> dict of inputs"),
+        ("loss_fn", loss_fn, "loss_fn(output, inputs) -> scalar loss"),
+    ):
+        if not callable(value):
+            raise UsageError(f"{name} must be a callable {what}; got {short(value)}")
     if optimizer is not None and not callable(optimizer):
-        raise ValueError(
+        raise UsageError(
             "optimizer must build a torch.optim.Optimizer from the parameters, e.g. "
-            "lambda params: torch.optim.AdamW(params, capturable=True)"
+            f"lambda params: torch.optim.AdamW(params, capturable=True); got {short(optimizer)}"
         )
     if step is not None and not callable(step):
-        raise ValueError(
+        raise UsageError(
             "step must be a callable step(module, optimizer, loss_fn) -> TrainingStep; got "
             f"{type(step).__name__}"
         )
     if step is not None and autocast is not None:
-        raise ValueError(
+        raise UsageError(
             "autocast applies to the default step only: a step you give runs torch.autocast itself; "
             "leave autocast=None"
         )
     opts = _options(steps, capture_sizes, max_num_reqs, warmup_steps, seed, autocast)
+    device = as_device(device)  # a UsageError for a device this torch lacks
     if device is None:
         first = next(iter(module.parameters()), None)
         device = first.device if first is not None else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..common import Mutant
-from . import capturability, causes, checks, manager, plan, plugin, precision, runner, training
+from . import capturability, causes, checks, manager, plan, plugin, precision, runner, training, usage
 from .cuda import CUDA_MUTANTS
 
 __all__ = ["CUDA_MUTANTS", "MUTANTS"]
@@ -33,4 +33,5 @@ MUTANTS: list[Mutant] = [
     *training.TRAINING,
     *training.TRAINING_PADDING,
     *plan.UNIFORM_DECODE,
+    *usage.USAGE,
 ]
