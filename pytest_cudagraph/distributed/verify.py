@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..checks.engine import check_keywords
+from ..checks.arguments import check_keywords
 from ..checks.report import VerifyReport
 from ..options import MAX_SECONDS, MAX_WORLD_SIZE
 from ..plan.validate import UsageError, check_int

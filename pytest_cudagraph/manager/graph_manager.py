@@ -112,39 +112,19 @@ class GraphManager:
         eager_submodules: EagerSpec = None,
         batch_dims: Mapping[str, int] | None = None,
     ) -> None:
-        check_module(module)
-        if not callable(make_inputs):
-            raise UsageError(
-                f"make_inputs must be a callable (num_tokens, num_reqs) -> dict of inputs; got {type(make_inputs).__name__}"
-            )
-        if isinstance(config, Mapping):
-            keywords = dict(config)
-            unknown = [k for k in keywords if k not in CaptureConfig.field_names()]
-            missing = [k for k in CaptureConfig.required_names() if k not in keywords]
-            if unknown or missing:
-                raise UsageError(
-                    f"config {short(keywords)} is not a CaptureConfig's keywords "
-                    f"({unknown_keyword(unknown[0], CaptureConfig.field_names(), 'CaptureConfig') if unknown else 'missing ' + ', '.join(missing)}); "
-                    f"it needs {' and '.join(CaptureConfig.required_names())}"
-                )
-            config = CaptureConfig(**keywords)
-        if not isinstance(config, CaptureConfig):
-            raise UsageError(
-                f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}"
-            )
-        check_named("pad_values", pad_values)
-        check_named("batch_dims", batch_dims)
-        flags: tuple[tuple[str, object, bool], ...] = (
-            ("output_views", output_views, False),
-            ("measure_device_memory", measure_device_memory, False),
-            ("progress", progress, True),
-            ("checked_capture", checked_capture, True),
+        config = _checked_arguments(
+            module,
+            make_inputs,
+            config,
+            pad_values,
+            batch_dims,
+            (
+                ("output_views", output_views, False),
+                ("measure_device_memory", measure_device_memory, False),
+                ("progress", progress, True),
+                ("checked_capture", checked_capture, True),
+            ),
         )
-        for name, value, none in flags:
-            if not isinstance(value, bool) and not (none and value is None):
-                raise UsageError(
-                    f"{name} must be True or False{' or None' if none else ''}; got {short(value)}"
-                )
         plan = CapturePlan(config)
         _check_not_meta(module)
         eager_pieces = resolve_eager_submodules(
@@ -528,6 +508,45 @@ def _check_not_meta(module: torch.nn.Module) -> None:
                 "run or compared; materialise the module first (module.to_empty(device=...) and load "
                 "its weights, or build it on a real device)"
             )
+
+
+def _checked_arguments(
+    module: object,
+    make_inputs: object,
+    config: CaptureConfig | Mapping[str, Any],
+    pad_values: object,
+    batch_dims: object,
+    flags: tuple[tuple[str, object, bool], ...],
+) -> CaptureConfig:
+    """``GraphManager``'s arguments checked before anything runs (a ``UsageError`` for the first
+    wrong: the module, make_inputs, the plan's keywords, the named mappings, each flag, which is
+    True or False, or also None where the flag's third part says so); the plan's configuration."""
+    check_module(module)
+    if not callable(make_inputs):
+        raise UsageError(
+            f"make_inputs must be a callable (num_tokens, num_reqs) -> dict of inputs; got {type(make_inputs).__name__}"
+        )
+    if isinstance(config, Mapping):
+        keywords = dict(config)
+        unknown = [k for k in keywords if k not in CaptureConfig.field_names()]
+        missing = [k for k in CaptureConfig.required_names() if k not in keywords]
+        if unknown or missing:
+            raise UsageError(
+                f"config {short(keywords)} is not a CaptureConfig's keywords "
+                f"({unknown_keyword(unknown[0], CaptureConfig.field_names(), 'CaptureConfig') if unknown else 'missing ' + ', '.join(missing)}); "
+                f"it needs {' and '.join(CaptureConfig.required_names())}"
+            )
+        config = CaptureConfig(**keywords)
+    if not isinstance(config, CaptureConfig):
+        raise UsageError(
+            f"config must be a CaptureConfig or a dict of its keywords; got {type(config).__name__}"
+        )
+    check_named("pad_values", pad_values)
+    check_named("batch_dims", batch_dims)
+    for name, value, none in flags:
+        if not isinstance(value, bool) and not (none and value is None):
+            raise UsageError(f"{name} must be True or False{' or None' if none else ''}; got {short(value)}")
+    return config
 
 
 def _lazy_names(module: torch.nn.Module) -> list[str]:

@@ -177,7 +177,7 @@ def _check_checks_option(config: pytest.Config, items: list[pytest.Item]) -> Non
     chosen = _state(config).settings.options.get("checks")
     if not chosen or not items:
         return
-    from ..checks.engine import registry_with
+    from ..checks.arguments import registry_with
     from ..checks.registry import check_list
 
     extra: dict[str, Any] = {}
