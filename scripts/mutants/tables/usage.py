@@ -59,7 +59,7 @@ USAGE: list[Mutant] = [
     ),
     Mutant(
         "usage-plan-without-graph",
-        "pytest_cudagraph/checks/engine.py",
+        "pytest_cudagraph/checks/arguments.py",
         "    if not plan.descriptors:\n",
         "    if False:\n",
         _t("test_a_plan_with_no_graph_is_refused_not_passed"),
