@@ -281,15 +281,20 @@ def read_trace_shapes(path: Path, config: pytest.Config) -> tuple[Batch, ...]:
         raise pytest.UsageError(f"{source}: {exc}") from None
 
 
+def _empty_path(name: str) -> pytest.UsageError:
+    """The usage error of a path option given empty (``--cudagraph-report=``): it would write nothing."""
+    flag = "--" + name.replace("_", "-")
+    return pytest.UsageError(
+        f"{flag}: an empty path; give a file path, such as {flag}=out.json, or leave it out"
+    )
+
+
 def _path(config: pytest.Config, name: str) -> Path | None:
     """A path option: from the invocation directory (option) or the ini file's (ini)."""
     option = config.getoption(name, default=None)
     ini = _ini_str(config, name)
     if option is not None and not str(option).strip():
-        flag = "--" + name.replace("_", "-")
-        raise pytest.UsageError(
-            f"{flag}: an empty path; give a file path, such as {flag}=out.json, or leave it out"
-        )
+        raise _empty_path(name)
     if option:
         return Path(config.invocation_params.dir, option)
     if ini:
@@ -301,6 +306,8 @@ def _path(config: pytest.Config, name: str) -> Path | None:
 def _paths(config: pytest.Config, name: str) -> tuple[Path, ...] | None:
     """A comma-separated list of paths, each taken as ``_path`` takes one; None when not set."""
     option = config.getoption(name, default=None)
+    if option is not None and not any(part.strip() for part in str(option).split(",")):
+        raise _empty_path(name)
     text = option if option else _ini_str(config, name)
     if not text:
         return None
