@@ -259,7 +259,7 @@ def _launched(keywords: dict[str, Any]) -> str:
         raise _Launched
 
     call = {"capture_sizes": [1, 2], "world_size": 1, **keywords}
-    with patch("pytest_cudagraph.distributed.verify._launch", launch):
+    with patch("pytest_cudagraph.distributed.verify.launch", launch):
         try:
             DistributedVerifier(RUN, {}, [].append)(_build, _make, **call)
         except _Launched:
