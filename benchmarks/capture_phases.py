@@ -47,8 +47,8 @@ import pytest_cudagraph.backends.cuda as cuda_mod
 import pytest_cudagraph.manager as manager_pkg
 from pytest_cudagraph import CaptureConfig, GraphManager
 from pytest_cudagraph.manager import output_rows
-from pytest_cudagraph.manager.capture import Capture
 from pytest_cudagraph.manager.runtime import Runtime
+from pytest_cudagraph.manager.staging import Staging
 
 Patch = tuple[Any, str, str]
 #: Not a time: how many segments the allocator took from the driver (cudaMalloc calls) during the capture.
@@ -126,13 +126,13 @@ def _manager_modules() -> list[Any]:
 
 
 def manager_targets() -> list[Patch]:
-    # The manager's steps where the capture calls them: its capture part (Capture), its runtime
-    # part (Runtime, whose copy-in staging uses) and output_rows (GraphManager only delegates).
+    # The manager's steps where the capture calls them: its capture part's staging (Staging), its
+    # runtime part (Runtime, whose copy-in staging uses) and output_rows (GraphManager only delegates).
     targets: list[Patch] = [
-        (Capture, "stage_sample", "staging: the manager's own"),
+        (Staging, "stage_sample", "staging: the manager's own"),
         (Runtime, "batch_of", "staging: batch_of (validation)"),
         (Runtime, "load_inputs", "staging: load_inputs (copy-in)"),
-        (Capture, "_load_sample", "staging: exact-shape copy-in"),
+        (Staging, "_load_sample", "staging: exact-shape copy-in"),
         (output_rows, "probe", "output-row probe"),
         (output_rows, "settle", "output-row settling"),
         (cuda_mod.CudaBackend, "warmup", "warm-up set-up (stream switch, events)"),
