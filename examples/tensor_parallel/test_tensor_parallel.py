@@ -25,6 +25,7 @@ import pytest_cudagraph
 from examples.tensor_parallel import buggy, llama, tp
 from pytest_cudagraph.checks import VerifyReport
 from pytest_cudagraph.checks.floor import across_shapes, given
+from pytest_cudagraph.launch_env import from_environment
 from pytest_cudagraph.observe import unit_roundoff
 
 WORLD_SIZE = 2
@@ -81,7 +82,24 @@ def test_tp_mlp_with_the_fixture(cudagraph_verify_distributed: Callable[..., Ver
     assert report.ok and "rank_agreement" in report.checks
 
 
-@pytest.mark.parametrize("name", list(BUGS))
+#: Under torchrun (``python -m torch.distributed.run --nproc-per-node=2 -m pytest examples/tensor_parallel``)
+#: the verifications run on its ranks; gloo ends a rank's process when its peer's collective has
+#: another size (rank-dependent padding; a collective one rank skips, whose peer's next one pairs
+#: with it), and torchrun then ends the whole run: those cases run on spawned ranks alone.
+_ENDS_A_RANK = pytest.mark.skipif(
+    from_environment() is not None,
+    reason="gloo ends a rank's process on mismatched sizes, which ends the launcher's run (tests/test_launcher.py "
+    "runs a rank that dies last)",
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=_ENDS_A_RANK) if n in ("RankDependentPadding", "SkippedCollective") else n
+        for n in BUGS
+    ],
+)
 def test_bug_fails_rank_agreement(name: str) -> None:
     build, make_inputs, pattern = BUGS[name]
     report = pytest_cudagraph.verify_distributed(build, make_inputs, timeout=HANG_TIMEOUT, **CONFIG)
