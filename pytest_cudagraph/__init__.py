@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .context import current_descriptor
     from .distributed import verify_data_parallel, verify_distributed
     from .manager import GraphManager
+    from .references import register_reference
     from .runner import RUNNER_CHECKS, verify_runner
     from .training import TRAINING_CHECKS, TrainingStep, verify_training
 
@@ -38,6 +39,7 @@ __all__ = [
     "VerifyOptions",
     "VerifyReport",
     "current_descriptor",
+    "register_reference",
     "verify",
     "verify_data_parallel",
     "verify_distributed",
@@ -50,6 +52,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "GraphManager": ("pytest_cudagraph.manager", "GraphManager"),
     "current_descriptor": ("pytest_cudagraph.context", "current_descriptor"),
+    "register_reference": ("pytest_cudagraph.references", "register_reference"),
     "verify": ("pytest_cudagraph.checks", "verify"),
     "Check": ("pytest_cudagraph.checks.registry", "Check"),
     "VerifyReport": ("pytest_cudagraph.checks", "VerifyReport"),

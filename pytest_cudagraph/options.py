@@ -155,6 +155,10 @@ class VerifyOptions:
     progress: bool | None = None
     #: The real batches to run (a trace's shapes) in place of the sweep of every token count.
     batches: tuple[Batch, ...] | None = None
+    #: Kernel -> a plain-torch function that stands in for it in the float64 reference (a custom op
+    #: or the Python function around a Triton kernel that takes bf16 alone); held against the kernel
+    #: first. Normalised to ``precision.references.References``.
+    references: Any = field(default=None, metadata=_RUNNER)
 
     def __post_init__(self) -> None:
         # Normalised here, so that every consumer sees one form. Every refusal is a UsageError: one
@@ -193,6 +197,12 @@ class VerifyOptions:
         object.__setattr__(self, "checks", _check_names_of_checks(self.checks))
         object.__setattr__(self, "descriptors", _labels(self.descriptors))
         object.__setattr__(self, "batches", _batches(self.batches))
+        if self.references is not None:
+            # Keys are torch ops and functions: read where they are given, which imports torch
+            # (a test that gives them has imported it already).
+            from .references import normalized
+
+            object.__setattr__(self, "references", normalized(self.references))
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from ..options import VerifyOptions, capture_config
 from ..plan import BatchDescriptor, CaptureConfig
 from ..plan.selection import select_descriptors
 from ..progress import over, progress_label, stage
+from . import kernel_references
 from .arguments import check_arguments, registry_with, verify_signature
 from .builtin import BUILTIN, CAPTURE_CHECK, DISPATCH_CHECK
 from .builtin.capture_safety import capture_safety, fix_of
@@ -440,6 +441,8 @@ def _run(
             report.add([could_not_run(check, None, exc, "its prepare step raised ")])
         else:
             runnable.append(check)
+    if ctx.reference is not None and ctx.reference.held:
+        report.add(ctx.reference.held)  # each reference held against its kernel (kernel_references)
     to_capture = [d for d in selected if d not in blocked]
     ctx.checks_run = frozenset(c.name for c in runnable if c.scope == "descriptor")
     if to_capture:
@@ -552,7 +555,16 @@ def _run(
             every_size = queue_every_size(ctx, [d for d in manager.plan.capture_order if d not in selected])
     if later:
         _after_release(ctx, report, selected, captured, blocked, later, meter, every_size, progress)
+    report.references = _references(ctx)
     report.check_seconds = time.perf_counter() - started
+
+
+def _references(ctx: VerifyContext) -> list[dict[str, Any]]:
+    """The JSON report's ``references``: each with how it held and whether it stood in."""
+    ref = ctx.reference
+    if ref is None or not ref.references:
+        return []
+    return kernel_references.summarized(ref.references, ref.held, ref.record.stood_in)
 
 
 def _after_release(

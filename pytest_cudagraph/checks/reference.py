@@ -24,6 +24,7 @@ from ..manager import tree
 from ..manager.types import OutCut
 from ..plan import Batch, BatchDescriptor
 from ..precision import Record
+from ..references import References
 from .compare import CHUNK, leaves
 
 __all__ = [
@@ -78,6 +79,10 @@ class Reference:
     tier: str = "float64"
     float64_refused: str = ""
     queued: dict[BatchDescriptor, list[Queued]] = field(default_factory=dict)
+    #: The references that stand in for kernels (``references=`` over ``register_reference``'s).
+    references: References = field(default_factory=References)
+    #: Each reference held against its kernel (``kernel_references``): outcomes of ``references``.
+    held: list[Any] = field(default_factory=list)
 
     def queue(
         self,

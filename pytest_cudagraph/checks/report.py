@@ -190,6 +190,9 @@ class VerifyReport:
     reference_peak_memory: int = 0
     #: What the verification could not do as usual, said once (not a failure of the module's graphs).
     notes: list[str] = field(default_factory=list)
+    #: The references handed in for kernels (``references=``): each with how it held against its
+    #: kernel and whether it stood in for it in the float64 reference.
+    references: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def failures(self) -> list[Outcome]:
@@ -263,8 +266,10 @@ class VerifyReport:
         if not ran:
             return ""
         peak = f", peak {format_bytes(self.reference_peak_memory)}" if self.reference_peak_memory else ""
+        stood = list(dict.fromkeys(name for f in ran for name in f.get("stood_in", ())))
+        through = f" (references standing in for {', '.join(stood)})" if stood else ""
         return (
-            f"; {ran[0]['reference']} reference: floor {max(f['floor'] for f in ran):.2g}, limit "
+            f"; {ran[0]['reference']} reference{through}: floor {max(f['floor'] for f in ran):.2g}, limit "
             f"{max(f['limit'] for f in ran):.2g}{peak}"
         )
 
@@ -364,6 +369,7 @@ class VerifyReport:
             "reference_peak_memory_bytes": self.reference_peak_memory,
             "reference_memory_at_start_bytes": self.reference_memory_at_start,
             "notes": list(self.notes),
+            "references": [dict(r) for r in self.references],
             "outcomes": [o.to_dict() for o in self.outcomes],
         }
 

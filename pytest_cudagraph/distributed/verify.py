@@ -20,6 +20,7 @@ from ..checks.arguments import check_keywords
 from ..checks.report import VerifyReport
 from ..options import MAX_SECONDS, MAX_WORLD_SIZE
 from ..plan.validate import UsageError, check_int
+from ..references import normalized, registered
 from . import launcher
 from .merge import AGREEMENT_CHECK, merged
 from .rank import RankWork, Seen, VerifyWork, recording
@@ -142,6 +143,11 @@ def verify_distributed(
     # What each rank's verify() would refuse, refused here once, before any rank starts.
     rest = {k: v for k, v in keywords.items() if k not in ("config", "options")}
     check_keywords(keywords.get("config"), keywords.get("options"), rest, "verify_distributed")
+    # The suite's registered references (a conftest's) with the call's: the spawned ranks import no
+    # conftest. Ops travel by name, Python functions by reference (picklable where top-level).
+    refs = normalized(keywords.get("references")).merged_over(registered())
+    if refs:
+        keywords = {**keywords, "references": refs}
     return on_ranks(
         VerifyWork(build, make_inputs, keywords),
         world_size=world_size,

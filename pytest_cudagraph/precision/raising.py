@@ -21,6 +21,7 @@ from ..observe import (
     unit_roundoff,
     written_tensors,
 )
+from ..references import Entry, References, redirected
 from .convert import _BY_COLUMNS, _TIERS, _by_columns, _lowered, _needs_raising, _raised, _too_large
 from .noise import _ROUNDS_NOTHING, _carries_noise, _mark_noisy
 from .record import _FLOAT32, NoReference, Record, _first_line
@@ -74,9 +75,23 @@ def _name(func: Any) -> str:
 
 
 class _Raising(DispatchMode):
-    def __init__(self, record: Record, noise: float, seed: int, to: torch.dtype = torch.float64) -> None:
+    def __init__(
+        self,
+        record: Record,
+        noise: float,
+        seed: int,
+        to: torch.dtype = torch.float64,
+        references: References | None = None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.record = record
+        #: The custom ops a reference stands in for, by overload as the dispatcher hands them over
+        #: (an entry or None, looked up once per overload); None where no reference is an op.
+        self._stand_ins: dict[Any, Entry | None] | None = {} if references and references.ops else None
+        self.references = references or References()
+        #: The thread's dispatch key sets inside the block (``raised`` sets them): what a reference
+        #: run from ``__torch_dispatch__`` runs with.
+        self.dispatch_keys: tuple[Any, Any] | None = None
         self.noise = noise
         self.seed = seed
         self.to = to
@@ -93,6 +108,13 @@ class _Raising(DispatchMode):
         # Every op of the forward comes through here: the common cases are kept short (an op whose
         # operands are all float64 already, no dtype asked for, is called as it is).
         kwargs = kwargs or {}
+        if self._stand_ins is not None:
+            if func in self._stand_ins:
+                entry = self._stand_ins[func]
+            else:
+                entry = self._stand_ins[func] = self.references.for_op(func)
+            if entry is not None:
+                return self.stand_in(entry, args, kwargs)
         kind = _KINDS.get(func)
         if kind is None:
             kind = _kind(func)
@@ -159,6 +181,19 @@ class _Raising(DispatchMode):
             if noisy:
                 _mark_noisy(out)
         return out
+
+    def stand_in(self, entry: Entry, args: Any, kwargs: Any) -> Any:
+        """The user's reference in the kernel's place, its ops raised (and jittered) by this mode like
+        the module's own. Called from ``__torch_dispatch__``, where the mode is off: entered again."""
+        self.record.stood_in.setdefault(entry.name, entry.fn_name)
+        if _is_active(self):  # from the forward's Python (a Python function's key)
+            return entry.fn(*args, **kwargs)
+        # From __torch_dispatch__ (a custom op's key): the dispatcher has left the keys above Python
+        # (autograd, the composite decompositions) behind for this op, so the reference's ops
+        # would reach the mode whole (``aten.to.dtype``, a view to the mode: its float32 cast
+        # would stay). They run with the dispatch keys the forward had, the mode entered again.
+        with torch._C._ForceDispatchKeyGuard(*self.dispatch_keys) if self.dispatch_keys else _nothing(), self:
+            return entry.fn(*args, **kwargs)
 
     def _note_quantizing(self, args: Any, dtype: Any) -> None:
         """A cast of floating values to an integer or float8 dtype: quantization, which stays."""
@@ -382,7 +417,13 @@ def _no_tf32() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def raised(*, noise: float = 0.0, seed: int = 0, to: torch.dtype = torch.float64) -> Iterator[Record]:
+def raised(
+    *,
+    noise: float = 0.0,
+    seed: int = 0,
+    to: torch.dtype = torch.float64,
+    references: References | None = None,
+) -> Iterator[Record]:
     """Run the block's floating computation in float64 (see the module's docstring); yields the
     ``Record`` of what it did. ``NoReference`` where an op runs in neither float64 nor float32.
 
@@ -394,11 +435,39 @@ def raised(*, noise: float = 0.0, seed: int = 0, to: torch.dtype = torch.float64
     how far rounding can move the output is measured by something that holds no computation of
     another shape. Where an op holds less than the reference's precision (it ran in float32 for
     want of a kernel, a float8 product, a kernel outside the dispatcher computing in float32), the
-    noise there is that precision's unit roundoff."""
+    noise there is that precision's unit roundoff.
+
+    ``references`` (``precision.references``) stand in for the kernels they name: a custom op where
+    the dispatcher hands it over, a Python function wherever the forward calls it; each runs with
+    its ops raised, and the record names it (``Record.stood_in``)."""
     if to not in _TIERS:
         raise ValueError(f"raised(to=...) takes torch.float64 or torch.float32, not {to}")
     record = Record(tier=str(to).replace("torch.", ""))
-    mode = _Raising(record, noise, seed, to)
-    with _no_tf32(), torch.no_grad(), mode, triton_launches(mode.launch):
+    references = references or References()
+    mode = _Raising(record, noise, seed, to, references)
+    with (
+        _no_tf32(),
+        torch.no_grad(),
+        redirected(references.functions, lambda entry, _kernel, a, k: mode.stand_in(entry, a, k)),
+        mode,
+        triton_launches(mode.launch),
+    ):
+        mode.dispatch_keys = (
+            torch._C._dispatch_tls_local_include_set(),
+            torch._C._dispatch_tls_local_exclude_set(),
+        )
         yield record
         mode.finish()
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _is_active(mode: Any) -> bool:
+    """Whether ``mode`` is on the dispatch mode stack now (in the forward's Python it is; inside its
+    own ``__torch_dispatch__`` it is not)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(m is mode for m in _get_current_dispatch_mode_stack())

@@ -42,6 +42,10 @@ class Record:
     #: The dtypes the forward quantized floating values to (int8, float8_e4m3fn), by name: casts that
     #: stay in the reference, so its result holds that quantization as the module computes it.
     quantized: dict[str, None] = field(default_factory=dict)
+    #: Kernels a reference the user handed in stood in for (``references=``), by the kernel's name,
+    #: with the reference's: the torch code around them is held at the reference's precision, their
+    #: own cross-shape rounding is not (``real_batches`` holds that at the kernel's precision).
+    stood_in: dict[str, str] = field(default_factory=dict)
 
     def merge(self, other: Record) -> None:
         self.roundoff = max(self.roundoff, other.roundoff)
@@ -49,6 +53,7 @@ class Record:
         self.lower_writes.update(other.lower_writes)
         self.outside.update(other.outside)
         self.quantized.update(other.quantized)
+        self.stood_in.update(other.stood_in)
         self.tier = other.tier
 
     @property
@@ -59,6 +64,19 @@ class Record:
             f"{what}: {held}" for what, held in self.outside.items() if held != f"{self.tier}'s precision"
         ]
         return lower + [f"{op} ran in float32 (no {self.tier} kernel)" for op in self.fell_back]
+
+    @property
+    def standing_in(self) -> str:
+        """ ", with references standing in for ns::op (its reference), ..." where any did; "" else."""
+        if not self.stood_in:
+            return ""
+        each = "; ".join(f"{kernel} ({ref})" for kernel, ref in self.stood_in.items())
+        return f", with references standing in for {each}"
+
+    @property
+    def described(self) -> str:
+        """``precision`` with the kernels references stood in for."""
+        return self.precision + self.standing_in
 
     @property
     def precision(self) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..backends.factory import as_device
+from ..checks import kernel_references
 from ..checks.builtin.common import finding_of
 from ..checks.engine import capture_config, could_not_run, guarded
 from ..checks.registry import Check, check_list
@@ -19,6 +20,7 @@ from ..options import VerifyOptions
 from ..plan import CaptureConfig
 from ..plan.config import MAX_CAPTURE_TOKENS
 from ..plan.validate import UsageError, int_list, optional_int
+from ..references import References, normalized, registered
 from .checks import RUNNER_CHECKS
 from .runner_context import RunnerContext
 
@@ -77,6 +79,7 @@ def verify_runner(
     batch_invariant: bool = False,
     seed: int = 0,
     device: torch.device | str | None = None,
+    references: Mapping[Any, Callable[..., Any]] | None = None,
 ) -> VerifyReport:
     """Verify a CUDA-graph runner someone else wrote against ``module``'s eager forward.
 
@@ -94,7 +97,10 @@ def verify_runner(
     reported as a FULL descriptor standing for the token counts above the
     next smaller size; the eager fallback as a NONE descriptor. ``checks``
     selects among ``RUNNER_CHECKS`` by name; ``extra_checks`` adds checks of
-    the same signatures (``run(ctx: RunnerContext, descriptor)``).
+    the same signatures (``run(ctx: RunnerContext, descriptor)``). ``references`` (kernel ->
+    plain-torch function, as ``verify`` takes them) are held against their kernels on a forward of
+    the module at the largest capture size; a runner's verification asks no float64 question, so
+    they stand in for nothing, and the report says so.
     """
     if not callable(runner):
         raise UsageError(
@@ -134,6 +140,7 @@ def verify_runner(
         batch_invariant=batch_invariant,
         seed=seed,
         scratch_state=scratch_state,
+        references=references,
     )
     rtol, atol, batch_invariant = opts.rtol, opts.atol, opts.batch_invariant
     registry = RUNNER_CHECKS.extended(check_list(extra_checks))
@@ -174,6 +181,13 @@ def verify_runner(
         "an extension called directly); found by its fingerprint, it is compared from then on"
         for name in ctx.unseen
     )
+    refs = normalized(opts.references).merged_over(registered())
+    if refs:
+        report.add(_held_references(ctx, refs, sizes[-1], seed))
+        report.references = kernel_references.summarized(refs, report.outcomes, {})
+        report.notes.append(
+            kernel_references.NO_FLOAT64_QUESTION.format(where="verify_runner", what="the runner's outputs")
+        )
     capture = getattr(runner, "capture", None)
     if callable(capture):
         before = ctx.snapshot()
@@ -229,3 +243,15 @@ def verify_runner(
             ]
         )
     return report
+
+
+def _held_references(ctx: RunnerContext, refs: References, tokens: int, seed: int) -> list[Outcome]:
+    """Each reference against its kernel on a forward of the module at ``tokens`` tokens, the
+    module's state put back after."""
+    before = ctx.snapshot()
+    try:
+        torch.manual_seed(seed)
+        inputs = ctx.make(ctx.batch(tokens))
+        return kernel_references.held(refs, lambda: ctx.eager(inputs), tokens, seed)
+    finally:
+        ctx.restore(before)

@@ -42,6 +42,7 @@ import torch
 
 from ..backends.base import Backend
 from ..backends.factory import as_device, make_backend
+from ..checks import kernel_references
 from ..checks.report import Finding, Outcome, VerifyReport
 from ..errors import EagerFailure, InternalError
 from ..guard import CaptureGuard, ModuleTracker, Violation
@@ -51,6 +52,7 @@ from ..options import VerifyOptions
 from ..plan import BatchDescriptor, GraphMode
 from ..plan.config import MAX_CAPTURE_TOKENS
 from ..plan.validate import UsageError, check_int, int_list, short
+from ..references import normalized, registered
 from .checks import (
     TRAINING_CHECKS,
     _fail,
@@ -227,6 +229,7 @@ def verify_training(
     backend: str = "auto",
     device: torch.device | str | None = None,
     seed: int = 0,
+    references: Mapping[Any, Callable[..., Any]] | None = None,
 ) -> VerifyReport:
     """Capture a training step per capture size and hold its replays to eager (see the module's
     docstring). ``loss_fn(output, inputs)`` returns the scalar loss (``inputs`` is the padded dict:
@@ -241,7 +244,11 @@ def verify_training(
     ``step(module, optimizer, loss_fn)`` gives the step of a loop you write, for each copy of the
     module: a ``TrainingStep`` whose ``run(inputs)`` is captured and whose ``between()`` runs
     eagerly after every step (None: the default step, which zeroes the gradients in place, runs the
-    forward, the loss and backward, and the optimizer's step, all captured)."""
+    forward, the loss and backward, and the optimizer's step, all captured).
+
+    ``references`` (kernel -> plain-torch function, as ``verify`` takes them) are held against their
+    kernels on an eager step at the largest capture size; a training verification asks no float64
+    question, so they stand in for nothing, and the report says so."""
     check_module(module)
     for name, value, what in (
         ("make_inputs", make_inputs, "make_inputs(num_tokens, num_reqs) -> dict of inputs"),
@@ -264,6 +271,7 @@ def verify_training(
             "autocast applies to the default step only: a step you give runs torch.autocast itself; "
             "leave autocast=None"
         )
+    refs = normalized(references).merged_over(registered())  # a UsageError for a key it cannot take
     opts = _options(steps, capture_sizes, max_num_reqs, warmup_steps, seed, autocast)
     device = as_device(device)  # a UsageError for a device this torch lacks
     if device is None:
@@ -315,6 +323,21 @@ def verify_training(
         return _Replica(copy_, opt, made)
 
     with _capturable_on_cpu(engine):
+        if refs:
+            top, spied_on = opts.capture_sizes[-1], replica()
+            batch = _inputs(make_inputs, top, min(top, opts.max_num_reqs), opts.seed)
+            report.add(
+                kernel_references.held(
+                    refs, lambda: spied_on.run(loss_fn, batch, opts.autocast), top, opts.seed
+                )
+            )
+            report.references = kernel_references.summarized(refs, report.outcomes, {})
+            report.notes.append(
+                kernel_references.NO_FLOAT64_QUESTION.format(
+                    where="verify_training", what="each training step"
+                )
+            )
+            del spied_on, batch
         report.add([_optimizer_capturable(replica(), own)])
         verified = []
         for size in opts.capture_sizes:

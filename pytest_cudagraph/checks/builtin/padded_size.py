@@ -21,7 +21,9 @@ them (``launches``) and holds the floor to float32's rounding there. A module
 that refuses float64 (a dtype assertion, an extension for float32 alone) runs
 in float32 with TF32 off; one that runs in neither (a kernel for bf16 alone)
 is said so in the report, and ``real_batches`` then holds it to eager on the
-real batch within the floor of its own precision.
+real batch within the floor of its own precision, unless the user hands in a
+plain-torch reference for that kernel (``references=``): it stands in for the
+kernel here, once ``kernel_references`` has held it against the kernel.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from ...manager.types import cut_to_real
 from ...observe import unit_roundoff
 from ...plan import BatchDescriptor
 from ...precision import NoReference, Record, raised
+from ...references import References, normalized, registered
 from ...units import counted
-from .. import causes
+from .. import causes, kernel_references
 from ..divergence import first_differing_call, recording, where_runs_part
 from ..floor import cut_leaf
 from ..reference import (
@@ -97,9 +100,21 @@ def prepare_reference(ctx: VerifyContext) -> None:
             "covers them)"
         )
         return
+    refs = ref.references = normalized(ctx.options.references).merged_over(registered())
+    if refs:
+        ref.held = _hold_references(ctx, refs)
+        wrong = [o for o in ref.held if not o.passed]
+        if wrong:
+            names = ", ".join(o.figures.get("op", "?") for o in wrong)
+            ref.why_not = (
+                f"the reference for {names} disagrees with its kernel (the references outcome says where and by how "
+                "much): the float64 question does not run through a reference that computes something else"
+            )
+            return
     desc = min(ctx.manager.plan.capture_order, key=lambda d: d.num_tokens)
     batch = ctx.exact_batch(desc)
     refused: list[str] = []
+    missing: list[str] = []  # the kernels no reference stood in for
     # float64 first; a forward that cannot run there (an extension that takes float32 alone, a
     # dtype check of its own) in float32 with TF32 off, which still holds bf16 and float16 far
     # below their rounding, and a float32 module to the floor of its own precision at one shape.
@@ -109,10 +124,11 @@ def prepare_reference(ctx: VerifyContext) -> None:
         with ctx.preserved_state():
             ctx.seed_all(ctx.seed)
             try:
-                with raised(to=tier) as record:
+                with raised(to=tier, references=refs) as record:
                     ctx.eager_real(inputs, batch, captured_path=False)
             except NoReference as exc:
                 refused.append(f"in {name}: {exc}")
+                missing.append(exc.op)
                 continue
             except Exception as exc:  # the module's own refusal (a dtype check, a kernel for one dtype)
                 if faults.is_sticky(exc):
@@ -129,7 +145,37 @@ def prepare_reference(ctx: VerifyContext) -> None:
                 "in float32 with TF32 off, held to the floor of that precision at one shape"
             )
         return
-    ref.why_not = _no_reference("; ".join(refused))
+    ref.why_not = _no_reference("; ".join(refused)) + _reference_hint(missing)
+
+
+def _hold_references(ctx: VerifyContext, refs: References) -> list[Outcome]:
+    """Each reference against its kernel, on the calls of one forward in the module's own precision
+    at the largest capture size (``kernel_references``): outcomes of ``references``."""
+    desc = max(ctx.manager.plan.capture_order, key=lambda d: d.num_tokens)
+    batch = ctx.exact_batch(desc)
+    inputs = ctx.make(batch)
+    with ctx.preserved_state():
+        ctx.seed_all(ctx.seed)
+        return kernel_references.held(
+            refs, lambda: ctx.eager_real(inputs, batch, captured_path=False), batch.num_tokens, ctx.seed
+        )
+
+
+def _reference_hint(ops: list[str]) -> str:
+    """The sentence that says how to add a reference for each kernel the float64 run could not run."""
+    hints = []
+    for op in dict.fromkeys(ops):
+        if "::" in op and " " not in op:
+            key = f"'{op}'"
+        else:  # a Triton kernel or memory an extension wrote: the key is the Python function around it
+            key = "the Python function that launches it"
+        hints.append(
+            f"for {op}, hand the harness a plain-torch reference (a function that takes the kernel's arguments "
+            f"and returns what it returns): references={{{key}: fn}} on verify, the fixture or the cudagraph "
+            f"marker, or pytest_cudagraph.register_reference({key}, fn) in a conftest; padded_size then asks its "
+            "question in float64 through it"
+        )
+    return ". To keep the float64 question: " + "; ".join(hints) if hints else ""
 
 
 def queue_every_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[BatchDescriptor]:
@@ -183,7 +229,8 @@ class _Runs:
         ctx.restore(self.state0)
         ctx.seed_all(ctx.seed)
         tier = ctx.reference.tier if ctx.reference is not None else "float64"
-        with raised(noise=noise, seed=ctx.seed, to=getattr(torch, tier)) as record:
+        refs = ctx.reference.references if ctx.reference is not None else None
+        with raised(noise=noise, seed=ctx.seed, to=getattr(torch, tier), references=refs) as record:
             out = run()
         self.record.merge(record)
         return out
@@ -262,13 +309,14 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
         floors = {d.path: d.relative for d in leaf_differences(noisy, exact)}
         del noisy
         limits = _limits(floors, roundoff)
-        if ref.record.lower or ref.record.quantized or ref.record.precision != "float64":
+        if ref.record.lower or ref.record.quantized or ref.record.described != "float64":
             # Named once per verification, with the precision that holds at each.
-            note = f"padded_size's reference: {ref.record.precision}"
+            note = f"padded_size's reference: {ref.record.described}"
             if note not in ctx.notes:
                 ctx.notes.append(note)
         figures_all = {
             "reference": ref.record.precision,
+            "stood_in": list(ref.record.stood_in),
             "floor": max(floors.values(), default=0.0),
             "limit": max(limits.values(), default=REFERENCE_CAP * roundoff),
         }
@@ -391,7 +439,7 @@ def _failure(
     else:
         what = (
             f"{shape} differs from eager on {those} by {_fmt(bad.relative)} (relative rms of {where}), "
-            f"in {ctx.reference.record.precision if ctx.reference else 'float64'}, where rounding moves it by "
+            f"in {ctx.reference.record.described if ctx.reference else 'float64'}, where rounding moves it by "
             f"{_fmt(floors.get(bad.path, 0.0))} (the floor: this forward with noise of one unit roundoff at "
             f"every op whose rounding can differ between shapes, at one shape; the limit is {REFERENCE_CAP:g}x "
             f"that, {_fmt(limit)})"
@@ -507,6 +555,10 @@ PADDED_SIZE = Check(
     "runs on the raised tensors (in float32 where it takes no float64), memory an extension wrote is "
     "found when it is read, and what they wrote counts as float32's where its values hold no more. "
     "A forward that refuses float64 (an extension for float32 alone) runs in float32 with TF32 off. "
+    "A kernel for bf16 alone (FlashAttention as a custom op, a Triton wrapper) runs as the plain-torch "
+    "reference the user hands in (`references=`, `register_reference`), raised like the module's own ops, "
+    "once that reference has held against the kernel on the verification's inputs (the `references` "
+    "outcome). "
     "Held to 64 times the reference's floor, measured with the module at one shape (the same forward "
     "with noise of one unit roundoff of each op's own precision at every op whose rounding can differ between "
     "shapes: a product or reduction, and what is computed from one), so a computation of "
@@ -519,7 +571,8 @@ PADDED_SIZE = Check(
     "decides the result, which each graph holds at its capture's value (named with both values); named "
     "with the first call whose results differ (its line in the user's code, a kernel's caller) and the "
     "first divergent submodule",
-    applies="the module runs neither in float64 nor in float32 (an op or a kernel for bf16 alone: said "
-    "so, and `real_batches` keeps the floor of the module's own precision); it draws random numbers, from "
+    applies="the module runs neither in float64 nor in float32 (an op or a kernel for bf16 alone with no "
+    "reference: said so, with the sentence that adds one, and `real_batches` keeps the floor of the module's "
+    "own precision); a reference handed in disagrees with its kernel (the `references` outcome fails); it draws random numbers, from "
     "a generator or from host numbers that move on every call (`rng` names those); `batch_invariant=True`",
 )

@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 from ..common import Mutant
-from . import capturability, causes, checks, manager, plan, plugin, precision, runner, training, usage
+from . import (
+    capturability,
+    causes,
+    checks,
+    manager,
+    plan,
+    plugin,
+    precision,
+    references,
+    runner,
+    training,
+    usage,
+)
 from .cuda import CUDA_MUTANTS
 
 __all__ = ["CUDA_MUTANTS", "MUTANTS"]
@@ -24,6 +36,7 @@ MUTANTS: list[Mutant] = [
     *plugin.PROGRESS,
     *checks.FLOOR,
     *precision.PADDED_SIZE,
+    *references.REFERENCES,
     *precision.LAUNCHES,
     *precision.OBSERVE,
     *precision.QUANTIZED_MODELS,
