@@ -3,13 +3,13 @@ references: the correct model and the two 0.1 % errors on the padded sizes, with
 alone and with the Triton norm too. Writes each run's verdict, seconds, summary and the JSON
 report's ``references`` to the file named (docs/data/references_h200_issue56.json is one such run).
 
-    PYTHONPATH=. python scripts/references_gpu.py OUT.json
+    PYTHONPATH=. python scripts/references_gpu.py --out OUT.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -53,4 +53,8 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, required=True, help="the JSON file each run's verdict is written to"
+    )
+    main(parser.parse_args().out)

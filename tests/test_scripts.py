@@ -77,6 +77,7 @@ SMOKE: dict[str, Smoke] = {
     "scripts/gallery_output.py": Smoke(("--smoke",), r"^    \w+ on emulate \(cpu\).*descriptors captured"),
     "scripts/mutants.py": Smoke(("--list",), r"^compare-all-any\n    .*^\d+ mutants$"),
     "scripts/refresh_docs.py": Smoke(("--list",), r"^[\w-]+ +[\w/]+\.md +python "),
+    "scripts/references_gpu.py": Smoke(("--help",), r"--out OUT"),
     "scripts/optimizer_capture.py": Smoke(("--help",), r"--out OUT"),
     "scripts/summarize_report.py": Smoke(
         ("--smoke",), r"^smoke\.py::test_linear: emulate cpu .*\n  \w+: \d+ passed"

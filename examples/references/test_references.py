@@ -26,6 +26,7 @@ from examples.references.kernels import (
     rms_norm_reference,
 )
 from examples.references.model import CAPTURE_SIZES, MAX_NUM_REQS, build, inputs
+from pytest_cudagraph import verify
 
 PLAN = {"capture_sizes": CAPTURE_SIZES, "max_num_reqs": MAX_NUM_REQS}
 #: The kernels each case runs: the bf16-only attention op with torch's norms, or with the Triton norm too.
@@ -78,13 +79,28 @@ def test_a_tenth_of_a_percent_on_the_padded_sizes_is_caught(cudagraph_verify, cu
 
 def test_without_a_reference_the_report_says_how_to_add_one(cudagraph_verify, cudagraph_device):
     """The same 0.1 % error, no references: padded_size cannot run (said, with the sentence that adds
-    a reference), and bf16's own floor lets the error through."""
+    a reference), and bf16's own floor lets the error through. A Triton wrapper left without its
+    reference is named too."""
     report = cudagraph_verify(
         build(device=cudagraph_device, norm="torch", logit_error=1e-3), inputs(cudagraph_device), **PLAN
     )
     skipped = [o for o in report.outcomes if o.check == "padded_size"]
     assert skipped and all(o.skipped for o in skipped)
     assert f"references={{'{ATTENTION_OP}': fn}}" in skipped[0].message
+    if HAS_TRITON and (cudagraph_device.type == "cuda" or INTERPRETED):
+        # The Triton norm's wrapper refuses float64 in Python (a dtype check): the skip names the
+        # function where the float64 forward raised, with the key to give.
+        report = verify(
+            build(device=cudagraph_device, norm="triton"),
+            inputs(cudagraph_device),
+            references={attention: attention_reference},
+            checks=["padded_size"],
+            progress=False,
+            **PLAN,
+        )
+        (why,) = {o.message for o in report.outcomes if o.check == "padded_size" and o.skipped}
+        assert "for the Python function examples.references.kernels.rms_norm" in why
+        assert "references={rms_norm: fn}" in why
 
 
 def test_a_reference_that_is_not_causal_is_named(cudagraph_verify, cudagraph_device):

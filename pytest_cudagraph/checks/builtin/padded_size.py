@@ -134,6 +134,9 @@ def prepare_reference(ctx: VerifyContext) -> None:
                 if faults.is_sticky(exc):
                     raise
                 refused.append(f"its forward raises in {name}: {_first_line(exc)}")
+                raiser = _raising_function(exc)
+                if raiser:
+                    missing.append(raiser)
                 continue
         ref.record.merge(record)
         ref.tier = name
@@ -161,16 +164,37 @@ def _hold_references(ctx: VerifyContext, refs: References) -> list[Outcome]:
         )
 
 
+def _raising_function(exc: BaseException) -> str:
+    """Where the float64 forward raised, as "the Python function module.name": the innermost frame of
+    the traceback outside torch and this package (a Triton wrapper's dtype check, say); "" where
+    there is none."""
+    found = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        module = str(tb.tb_frame.f_globals.get("__name__", ""))
+        if module and not module.startswith(("torch", "pytest_cudagraph", "triton")):
+            code = tb.tb_frame.f_code
+            found = f"the Python function {module}.{getattr(code, 'co_qualname', code.co_name)}"
+        tb = tb.tb_next
+    return found
+
+
 def _reference_hint(ops: list[str]) -> str:
     """The sentence that says how to add a reference for each kernel the float64 run could not run."""
     hints = []
     for op in dict.fromkeys(ops):
         if "::" in op and " " not in op:
             key = f"'{op}'"
+            what = op
+        elif op.startswith("the Python function "):  # where the forward raised: a wrapper's dtype check
+            name = op.removeprefix("the Python function ")
+            key = name.rsplit(".", 1)[-1]
+            what = f"{op} (where the float64 forward raised), if it launches a kernel for bf16 alone"
         else:  # a Triton kernel or memory an extension wrote: the key is the Python function around it
             key = "the Python function that launches it"
+            what = op
         hints.append(
-            f"for {op}, hand the harness a plain-torch reference (a function that takes the kernel's arguments "
+            f"for {what}, hand the harness a plain-torch reference (a function that takes the kernel's arguments "
             f"and returns what it returns): references={{{key}: fn}} on verify, the fixture or the cudagraph "
             f"marker, or pytest_cudagraph.register_reference({key}, fn) in a conftest; padded_size then asks its "
             "question in float64 through it"

@@ -127,4 +127,12 @@ REFERENCES: list[Mutant] = [
         (_t("test_a_kernel_the_module_never_calls_is_said_so"),),
         "a kernel the module never calls is reported as held",
     ),
+    Mutant(
+        "references-raising-wrapper-unnamed",
+        PS,
+        "                if raiser:\n",
+        "                if False:\n",
+        ("examples/references/test_references.py::test_without_a_reference_the_report_says_how_to_add_one",),
+        "a Triton wrapper that refuses float64 is not named with the key that adds its reference",
+    ),
 ]
