@@ -94,6 +94,13 @@ def test_training_fixture_holds_the_reference(cudagraph_verify_training):
     assert any("verify_training asks no float64 question" in n for n in report.notes)
 
 
+@pytest.mark.cudagraph(references={attention: attention_reference}, capture_sizes=[1, 2, 4, 8])
+def test_distributed_fixture_takes_the_markers_references(cudagraph_verify_distributed):
+    from tests.test_references import build_buggy
+
+    cudagraph_verify_distributed(build_buggy, make_ids, world_size=2)
+
+
 def test_a_bad_key_is_one_line(cudagraph_verify):
     cudagraph_verify(tiny(), make_ids, references={"tref::nope": attention_reference}, **SIZES)
 """,
@@ -110,10 +117,12 @@ def test_a_bad_key_is_one_line(cudagraph_verify):
         "test_runner_fixture_holds_the_reference": "passed",
         "test_runner_fixture_names_a_wrong_reference": "failed",
         "test_training_fixture_holds_the_reference": "passed",
+        "test_distributed_fixture_takes_the_markers_references": "failed",
         "test_a_bad_key_is_one_line": "failed",
     }, result.stdout.str()[-4000:]
     out = result.stdout.str()
     assert "FAIL padded_size" in out
+    assert "FAIL padded_size            FULL-T8-R8 rank 0" in out and "FULL-T8-R8 rank 1" in out  # the ranks
     assert out.count("the reference for tref::attention") >= 2 and "disagrees with the kernel" in out
     assert "cudagraph_verify: references: no op 'tref::nope' is registered with torch" in out
 
