@@ -447,6 +447,13 @@ def test_a_registered_reference_serves_every_verification_and_a_calls_own_wins(r
     assert failed(run(tiny(), references={"tref::attention": scaled(0.05)}), "references")
 
 
+def test_where_no_float64_question_is_asked_the_references_are_listed_unheld() -> None:
+    report = run(tiny(), references={attention: attention_reference}, batch_invariant=True)
+    assert [(r["op"], r["held"], r["stood_in"]) for r in report.references] == [
+        ("tref::attention", "not held", False)
+    ]
+
+
 def test_the_json_report_carries_the_references() -> None:
     report = run(tiny(), references={attention: attention_reference})
     data = json.loads(report.to_json())

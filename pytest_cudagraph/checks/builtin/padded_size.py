@@ -89,6 +89,8 @@ def prepare_reference(ctx: VerifyContext) -> None:
     """Before capture: whether the module runs in float64 (one forward at the plan's smallest
     shape), so that ``real_batches`` knows whether to leave its cross-shape question here."""
     ref = ctx.reference = Reference()
+    # Read first, so that the report lists them ("not held") where no float64 question is asked.
+    refs = ref.references = normalized(ctx.options.references).merged_over(registered())
     if ctx.batch_invariant:
         ref.why_not = (
             "batch_invariant=True: real_batches holds the graph to eager on the unpadded batch bit for bit"
@@ -100,7 +102,6 @@ def prepare_reference(ctx: VerifyContext) -> None:
             "covers them)"
         )
         return
-    refs = ref.references = normalized(ctx.options.references).merged_over(registered())
     if refs:
         ref.held = _hold_references(ctx, refs)
         wrong = [o for o in ref.held if not o.passed]
