@@ -16,6 +16,7 @@ A kernel never called in that forward is said so: its reference neither was held
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import faults
 from ..manager import tree
 from ..observe import unit_roundoff
 from ..precision import raised
@@ -133,13 +135,9 @@ def spied(references: References, run: Callable[[], Any]) -> dict[str, list[Kern
     """``run()`` (a forward in the module's own precision) with the first calls of each kernel
     ``references`` names recorded, by the kernel's name."""
     recorder = _Recorder()
-    spy = _Spy(references, recorder) if references.ops else None
-    with redirected(references.functions, recorder.call):
-        if spy is None:
-            run()
-        else:
-            with spy:
-                run()
+    spy = _Spy(references, recorder) if references.ops else contextlib.nullcontext()
+    with redirected(references.functions, recorder.call), spy:
+        run()
     return recorder.calls
 
 
@@ -219,11 +217,8 @@ def hold(entry: Entry, calls: list[KernelCall], seed: int) -> Agreement:
                 _results(entry.fn, call, noise=u, seed=seed) if u else (exact, exact_written)
             )
         except Exception as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            found.where, found.why = (
-                at,
-                f"the reference raises on the kernel's arguments ({type(exc).__name__}: {first})",
-            )
+            first = faults.described(exc).strip().splitlines()[0]  # "ValueError: ...", out of memory told
+            found.where, found.why = at, f"the reference raises on the kernel's arguments ({first})"
             return found
         pairs = [("the result", call.out, exact, noisy)] + [
             (
@@ -321,7 +316,7 @@ def summarized(
 ) -> list[dict[str, Any]]:
     """Each reference as the JSON report gives it: the kernel, the reference, how it held against
     the kernel (``outcomes``), whether it stood in for it in the float64 reference (``stood_in``)."""
-    by_op = {o.figures.get("op", o.message.split(" ", 1)[0]): o for o in outcomes}
+    by_op = {o.figures["op"]: o for o in outcomes if o.check == CHECK}
     out = []
     for entry in references.entries:
         found = by_op.get(entry.name)

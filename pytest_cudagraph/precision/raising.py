@@ -192,7 +192,12 @@ class _Raising(DispatchMode):
         # (autograd, the composite decompositions) behind for this op, so the reference's ops
         # would reach the mode whole (``aten.to.dtype``, a view to the mode: its float32 cast
         # would stay). They run with the dispatch keys the forward had, the mode entered again.
-        with torch._C._ForceDispatchKeyGuard(*self.dispatch_keys) if self.dispatch_keys else _nothing(), self:
+        keys = (
+            torch._C._ForceDispatchKeyGuard(*self.dispatch_keys)
+            if self.dispatch_keys
+            else contextlib.nullcontext()
+        )
+        with keys, self:
             return entry.fn(*args, **kwargs)
 
     def _note_quantizing(self, args: Any, dtype: Any) -> None:
@@ -458,11 +463,6 @@ def raised(
         )
         yield record
         mode.finish()
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _is_active(mode: Any) -> bool:

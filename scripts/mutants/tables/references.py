@@ -26,8 +26,8 @@ REFERENCES: list[Mutant] = [
     Mutant(
         "references-stand-in-outside-the-mode",
         PR,
-        "with torch._C._ForceDispatchKeyGuard(*self.dispatch_keys) if self.dispatch_keys else _nothing(), self:",
-        "with _nothing(), self:",
+        "            torch._C._ForceDispatchKeyGuard(*self.dispatch_keys)\n",
+        "            contextlib.nullcontext()\n",
         (_t("test_a_references_own_casts_are_raised_like_the_modules"),),
         "the reference's ops run unraised: its float32 casts stay, and the float64 question is float32's",
     ),
