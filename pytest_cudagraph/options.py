@@ -24,6 +24,7 @@ from .plan.validate import MAX_ITEMS, UsageError, check_tolerance, did_you_mean,
 
 __all__ = [
     "BACKENDS",
+    "BUILTIN_CHECKS",
     "MAX_SECONDS",
     "MAX_WORLD_SIZE",
     "RUN_SETTINGS",
@@ -38,6 +39,24 @@ __all__ = [
 ]
 
 BACKENDS: tuple[str, ...] = ("auto", "cuda", "emulate")
+#: The built-in checks' names, in the order they run: what ``--help`` lists under
+#: ``--cudagraph-checks`` without importing torch. ``checks/builtin`` registers the checks themselves,
+#: and tests/test_registry.py holds that registry to this table (the same names, in the same order).
+BUILTIN_CHECKS: tuple[str, ...] = (
+    "capture_safety",
+    "replay_matches_eager",
+    "fresh_inputs",
+    "real_batches",
+    "padding_isolation",
+    "state",
+    "side_outputs",
+    "determinism",
+    "rng",
+    "output_lifetime",
+    "address_stability",
+    "dispatch",
+    "padded_size",
+)
 #: Fields the run sets (``--cudagraph-verify``), not a test's marker.
 RUN_SETTINGS: tuple[str, ...] = ("exhaustive",)
 
@@ -109,7 +128,8 @@ class VerifyOptions:
         default=None,
         metadata=_run_option(
             "the checks every verification runs: names select (real_batches,capture_safety), names with a "
-            "leading '-' deselect from the default checks (-determinism). A marker's or a call's checks= wins",
+            "leading '-' deselect from the default checks (-determinism). A marker's or a call's checks= wins. "
+            f"The checks: {', '.join(BUILTIN_CHECKS)}, and those a conftest's pytest_cudagraph_checks hook adds",
             metavar="NAME,-NAME",
             runner=True,
         ),

@@ -96,6 +96,28 @@ def _correct() -> bool:
     return bool(verify(_tiny(), _make, capture_sizes=[1, 2], backend="emulate").ok)
 
 
+def _module_class() -> Any:
+    """The class itself, where an instance of it is meant."""
+    import torch
+
+    return torch.nn.Linear
+
+
+def _raises() -> Any:
+    """A module whose forward raises: the user's exception, told with their line."""
+    import torch
+
+    class Raises(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("this forward raises on purpose")
+
+    return Raises()
+
+
 def _jit() -> Any:
     import torch
 
@@ -173,6 +195,7 @@ def _verify_cases() -> list[Case]:
         v("pad_values={'input': 'x'}", "pad_values", pad_values={"input": "x"}),
         v("pad_values={'nope': 0}", "pad_values", pad_values={"nope": 0}),
         v("scratch_state=5", "scratch_state", scratch_state=5),
+        v("scratch_state naming no buffer", "scratch_state names 'nope'", scratch_state={"nope": 0}),
         v("extra_checks=5", "extra_checks", extra_checks=5),
         v("batches=[]", "batches", batches=[]),
         v("batches=5", "batches", batches=5),
@@ -199,6 +222,20 @@ def _verify_cases() -> list[Case]:
             "verify", "a torch.jit.script module", "ScriptModule", {"capture_sizes": [1, 2]}, {"module": _jit}
         ),
         Case("verify", "make_inputs=5", "make_inputs", {"capture_sizes": [1, 2]}, {"make_inputs": 5}),
+        Case(
+            "verify",
+            "the Module class, not an instance",
+            r"pass Linear\(\)",
+            {"capture_sizes": [1, 2]},
+            {"module": _module_class},
+        ),
+        Case(
+            "verify",
+            "a forward that raises",
+            "forward raises on purpose",
+            {"capture_sizes": [1, 2]},
+            {"module": _raises},
+        ),
     ]
 
 
@@ -286,6 +323,14 @@ def loss(out, inputs):
 
 def build(rank, world_size):
     return torch.nn.Linear(4, 4)
+
+class Raises(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, input):
+        raise RuntimeError("this forward raises on purpose")
 """
 
 #: (name, the test's body or its marker and body, expected): one test each in one file.
@@ -342,6 +387,16 @@ FIXTURE_CASES: list[tuple[str, str, str]] = [
         "cuda",
     ),
     ("verify batches=[]", _V.format("batches=[]"), "batches"),
+    (
+        "verify scratch_state naming no buffer",
+        _V.format("scratch_state={'nope': 0}"),
+        "scratch_state names 'nope'",
+    ),
+    (
+        "verify the Module class, not an instance",
+        "cudagraph_verify(torch.nn.Linear, make, capture_sizes=[1, 2])",
+        r"pass Linear\(\)",
+    ),
     ("verify mode='NONE'", _V.format("mode='NONE'"), NOT_VERIFIED),
     (
         "verify all-NaN inputs",
@@ -367,6 +422,11 @@ FIXTURE_CASES: list[tuple[str, str, str]] = [
         "training loss_fn=None",
         "cudagraph_verify_training(lin(), make, None, capture_sizes=[1, 2])",
         "loss_fn",
+    ),
+    (
+        "training the Module class, not an instance",
+        "cudagraph_verify_training(torch.nn.Linear, make, loss, capture_sizes=[1, 2])",
+        r"pass Linear\(\)",
     ),
     (
         "training optimizer='adam'",
@@ -419,7 +479,32 @@ FIXTURE_CASES: list[tuple[str, str, str]] = [
         "mode",
     ),
     ("runner runner=5", "cudagraph_verify_runner(5, lin(), make, capture_sizes=[1, 2])", "runner"),
+    (
+        "runner the Module class, not an instance",
+        "cudagraph_verify_runner(lin(), torch.nn.Linear, make, capture_sizes=[1, 2])",
+        r"pass Linear\(\)",
+    ),
+    (
+        "runner a forward that raises",
+        "cudagraph_verify_runner(lin(), Raises(), make, capture_sizes=[1, 2])",
+        r"forward raises at test_cases\.py:\d+ in forward.*RuntimeError: this forward raises on purpose",
+    ),
+    (
+        "runner scratch_state naming no buffer",
+        _R.format("scratch_state={'nope': 0}"),
+        "scratch_state names 'nope'",
+    ),
     ("benchmark without capture_sizes", "cudagraph_benchmark(lin(), make)", "capture_sizes"),
+    (
+        "benchmark the Module class, not an instance",
+        "cudagraph_benchmark(torch.nn.Linear, make, capture_sizes=[1, 2])",
+        r"pass Linear\(\)",
+    ),
+    (
+        "benchmark a forward that raises",
+        "cudagraph_benchmark(Raises(), make, capture_sizes=[1, 2])",
+        r"forward raises at test_cases\.py:\d+ in forward.*RuntimeError: this forward raises on purpose",
+    ),
     (
         "benchmark capture_sizes='abc'",
         "cudagraph_benchmark(lin(), make, capture_sizes='abc')",
@@ -442,6 +527,11 @@ FIXTURE_CASES: list[tuple[str, str, str]] = [
         "did you mean",
     ),
     ("manager mode='BOGUS'", _M.format("mode='BOGUS'"), "mode"),
+    (
+        "manager the Module class, not an instance",
+        "cudagraph_manager(torch.nn.Linear, make, capture_sizes=[1, 2])",
+        r"pass Linear\(\)",
+    ),
     ("manager capture_size= (a typo)", "cudagraph_manager(lin(), make, capture_size=[1, 2])", "did you mean"),
     (
         "manager pad_values=5",

@@ -151,6 +151,16 @@ def _readme_run_it(out: str) -> list[str]:
     return chosen
 
 
+def _readme_test_it(out: str) -> list[str]:
+    """The suite's counts from its closing line: passed, failed, skipped and the like, not its warnings
+    (their count moves with the installed packages' deprecations) nor its time."""
+    closing = [ln for ln in out.splitlines() if re.match(r"^=+ .*\b(passed|failed)\b.* in [\d.]+s", ln)][-1:]
+    counts = re.findall(
+        r"\d+ (?:passed|failed|skipped|xfailed|xpassed|errors?)\b", closing[0] if closing else ""
+    )
+    return [", ".join(counts)] if counts else []
+
+
 def _short_example(out: str) -> list[str]:
     """The report's first line and its first failure, as the test's failure shows them."""
     lines = out.splitlines()
@@ -224,6 +234,13 @@ BLOCKS: dict[str, Block] = {
         _readme_run_it,
         "Output from this repo on {cores} CPU cores, run with `OMP_NUM_THREADS={threads}` "
         "({when}, {versions}; abridged, written by `scripts/refresh_docs.py`):",
+    ),
+    "readme-test-it": Block(
+        "README.md",
+        ("python", "-m", "pytest"),
+        _readme_test_it,
+        "The counts it gives on {cores} CPU cores with `OMP_NUM_THREADS={threads}` ({when}, {versions}; the "
+        "`cuda` tests skip; written by `scripts/refresh_docs.py`):",
     ),
     "readme-short-example": Block(
         "README.md",

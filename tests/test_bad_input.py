@@ -6,6 +6,7 @@ draws many more; these are the cases the mutants of scripts/mutants/tables/usage
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,82 @@ def test_batches_that_no_graph_serves_are_refused() -> None:
 
 def test_a_torchscript_module_is_told_as_such() -> None:
     _refused(r"module is a TorchScript module", module=torch.jit.script(_lin()))
+
+
+def test_a_module_class_for_an_instance_is_named() -> None:
+    from pytest_cudagraph import GraphManager
+
+    said = (
+        r"module must be a torch.nn.Module instance; got the class Linear itself, not an instance of it: "
+        r"pass Linear\(\) \(with its constructor's arguments\), not Linear$"
+    )
+    _refused(said, module=torch.nn.Linear)
+    with pytest.raises(UsageError, match=said):
+        GraphManager(torch.nn.Linear, _make, {"capture_sizes": [1], "max_num_reqs": 1})  # type: ignore[arg-type]
+    # A class that is no Module is still told as what it is, with the wrapper to write.
+    _refused(r"module must be a torch.nn.Module; got a class \(type 'Batch'\).*wrap the code", module=Batch)
+    assert _verify(_lin(), exhaustive=False).ok  # the twin: an instance
+
+
+class _Slots(torch.nn.Module):
+    """A module with a buffer, where a scratch region lives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("slots", torch.zeros(4))
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.lin(input) + self.slots
+
+
+def test_a_scratch_state_that_names_no_buffer_is_one_line() -> None:
+    _refused(
+        r"^scratch_state names 'nope', which is not a buffer or parameter of Linear; it has no buffers \(its "
+        r"parameters: weight, bias\)\. Key scratch_state by the name module.named_buffers\(\) gives the buffer "
+        r"forward may leave changed \(a submodule's dotted, such as 'cache.slots'\)$",
+        scratch_state={"nope": 0},
+    )
+    _refused(
+        r"^scratch_state names 'slot', 'x', which are not buffers or parameters of _Slots \(did you mean "
+        r"'slots'\?\); its buffers are slots\. Key scratch_state",
+        module=_Slots(),
+        scratch_state={"x": 0, "slot": 0},
+    )
+    from pytest_cudagraph.runner import verify_runner
+
+    with pytest.raises(UsageError, match=r"^scratch_state names 'nope', which is not a buffer") as raised:
+        verify_runner(_lin(), _lin(), _make, capture_sizes=[1, 2], scratch_state={"nope": 0})
+    assert "\n" not in str(raised.value)
+    assert _verify(_Slots(), scratch_state={"slots": 0}, exhaustive=False).ok  # the twin: a buffer it has
+
+
+class _Raises(torch.nn.Module):
+    """A module whose forward raises: the user's bug, told with their line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this forward raises on purpose")
+
+
+def test_a_forward_that_raises_under_verify_runner_is_one_line_at_the_users_line() -> None:
+    from pytest_cudagraph.errors import EagerFailure
+    from pytest_cudagraph.runner import verify_runner
+
+    line = _Raises.forward.__code__.co_firstlineno + 1
+    with pytest.raises(EagerFailure) as raised:
+        verify_runner(_lin(), _Raises(), _make, capture_sizes=[1, 2])
+    assert re.fullmatch(
+        rf"_Raises's forward raises at \S*test_bad_input\.py:{line} in forward, eagerly at \(num_tokens=1, "
+        r"num_reqs=1\), before anything is compared: RuntimeError: this forward raises on purpose\. Nothing can "
+        r"be compared with the runner; run module\(\*\*make_inputs\(1, 1\)\) eagerly to see it",
+        str(raised.value),
+    ), str(raised.value)
+    lin = _lin()
+    assert verify_runner(lin, lin, _make, capture_sizes=[1, 2]).ok  # the twin: a forward that runs
 
 
 def test_a_graph_manager_refuses_a_flag_that_is_not_a_bool() -> None:
@@ -304,3 +381,71 @@ def test_a_malformed_marker_or_keyword_fails_its_own_test_in_one_line(inner: pyt
         consecutive=False,
     )
     assert "pytest_cudagraph/" not in result.stdout.str()  # no frame of the package
+
+
+MODULE_MISTAKES = """
+import torch
+from cgmods import Tiny, make_inputs
+
+
+class Raises(Tiny):
+    def forward(self, x):
+        raise RuntimeError("this forward raises on purpose")
+
+
+def loss(out, inputs):
+    return out.sum()
+
+
+def test_verify_class(cudagraph_verify):
+    cudagraph_verify(Tiny, make_inputs, capture_sizes=[1, 2])
+
+def test_manager_class(cudagraph_manager):
+    cudagraph_manager(Tiny, make_inputs, capture_sizes=[1, 2])
+
+def test_runner_class(cudagraph_verify_runner):
+    cudagraph_verify_runner(Tiny(), Tiny, make_inputs, capture_sizes=[1, 2])
+
+def test_training_class(cudagraph_verify_training):
+    cudagraph_verify_training(Tiny, make_inputs, loss, capture_sizes=[1, 2])
+
+def test_verify_scratch(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs, capture_sizes=[1, 2], scratch_state={"lin.wieght": 0})
+
+def test_runner_scratch(cudagraph_verify_runner):
+    module = Tiny()
+    cudagraph_verify_runner(module, module, make_inputs, capture_sizes=[1, 2], scratch_state={"nope": 0})
+
+def test_runner_raises(cudagraph_verify_runner):
+    cudagraph_verify_runner(Tiny(), Raises(), make_inputs, capture_sizes=[1, 2])
+
+def test_fine(cudagraph_verify):
+    cudagraph_verify(Tiny(), make_inputs, capture_sizes=[1, 2])
+"""
+
+
+def test_a_module_the_fixtures_cannot_run_fails_its_test_in_one_line(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_modules=MODULE_MISTAKES)
+    written = (inner.path / "test_modules.py").read_text().splitlines()
+    raises_line = written.index('        raise RuntimeError("this forward raises on purpose")') + 1
+    result = inner.runpytest("--cudagraph-backend=emulate", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=7)
+    instance = "module must be a torch.nn.Module instance; got the class Tiny itself, not an instance of it"
+    result.stdout.fnmatch_lines(
+        [
+            f"cudagraph_verify: {instance}: pass Tiny() (with its constructor's arguments), not Tiny",
+            f"cudagraph_manager: {instance}: pass Tiny() *",
+            f"cudagraph_verify_runner: {instance}: pass Tiny() *",
+            f"cudagraph_verify_training: {instance}: pass Tiny() *",
+            "cudagraph_verify: scratch_state names 'lin.wieght', which is not a buffer or parameter of Tiny "
+            "(did you mean 'lin.weight'?); it has no buffers (its parameters: lin.weight, lin.bias). Key "
+            "scratch_state by the name module.named_buffers() gives *",
+            "cudagraph_verify_runner: scratch_state names 'nope', which is not a buffer or parameter of Tiny*",
+            f"cudagraph_verify_runner: Raises's forward raises at test_modules.py:{raises_line} in forward, eagerly "
+            "at (num_tokens=1, num_reqs=1), before anything is compared: RuntimeError: this forward raises on "
+            "purpose. Nothing can be compared with the runner; run module(**make_inputs(1, 1)) eagerly to see it",
+        ],
+        consecutive=False,
+    )
+    assert "pytest_cudagraph/" not in result.stdout.str()  # no frame of the package
+    assert "Traceback" not in result.stdout.str()

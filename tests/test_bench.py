@@ -195,6 +195,102 @@ def test_fixture_under_xdist_warns_and_times_nothing(bench_pytester: pytest.Pyte
     result.stdout.fnmatch_lines(["*benchmarks are disabled*nothing was timed*"])
 
 
+BENCH_MISTAKES = """
+import torch
+from tests import models
+
+
+class Raises(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, input):
+        return self.lin(input[:, :3])  # the user's bug: torch raises inside the call on this line
+
+
+def make(n, r):
+    return {"input": torch.randn(n, 4)}
+
+
+def test_class(cudagraph_benchmark):
+    cudagraph_benchmark(models.MLP, models.mlp_inputs(), capture_sizes=[1, 8])
+
+
+def test_raises(cudagraph_benchmark):
+    cudagraph_benchmark(Raises(), make, capture_sizes=[1, 8])
+
+
+def test_fine(cudagraph_benchmark, cudagraph_device):
+    results = cudagraph_benchmark(models.MLP().to(cudagraph_device), models.mlp_inputs(device=cudagraph_device),
+                                  capture_sizes=[1, 8], rounds=2, calls_per_round=1, warmup=0)
+    assert len(results) == 2
+"""
+
+
+def test_fixture_given_a_module_class_or_a_forward_that_raises_fails_in_one_line(
+    bench_pytester: pytest.Pytester,
+) -> None:
+    """The class for an instance is told as such; a forward that raises with the user's exception and the
+    line of their code it left (torch's frames and the package's left out), never the capture's traceback."""
+    bench_pytester.makepyfile(test_bench_mistakes=BENCH_MISTAKES)
+    written = (bench_pytester.path / "test_bench_mistakes.py").read_text().splitlines()
+    line = next(n for n, text in enumerate(written, 1) if "the user's bug" in text)
+    result = bench_pytester.runpytest(
+        "-p", "no:cacheprovider", "--cudagraph-backend=emulate", "test_bench_mistakes.py"
+    )
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "cudagraph_benchmark: module must be a torch.nn.Module instance; got the class MLP itself, not an "
+            "instance of it: pass MLP() (with its constructor's arguments), not MLP",
+            f"cudagraph_benchmark: Raises's forward raises at test_bench_mistakes.py:{line} in forward, eagerly at "
+            "(num_tokens=8, num_reqs=8), before anything is captured: RuntimeError: mat1 and mat2 shapes *. "
+            "Nothing can be captured or timed; run module(**make_inputs(8, 8)) eagerly to see it",
+        ],
+        consecutive=False,
+    )
+    text = result.stdout.str()
+    assert "Traceback" not in text and "pytest_cudagraph/" not in text and "CaptureError" not in text
+
+
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # a CPU build of torch has no such query outside the guard
+        return False
+
+
+class _FailsInCapture(torch.nn.Module):
+    """Runs eagerly; raises only while it is captured: the capture failed, not the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _capturing():
+            raise RuntimeError("raises only while capturing")
+        return self.lin(input)
+
+
+def test_a_capture_that_fails_where_eager_runs_stays_a_capture_error() -> None:
+    from pytest_cudagraph.bench.fixture import BenchmarkRunner
+    from pytest_cudagraph.errors import CaptureError
+
+    class Node:
+        nodeid, name = "t.py::t", "t"
+
+    class Disabled:
+        disabled = True
+
+    runner = BenchmarkRunner(Node(), Disabled(), backend="emulate", device=None, record=[].append)  # type: ignore[arg-type]
+    with pytest.raises(
+        CaptureError, match=r"failed on the emulate backend: RuntimeError: raises only while capturing"
+    ):
+        runner(_FailsInCapture(), lambda n, r: {"input": torch.randn(n, 4)}, capture_sizes=[1, 2])
+
+
 def test_report_plots_speedup_per_test_when_matplotlib_is_installed(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     from pytest_cudagraph.bench.markdown import write_bench_report

@@ -169,7 +169,8 @@ def test_serially_the_gpu_tests_after_a_lost_context_are_not_run(
             "*CUDA context lost: a device-side assert (cudaErrorAssert) in Asserts, eager of FULL-T4-R4*",
             "cudagraph: test_suite.py::test_b_asserts lost the CUDA context of its process; 1 GPU test(s) after it "
             "were not run in this process",
-            "SKIPPED*not run: this process lost its CUDA context in test_suite.py::test_b_asserts*",
+            "SKIPPED*not run: an earlier test lost this process's CUDA context (a sticky CUDA error); -n N "
+            "(pytest-xdist) or --cudagraph-isolate confines a fault to one test",
         ]
     )
     # The failure is told in words: no frame of the harness in it.

@@ -2,7 +2,8 @@
 
 Hypothesis draws keywords (names near the real ones too) and odd values for ``verify()``, every
 fixture (their classes, in process), the ``cudagraph`` marker, the options and the ini file (a real
-pytest configuration, ``pytester.parseconfigure``), the environment, and ``make_inputs``' results.
+pytest configuration, ``pytester.parseconfigure``), the environment, and ``make_inputs``' results;
+and modules no fixture can run (a Module class for an instance, a function, a forward that raises).
 Each case must end one way:
 
 - refused with one ``UsageError`` line (pytest's for an option, the ini or the environment; the
@@ -30,7 +31,7 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from pytest_cudagraph import environment, verify
@@ -54,7 +55,7 @@ from pytest_cudagraph.plugin.option_table import OWN_OPTIONS
 from tests.conftest import isolate_plugins
 
 #: Cases per door: fixed, derandomized, small enough for CI (docs/reliability.md: the run's time).
-CASES = {"verify": 60, "fixtures": 60, "marker": 60, "inputs": 40, "session": 40}
+CASES = {"verify": 60, "fixtures": 60, "modules": 25, "marker": 60, "inputs": 40, "session": 40}
 
 
 def _fuzz(door: str) -> Any:
@@ -203,6 +204,7 @@ VERIFY_NAMES = verify_keyword_names()[2:]  # config and options are not drawn
 
 @_fuzz("verify")
 @given(keywords=_keywords(VERIFY_NAMES, max_size=1))
+@example(keywords={"scratch_state": {"nope": 0}})  # a name the module has no buffer or parameter of
 def test_verify_refuses_bad_keywords_in_one_line(keywords: dict[str, Any]) -> None:
     given_keywords = {"capture_sizes": [1, 2], "backend": "emulate", **keywords}
     _case(
@@ -222,25 +224,34 @@ def _loss(output: Any, inputs: Any) -> torch.Tensor:
     return output.sum()
 
 
-def _fixture_call(which: str, keywords: dict[str, Any]) -> Callable[[], Any]:
+def _fixture_call(
+    which: str, keywords: dict[str, Any], module: Callable[[], Any] = _lin
+) -> Callable[[], Any]:
+    """The fixture's call with ``keywords``, on the module ``module()`` makes (the distributed
+    fixture's ranks build theirs)."""
     sink: list[Any] = []
     if which == "cudagraph_verify":
-        return lambda: Verifier(RUN, {}, sink.append)(_lin(), _make, **{"capture_sizes": [1, 2], **keywords})
+        return lambda: Verifier(RUN, {}, sink.append)(
+            module(), _make, **{"capture_sizes": [1, 2], **keywords}
+        )
     if which == "cudagraph_verify_runner":
-        module = _lin()
+        given = module()
+        runner = given if isinstance(given, torch.nn.Module) else _lin()
         return lambda: RunnerVerifier(RUN, {}, sink.append)(
-            module, module, _make, **{"capture_sizes": [1, 2], **keywords}
+            runner, given, _make, **{"capture_sizes": [1, 2], **keywords}
         )
     if which == "cudagraph_verify_training":
         return lambda: TrainingVerifier(RUN, {}, sink.append)(
-            _lin(), _make, _loss, **{"capture_sizes": [1, 2], "steps": 1, **keywords}
+            module(), _make, _loss, **{"capture_sizes": [1, 2], "steps": 1, **keywords}
         )
     if which == "cudagraph_verify_distributed":
         return lambda: _launched(keywords)
     if which == "cudagraph_benchmark":
-        runner = BenchmarkRunner(_Node(), _Session(), backend="emulate", device=None, record=sink.append)
-        return lambda: Benchmark(runner)(_lin(), _make, **{"capture_sizes": [1, 2], **keywords})
-    return lambda: _released(ManagerFactory(RUN, {})(_lin(), _make, **{"capture_sizes": [1, 2], **keywords}))
+        bench = BenchmarkRunner(_Node(), _Session(), backend="emulate", device=None, record=sink.append)
+        return lambda: Benchmark(bench)(module(), _make, **{"capture_sizes": [1, 2], **keywords})
+    return lambda: _released(
+        ManagerFactory(RUN, {})(module(), _make, **{"capture_sizes": [1, 2], **keywords})
+    )
 
 
 class _Launched(Exception):
@@ -310,6 +321,46 @@ def test_every_fixture_fails_a_bad_keyword_with_one_line(data: st.DataObject, wh
         must_refuse=_always_bad(keywords, names),
         case=(which, keywords),
         door=which,
+    )
+
+
+# -- the module each fixture is given ------------------------------------------------------------------
+
+
+class _Raises(torch.nn.Module):
+    """A module whose forward raises (the user's bug, not the harness's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this forward raises on purpose")
+
+
+#: What a test may hand a fixture for its module, none of which any fixture can run: each is refused
+#: in one line (a module that cannot be run, or the forward's own exception at the user's line), but
+#: by cudagraph_manager the forward that raises, which runs only when the test captures.
+MODULES: dict[str, Callable[[], Any]] = {
+    "a Module class": lambda: torch.nn.Linear,
+    "a function": lambda: lambda input: input * 2,
+    "an object": _Odd,
+    "a TorchScript module": lambda: torch.jit.script(torch.nn.Linear(4, 4)),
+    "a forward that raises": _Raises,
+}
+#: The fixtures that take a module (the distributed one takes a function that builds one per rank).
+TAKE_A_MODULE = tuple(sorted(set(FIXTURE_NAMES) - {"cudagraph_verify_distributed"}))
+
+
+@_fuzz("modules")
+@given(which=st.sampled_from(TAKE_A_MODULE), kind=st.sampled_from(sorted(MODULES)))
+def test_every_fixture_refuses_a_module_it_cannot_run_in_one_line(which: str, kind: str) -> None:
+    accepted = which == "cudagraph_manager" and kind == "a forward that raises"
+    _case(
+        _fixture_call(which, {}, MODULES[kind]),
+        must_refuse=not accepted,
+        case=(which, kind),
+        door=f"{which} module",
     )
 
 

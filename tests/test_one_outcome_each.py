@@ -225,6 +225,13 @@ def test_inputs_the_harness_cannot_change_fail_saying_the_check_could_not_run(ba
     )
     assert not report.ok
     assert all("the check could not run" in o.message for o in report.failures)
+    # What that means for the user's input, named (#66: no "integer inputs hold one value each").
+    assert all(
+        "no input can be given other values by the harness (no floating input, and 'ids' holds one value "
+        "in every row, the only one make_inputs gives, so neither permuting rows nor drawing in its range "
+        "changes it)" in o.message
+        for o in report.failures
+    ), report.format()
 
 
 def test_the_report_lists_every_skip_with_its_reason():

@@ -164,6 +164,19 @@ def test_help_shows_every_option_and_ini_twin(pytester: pytest.Pytester) -> None
         result.stdout.fnmatch_lines([f"*cudagraph_{ini} ({kind}):*"])
 
 
+def test_help_lists_the_builtin_checks_under_the_checks_option(pytester: pytest.Pytester) -> None:
+    """``--cudagraph-checks``' help names every built-in check, in the order they run, from the
+    registry's torch-free table (tests/test_registry.py holds the registry to it)."""
+    import re
+
+    result = pytester.runpytest("--help")
+    assert result.ret == 0
+    text = result.stdout.str()
+    block = text.split("--cudagraph-checks=NAME,-NAME", 1)[1].split("--cudagraph-", 1)[0]
+    said = re.sub(r"\s+", " ", block)
+    assert f"The checks: {', '.join(BUILTIN.names())}, and those a conftest's" in said, said
+
+
 def test_help_works_with_a_bad_ini_value(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\ncudagraph_sizes = 1,x\n")
     assert pytester.runpytest("--help").ret == 0

@@ -40,6 +40,17 @@ def test_the_builtins_are_registered_like_any_check():
     assert scopes == sorted(scopes, key=("before_capture", "descriptor", "module", "after_release").index)
 
 
+def test_the_registry_is_the_table_help_lists_without_torch():
+    """``--help`` names the checks from ``options.BUILTIN_CHECKS`` (loading the plugin imports no torch):
+    the registry holds those checks, no other, in that order."""
+    from pytest_cudagraph.options import BUILTIN_CHECKS
+
+    assert BUILTIN.names() == BUILTIN_CHECKS, (
+        "a built-in check was added, removed or moved: give pytest_cudagraph.options.BUILTIN_CHECKS the "
+        f"registry's names in its order, {BUILTIN.names()}"
+    )
+
+
 def test_the_docs_table_is_the_registrys():
     from pathlib import Path
 

@@ -17,6 +17,9 @@ from typing import Any
 import pytest
 import torch
 
+from .. import faults
+from ..errors import CaptureError, EagerFailure, InternalError
+from ..guard.tracker import raised_at
 from ..manager import GraphManager
 from ..options import capture_config
 from ..plan import CaptureConfig, GraphMode
@@ -83,7 +86,11 @@ class BenchmarkRunner:
             measure_device_memory=True,
         )
         try:
-            manager.capture()
+            try:
+                manager.capture()
+            except CaptureError as exc:
+                _forward_raises(manager, exc)  # the module's own exception, told in one line
+                raise
             if self._session.disabled:
                 # As pytest-benchmark does under xdist or --benchmark-disable:
                 # run once, so the test still proves the graphs run, and time nothing.
@@ -189,3 +196,27 @@ class BenchmarkRunner:
             stats = fixture._make_stats(timing.per_round_calls)  # type: ignore[no-untyped-call]
             for seconds in timing.rounds:
                 stats.update(seconds * timing.per_round_calls)
+
+
+def _forward_raises(manager: GraphManager, failed: CaptureError) -> None:
+    """An ``EagerFailure`` when the capture of ``failed.descriptor`` failed because the module's forward
+    raises there eagerly too (run again once, as ``manager.eager``): the user's exception and the line
+    of their code it left, in one line. Nothing when the capture failed at an op a graph cannot hold,
+    or the eager forward runs: then it is the capture that failed, told by ``failed`` itself."""
+    desc = failed.descriptor
+    if failed.op is not None or desc is None:
+        return
+    reqs = manager.capture_reqs(desc)
+    try:
+        manager.eager(**manager.make_inputs(desc.num_tokens, reqs))
+    except Exception as exc:
+        if faults.is_sticky(exc):
+            raise  # the CUDA context is gone: told as such, not as the module's exception
+        InternalError.raise_if_in(exc)  # the harness's own bookkeeping failed: never the module's
+        site = raised_at(exc)
+        said = (faults.described(exc, manager.device).strip().splitlines() or [type(exc).__name__])[0]
+        raise EagerFailure(
+            f"{type(manager.module).__name__}'s forward raises{f' at {site}' if site else ''}, eagerly at "
+            f"(num_tokens={desc.num_tokens}, num_reqs={reqs}), before anything is captured: {said}. Nothing can "
+            f"be captured or timed; run module(**make_inputs({desc.num_tokens}, {reqs})) eagerly to see it"
+        ) from exc

@@ -275,10 +275,12 @@ def outcome(agreement: Agreement, tokens: int) -> Outcome:
             CHECK,
             None,
             True,
-            f"{entry.name} was not called in {forward}: its reference ({entry.fn_name}) was neither held "
-            "against it nor can it stand in where it is not called; check the key names what the module calls",
+            f"the module did not call {entry.name} in {forward}, so its reference was not held against it",
             skipped=True,
             figures={"op": entry.name, "reference": entry.fn_name, "calls": 0},
+            detail=f"the reference {entry.fn_name} stands in for {entry.name} only where the module calls it; "
+            "check that the key names what the module calls (a custom op by object, packet, overload or "
+            "'ns::name'; a Python function the module reaches)",
         )
     figures = agreement.figures()
     if agreement.ok:

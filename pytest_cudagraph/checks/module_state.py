@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 
+from ..errors import UsageError
 from ..manager import tree
 from ..observe import ForwardObserver, fingerprint, restoring
+from ..plan.validate import did_you_mean
 from .compare import Difference, first_difference
 from .floor import across_shapes, given
 
@@ -39,6 +41,34 @@ def python_values(module: torch.nn.Module) -> dict[str, Any]:
             if isinstance(value, (bool, int, float, str)) or value is None:
                 found[f"{path}.{attr}" if path else attr] = value
     return found
+
+
+#: The most state names a message lists (a model's parameters run to hundreds).
+_LISTED = 12
+
+
+def _not_state(module: torch.nn.Module, unknown: list[str], names: list[str]) -> str:
+    """The one line for ``scratch_state`` keys that name no buffer or parameter of ``module``:
+    which, the nearest name, the module's buffers (where scratch regions live) and what to do."""
+    said = ", ".join(repr(n) for n in unknown)
+    which = "is not a buffer or parameter" if len(unknown) == 1 else "are not buffers or parameters"
+    buffers = {name for name, _ in module.named_buffers(remove_duplicate=False)}
+    held = [n for n in names if n in buffers]
+
+    def listed(items: list[str]) -> str:
+        more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+        return ", ".join(items[:_LISTED]) + more
+
+    has = (
+        f"its buffers are {listed(held)}"
+        if held
+        else f"it has no buffers (its parameters: {listed(names) or 'none'})"
+    )
+    return (
+        f"scratch_state names {said}, which {which} of {type(module).__name__}{did_you_mean(unknown[0], names)}; "
+        f"{has}. Key scratch_state by the name module.named_buffers() gives the buffer forward may leave "
+        "changed (a submodule's dotted, such as 'cache.slots')"
+    )
 
 
 def _set_python_value(module: torch.nn.Module, dotted: str, value: Any) -> None:
@@ -78,13 +108,10 @@ class ModuleState:
         self.seed = seed
         self.observer = observer if observer is not None else ForwardObserver(module)
         self.scratch_state = dict(scratch_state)
-        names = {name for name, _ in self._state_items()}
-        unknown = set(self.scratch_state) - names
+        names = [name for name, _ in self._state_items()]
+        unknown = sorted(set(self.scratch_state) - set(names))
         if unknown:
-            raise ValueError(
-                f"scratch_state names {sorted(unknown)}, which are not buffers or parameters of the "
-                f"module; it has {sorted(names)}"
-            )
+            raise UsageError(_not_state(module, unknown, names))
         #: Fingerprints of the tensors no forward was seen writing, taken by learn_writes.
         self._unwritten: dict[str, tuple[int, int]] = {}
         #: Tensors found written only by their fingerprint (no op showed the write).

@@ -140,11 +140,16 @@ def failed(message: str, finding: Finding | None = None, **figures: Any) -> Outc
     return Outcome("", None, False, message, finding or Finding(), figures=figures)
 
 
-def skipped(reason: str) -> Outcome:
-    """The check had nothing to do here; ``reason`` says why (reports list it, the summary counts it)."""
-    if not isinstance(reason, str) or not reason:
+def skipped(reason: str, detail: str = "") -> Outcome:
+    """The check had nothing to do here; ``reason`` says why in one line of at most ``REASON_LIMIT``
+    (160) characters (reports list it, the terminal summary counts it), ``detail`` what more there is
+    to say (the JSON report and ``-v`` show it). A longer reason is cut to its first clauses that
+    fit, its whole text kept in the detail (``report.fitted_reason``)."""
+    if not isinstance(reason, str) or not reason.strip():
         raise ValueError("skipped() needs the reason the check could not apply")
-    return Outcome("", None, True, reason, skipped=True)
+    if not isinstance(detail, str):
+        raise ValueError(f"skipped()'s detail must be a string; got {type(detail).__name__}")
+    return Outcome("", None, True, reason, skipped=True, detail=detail)
 
 
 def check_list(checks: Check | Iterable[Any] | None, *, what: str = "extra_checks") -> list[Any]:

@@ -99,20 +99,38 @@ def in_library(site_file: str) -> bool:
     )
 
 
+def _users(filename: str) -> bool:
+    """Whether a file is the user's own code: outside torch, this package, installed libraries
+    (site-packages) and the standard library."""
+    filename = os.path.abspath(filename)
+    return (
+        not filename.startswith(_SKIPPED_DIRS) and filename not in _SKIPPED_FILES and not in_library(filename)
+    )
+
+
 def user_site(frame: FrameType | None = None) -> str:
     """ "path:line in function" of the first frame in the user's own code: outside torch, this package,
     installed libraries (site-packages) and the standard library; "" when none is on the stack."""
     f: FrameType | None = frame if frame is not None else sys._getframe(1)
     while f is not None:
-        filename = os.path.abspath(f.f_code.co_filename)
-        if (
-            not filename.startswith(_SKIPPED_DIRS)
-            and filename not in _SKIPPED_FILES
-            and not in_library(filename)
-        ):
-            return f"{_short_path(filename)}:{f.f_lineno} in {f.f_code.co_name}"
+        if _users(f.f_code.co_filename):
+            return f"{_short_path(os.path.abspath(f.f_code.co_filename))}:{f.f_lineno} in {f.f_code.co_name}"
         f = f.f_back
     return ""
+
+
+def raised_at(exc: BaseException) -> str:
+    """ "path:line in function" where ``exc`` left the user's own code: the innermost frame of its
+    traceback in it (the line that raised, or that called into torch or a library that raised);
+    "" when its traceback has none."""
+    found = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if _users(code.co_filename):
+            found = f"{_short_path(os.path.abspath(code.co_filename))}:{tb.tb_lineno} in {code.co_name}"
+        tb = tb.tb_next
+    return found
 
 
 def _short_path(filename: str) -> str:

@@ -199,9 +199,16 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 def not_a_module(module: object, where: str = "module") -> str:
-    """The message for a ``module`` argument that is not a ``torch.nn.Module``."""
+    """The message for a ``module`` argument that is not a ``torch.nn.Module``: a Module class
+    given for an instance of it is told as such."""
     name = getattr(module, "__qualname__", None) or type(module).__name__
-    kind = "a function" if callable(module) else "an object"
+    if isinstance(module, type) and issubclass(module, torch.nn.Module):
+        cls = module.__name__
+        return (
+            f"{where} must be a torch.nn.Module instance; got the class {cls} itself, not an instance of it: "
+            f"pass {cls}() (with its constructor's arguments), not {cls}"
+        )
+    kind = "a class" if isinstance(module, type) else "a function" if callable(module) else "an object"
     return (
         f"{where} must be a torch.nn.Module; got {kind} ({type(module).__name__} {name!r}). Graphs are "
         "captured per module (its parameters and buffers are what replay reads); wrap the code in a "

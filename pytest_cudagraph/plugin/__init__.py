@@ -285,10 +285,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if state.lost_here is not None and _needs_cuda(item):
         # This process's CUDA context is gone: the test would fail for a fault not its own.
         state.not_run.append(item.nodeid)
+        # One line that fits the short summary (-rs), the same for every test it stops, so pytest counts
+        # them on one line; the cudagraph summary names the test that lost the context.
         pytest.skip(
-            f"not run: this process lost its CUDA context in {state.lost_here} (a sticky CUDA error), so no "
-            "CUDA call can succeed in it. Run with pytest-xdist (-n N: the worker is replaced) or "
-            "--cudagraph-isolate (a process per test) so that one fault costs one test"
+            "not run: an earlier test lost this process's CUDA context (a sticky CUDA error); -n N "
+            "(pytest-xdist) or --cudagraph-isolate confines a fault to one test"
         )
 
 
@@ -415,7 +416,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
             terminalreporter.section("cudagraph")
         for nodeid in unverified:
             terminalreporter.line(f"{nodeid}: no verification finished [{state.outcomes[nodeid]}]")
-    for line in pytest_report.skipped_lines(state.results):
+    for line in pytest_report.skipped_lines(state.results, verbose=terminalreporter.verbosity > 0):
         terminalreporter.line(line)
     for nodeid in state.lost:
         if nodeid == state.lost_here:  # here, without xdist or isolation

@@ -342,22 +342,43 @@ def summary_line(nodeid: str, records: Iterable[Mapping[str, Any]], outcome: str
     return line
 
 
-def skipped_lines(results: Mapping[str, Iterable[Mapping[str, Any]]]) -> list[str]:
-    """The terminal summary's count of skipped checks, then one line per reason (most first) with its checks."""
+#: The checks a reason of the terminal summary names on its line; more are counted (-v names them).
+_CHECKS_NAMED = 3
+
+
+def skipped_lines(results: Mapping[str, Iterable[Mapping[str, Any]]], *, verbose: bool = False) -> list[str]:
+    """The terminal summary's count of skipped checks, then one line per reason (most first) with its
+    checks: each reason one line of at most ``REASON_LIMIT`` characters. ``verbose`` (``-v``): under
+    each reason the distinct details its skips carry (the JSON report holds them too)."""
     counts: dict[str, dict[str, int]] = {}
+    details: dict[str, list[str]] = {}
     for records in results.values():
         for record in records:
             for outcome in record["report"].get("outcomes", []):
                 if outcome.get("skipped"):
-                    checks = counts.setdefault(str(outcome.get("message", "")), {})
+                    reason = str(outcome.get("message", ""))
+                    checks = counts.setdefault(reason, {})
                     name = str(outcome.get("check"))
                     checks[name] = checks.get(name, 0) + 1
+                    detail = str(outcome.get("detail") or "")
+                    told = details.setdefault(reason, [])
+                    if detail and detail not in told:
+                        told.append(detail)
     if not counts:
         return []
     total = sum(sum(c.values()) for c in counts.values())
-    lines = [f"cudagraph: {total} check{'s' if total != 1 else ''} skipped, by reason:"]
+    hidden = any(details.values()) or any(len(checks) > _CHECKS_NAMED for checks in counts.values())
+    more = " (-v: each with its checks and detail)" if hidden and not verbose else ""
+    lines = [f"cudagraph: {total} check{'s' if total != 1 else ''} skipped, by reason{more}:"]
     for reason, checks in sorted(counts.items(), key=lambda item: (-sum(item[1].values()), item[0])):
-        lines.append(f"  {sum(checks.values()):>4} x {reason} ({', '.join(sorted(checks))})")
+        # Every check a reason stops (a failed capture stops them all) is named under -v alone.
+        named = sorted(checks)
+        shown = ", ".join(named) if len(named) <= _CHECKS_NAMED else f"{len(named)} checks"
+        lines.append(f"  {sum(checks.values()):>4} x {reason} ({shown})")
+        if verbose:
+            if len(named) > _CHECKS_NAMED:
+                lines.append(f"         checks: {', '.join(named)}")
+            lines.extend(f"         {line}" for detail in details[reason] for line in detail.splitlines())
     return lines
 
 

@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 
+from .. import faults
 from ..checks.floor import cut_to
 from ..checks.module_state import ModuleState, ScratchRegion, clone_tree
+from ..errors import EagerFailure, InternalError
+from ..guard.tracker import raised_at
 from ..manager.layout import InputSpec, call_make_inputs, infer_layout, padded_inputs
 from ..plan import Batch, BatchDescriptor, GraphMode
 from .coverage import ReplayCounter
@@ -127,9 +130,27 @@ class RunnerContext(ModuleState):
         made = {n: self.make(self.batch(n)) for n in (1, self.max_tokens)}  # outside the observed forwards
 
         def forward(n: int) -> None:
-            self.eager(made[n])
+            try:
+                self.eager(made[n])
+            except Exception as exc:
+                if faults.is_sticky(exc):
+                    raise  # the CUDA context is gone: told as such, not as the module's exception
+                InternalError.raise_if_in(exc)  # the harness's own bookkeeping failed: never the module's
+                raise self._forward_raises(exc, self.batch(n)) from exc
 
         self.learn_writes([functools.partial(forward, n) for n in made])
+
+    def _forward_raises(self, exc: Exception, batch: Batch) -> EagerFailure:
+        """The module's eager forward raised: the user's exception and the line of their code it left,
+        in one line (nothing can be compared with the runner)."""
+        site = raised_at(exc)
+        said = (faults.described(exc, self.device).strip().splitlines() or [type(exc).__name__])[0]
+        return EagerFailure(
+            f"{type(self.module).__name__}'s forward raises{f' at {site}' if site else ''}, eagerly at "
+            f"(num_tokens={batch.num_tokens}, num_reqs={batch.num_reqs}), before anything is compared: {said}. "
+            "Nothing can be compared with the runner; run "
+            f"module(**make_inputs({batch.num_tokens}, {batch.num_reqs})) eagerly to see it"
+        )
 
     def calls(self) -> dict[int, Call]:
         """Every real batch, run once through the runner and once eagerly (the sweep; made once)."""

@@ -59,8 +59,8 @@ def _fail(check: str, desc: BatchDescriptor | None, message: str, finding: Findi
     return Outcome(check, desc, passed=False, message=message, finding=finding)
 
 
-def _skip(check: str, desc: BatchDescriptor | None, message: str) -> Outcome:
-    return Outcome(check, desc, passed=True, message=message, skipped=True)
+def _skip(check: str, desc: BatchDescriptor | None, message: str, detail: str = "") -> Outcome:
+    return Outcome(check, desc, passed=True, message=message, skipped=True, detail=detail)
 
 
 # -- optimizer_capturable ---------------------------------------------------------------------
@@ -332,8 +332,10 @@ def _padding(
         return _skip(
             check,
             desc,
-            "no input that forward names has padded rows that can hold other values (inputs only the loss "
-            "reads, those reaching forward through **kwargs, and those in pad_values keep their pad value)",
+            "no input that forward names has padded rows that can hold other values",
+            "padded rows keep their pad value in the inputs forward does not name (only the loss reads them, "
+            "or they reach forward through **kwargs), those in pad_values, those that do not follow the batch, "
+            "boolean ones, and integer ones whose largest real value is the pad value",
         )
     runs: dict[frozenset[str], list[dict[str, Any]]] = {}
 
@@ -555,8 +557,9 @@ def _real_batches(
         return _skip(
             check,
             desc,
-            f"eager's step fails on the real batch of {counted(real, 'token')} alone ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}), so there is nothing to hold the graph to",
+            f"eager's step fails on the real batch of {counted(real, 'token')} alone, so there is nothing to "
+            "hold the graph to",
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
         )
     if observer.random_ops:
         return _skip(

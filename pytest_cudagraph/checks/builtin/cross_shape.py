@@ -38,17 +38,26 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
             if ctx.given_batches is None
             else "no batch of the trace (the given batches) dispatches to this descriptor",
         )
-    if ctx.module_is_random(desc) or ctx.host_draws():
+    if ctx.module_is_random(desc):
         return Outcome(
             "real_batches",
             desc,
             True,
+            "the module draws random numbers, which cannot match unpadded eager draw for draw (the rng "
+            "check covers them)",
             skipped=True,
-            message="the module draws random numbers, which cannot match unpadded eager draw for "
-            "draw (the rng check covers them)"
-            if ctx.module_is_random(desc)
-            else "the module hands a kernel host numbers that move on every call (a seed or an offset "
-            "kept in Python), so eager cannot match itself across runs, nor a graph (the rng check names them)",
+        )
+    if ctx.host_draws():
+        return Outcome(
+            "real_batches",
+            desc,
+            True,
+            "the module hands a kernel host numbers that move on every call, so eager cannot match itself "
+            "across runs (the rng check names them)",
+            skipped=True,
+            detail="a seed or an offset kept in Python and handed to a kernel: two eager runs of one batch "
+            "differ, and a graph holds the numbers of its capture, so neither eager nor a graph can be held "
+            "to the other",
         )
     reference = ctx.reference if ctx.reference is not None and ctx.reference.ready else None
     rows = ctx.rows_ndim(desc)

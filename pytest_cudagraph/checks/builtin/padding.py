@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from ...plan import Batch, BatchDescriptor
+from ...units import counted
 from ..compare import first_difference
 from ..registry import Check
-from ..report import Outcome
+from ..report import REASON_LIMIT, Outcome
 from ..verify_context import VerifyContext, clone_tree
 from .common import batch_norm_hint, finding_of, quantization_fix, where_of
 
@@ -108,23 +109,126 @@ def _fill_int(
     view.copy_(drawn.to(device=view.device, dtype=view.dtype))
 
 
-def _why_none(ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: dict[str, Any]) -> str:
-    """Why no fill applies at this descriptor's most padded real batch, in the words that are true:
-    its floating inputs have no padded rows there (the padding is of a count they do not follow), or
-    there is no floating input; integer inputs hold one value each or have a declared pad value."""
-    floating = [
-        name
-        for name, v in inputs.items()
-        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+# Why padding_isolation leaves an input's padded entries as they are at a batch, by cause: the words
+# of the skip's reason, then of its detail; {names} the inputs, then the verb and pronoun that agree.
+_UNFILLED: dict[str, tuple[str, str]] = {
+    # The batch is padded (or the check had stopped before it): in the other count where not in this one.
+    "tokens": ("{names} {has} a row per token", "{names} {has} a row per token, and no token is padded"),
+    "reqs": ("{names} {has} a row per request", "{names} {has} a row per request, and no request is padded"),
+    "fixed": ("{names} {does} not follow the batch", "{names} {does} not follow the batch (a fixed size)"),
+    "multi": (
+        "{names} {follows} the batch in several dimensions (a mask)",
+        "{names} {follows} the batch in several dimensions (a square mask): {its} padded entries hold the "
+        "value pad_values declares, which the module reads as meaning, so another fill is another program",
+    ),
+    "declared": (
+        "pad_values declares the padding of {names}",
+        "pad_values declares what padded rows of {names} hold: a slot the engine reserves, the module's meaning",
+    ),
+    "bool": (
+        "{names} {is} boolean, kept at {its} pad value",
+        "{names} {is} boolean: padded rows keep {its} pad value",
+    ),
+    "one_value": (
+        "make_inputs gives {names} one value",
+        "make_inputs gives {names} one value at this descriptor's shape, so no other value is known to be "
+        "valid there (an index that stays an index)",
+    ),
+    "complex": ("{names} {is} complex", "{names} {is} complex, which no fill is made for"),
+}
+_MORE = "; {n}: the detail says why"
+_PLURAL = {"has": "have", "does": "do", "follows": "follow", "is": "are", "its": "their"}
+
+
+def _said(cause: str, names: list[str], *, long: bool = False, counted_only: bool = False) -> str:
+    """``cause``'s words for ``names`` (the detail's where ``long``): each named, or (``counted_only``) how many."""
+    many = len(names) > 1
+    if counted_only:
+        who = counted(len(names), "input")
+    else:
+        quoted = [repr(n) for n in names]
+        who = quoted[0] if not many else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+    words = _UNFILLED[cause][1 if long else 0]
+    return words.format(names=who, **{w: _PLURAL[w] if many else w for w in _PLURAL})
+
+
+def _unfilled(
+    ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: dict[str, Any]
+) -> dict[str, list[str]]:
+    """cause -> the tensor inputs padding_isolation leaves as they are at ``batch`` under ``desc``,
+    for that cause (``_fill_plans`` fills every other; this says why not, input by input)."""
+    manager = ctx.manager
+    specs = manager.input_specs
+    padded = {name for name, _ in manager.padding_views(desc, batch)}
+    declared = manager.declared_pads
+    causes: dict[str, list[str]] = {}
+    for name, value in inputs.items():
+        spec = specs.get(name)
+        if not isinstance(value, torch.Tensor) or spec is None or spec.is_python:
+            continue
+        cause: str
+        if spec.kind in ("tokens", "reqs") and name not in padded:
+            cause = spec.kind
+        elif spec.kind not in ("tokens", "reqs"):
+            cause = "multi" if spec.kind == "multi" else "fixed"
+        elif name in declared:
+            cause = "declared"
+        elif value.dtype == torch.bool:
+            cause = "bool"
+        elif value.is_complex():
+            cause = "complex"
+        else:  # an integer input make_inputs gives one value at the descriptor's shape
+            cause = "one_value"
+        causes.setdefault(cause, []).append(name)
+    return causes
+
+
+def _nothing_to_fill(
+    ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: dict[str, Any]
+) -> tuple[str, str]:
+    """The skip's (reason, detail) where no input has padded rows that can hold other values at this
+    descriptor's most padded real batch: what is padded there, and what each input is that leaves it
+    out, in the words that are true for it (a row per the count not padded, a declared pad value,
+    one value from make_inputs)."""
+    reqs = ctx.manager.capture_reqs(desc)
+    padded = [
+        f"{what} ({real} of {rows})"
+        for what, real, rows in (
+            ("tokens", batch.num_tokens, desc.num_tokens),
+            ("requests", batch.num_reqs, reqs),
+        )
+        if real < rows
     ]
-    padded = f"num_tokens={batch.num_tokens} of {desc.num_tokens}, num_reqs={batch.num_reqs} of {ctx.manager.capture_reqs(desc)}"
-    floats = (
-        f"the floating input(s) {', '.join(repr(n) for n in floating)} have no padded rows in this descriptor's most "
-        f"padded real batch ({padded}): they do not follow the count that is padded there"
-        if floating
-        else "no floating input"
+    lead = (
+        f"only {padded[0]} are padded here" if len(padded) == 1 else f"{' and '.join(padded)} are padded here"
     )
-    return f"{floats}; integer inputs hold one value each, or their pad value is declared in pad_values"
+    causes = _unfilled(ctx, desc, batch, inputs)
+    if not causes:
+        reason = f"no padded row to fill: {lead}, and no input is a tensor"
+        return reason, ""
+    # Each cause with its inputs named (else counted) while it fits, room left for the count of the
+    # inputs after it; the detail names them all.
+    reason = f"no padded row to fill: {lead}"
+    told = 0
+    for i, (cause, names) in enumerate(causes.items()):
+        room = REASON_LIMIT - (len(_MORE.format(n="99 more inputs")) if i + 1 < len(causes) else 0)
+        said = f"{reason}; {_said(cause, names)}"
+        if len(said) > room:
+            said = f"{reason}; {_said(cause, names, counted_only=True)}"
+        if len(said) > room:
+            break
+        reason, told = said, told + len(names)
+    others = sum(len(names) for names in causes.values()) - told
+    if others:
+        reason += _MORE.format(n=counted(others, "more input" if told else "input"))
+    detail = (
+        "padding_isolation fills padded rows with other values (floating inputs: random and large ones; "
+        "integer inputs: the largest make_inputs gives, then others in its range) and holds real rows and "
+        f"state unchanged; in this descriptor's most padded real batch (num_tokens={batch.num_tokens} of "
+        f"{desc.num_tokens}, num_reqs={batch.num_reqs} of {reqs}) no input has padded rows it can fill: "
+        + "; ".join(_said(c, names, long=True) for c, names in causes.items())
+    )
+    return reason, detail
 
 
 _STATE_FIX = (
@@ -176,13 +280,8 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         base = None
     inputs = base[1] if base is not None else ctx.make(batch)
     if len(plans) == 1:
-        return Outcome(
-            "padding_isolation",
-            desc,
-            True,
-            skipped=True,
-            message=f"no input has padded rows that can hold other values ({_why_none(ctx, desc, batch, inputs)})",
-        )
+        reason, detail = _nothing_to_fill(ctx, desc, batch, inputs)
+        return Outcome("padding_isolation", desc, True, reason, skipped=True, detail=detail)
     results: list[tuple[str, str, Any, dict[str, torch.Tensor]]] = []
     with ctx.preserved_state() as state0:
         for label, filled, fill in plans:

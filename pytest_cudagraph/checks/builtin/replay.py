@@ -254,6 +254,27 @@ def drawn_inputs(ctx: VerifyContext, inputs: dict[str, Any]) -> tuple[dict[str, 
 _RETURN_FRESH = "Return fresh values from make_inputs (draw them from torch's generator)"
 
 
+def _unchangeable(ctx: VerifyContext, inputs: dict[str, Any]) -> str:
+    """Why ``drawn_inputs`` changed nothing, of the user's inputs: no floating input, and each integer
+    one holds one value in every row, so that neither a permutation of its rows nor a draw in the
+    range make_inputs gives it at the largest shape (one value too) is another value."""
+    specs = ctx.manager.input_specs
+    held = [
+        repr(name)
+        for name, v in inputs.items()
+        if isinstance(v, torch.Tensor) and v.numel() and not getattr(specs.get(name), "is_python", False)
+    ]
+    if not held:
+        return "no input is a tensor"
+    one = len(held) == 1
+    names = held[0] if one else f"{', '.join(held[:-1])} and {held[-1]}"
+    return (
+        f"no floating input, and {names} {'holds' if one else 'hold'} one value in every row, the only one "
+        "make_inputs gives, so neither permuting rows nor drawing in its range changes "
+        + ("it" if one else "them")
+    )
+
+
 def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
     """After capture, new inputs give replay equal to eager (values frozen at capture show here)."""
     batch = ctx.padded_batch(desc) or ctx.exact_batch(desc)
@@ -270,8 +291,7 @@ def fresh_inputs(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 desc,
                 False,
                 "the check could not run: make_inputs returns the same values on every call, and no input "
-                "can be given other values by the harness (no floating input; integer inputs hold one value "
-                f"each). {_RETURN_FRESH}",
+                f"can be given other values by the harness ({_unchangeable(ctx, second)}). {_RETURN_FRESH}",
                 Finding(real_batch=batch.shape()),
             )
     # The second set is the one compared: the first only tells whether make_inputs draws. (A replay

@@ -174,6 +174,9 @@ COMPARE: list[Mutant] = [
     ),
 ]
 
+#: Skip reasons fit the terminal (issue #66).
+SKIP_REASON_TESTS = ("tests/test_skip_reasons.py",)
+
 BUILTIN: list[Mutant] = [
     # -- checks/builtin/: the checks ----------------------------------------------------------------------
     Mutant(
@@ -389,6 +392,30 @@ ENGINE: list[Mutant] = [
         "        if False:\n            for check, reason, where in",
         ONE_EACH,
         "the report does not list skipped checks",
+    ),
+    Mutant(
+        "report-skip-reason-unfitted",
+        RP,
+        "        if self.skipped:\n            self.message, self.detail = fitted_reason(self.message, self.detail)",
+        "        if False:\n            self.message, self.detail = fitted_reason(self.message, self.detail)",
+        SKIP_REASON_TESTS,
+        "a skip's reason is printed as it was given: several lines, hundreds of characters (issue #66)",
+    ),
+    Mutant(
+        "report-skip-reason-cut-in-parentheses",
+        RP,
+        "if depth == 0 and i and line.startswith(_CUTS, i):",
+        "if i and line.startswith(_CUTS, i):",
+        SKIP_REASON_TESTS,
+        "a long reason is cut at a colon inside its parentheses, leaving one open",
+    ),
+    Mutant(
+        "padding-skip-blames-integers",
+        S,
+        '        if spec.kind in ("tokens", "reqs") and name not in padded:\n',
+        "        if False:\n",
+        SKIP_REASON_TESTS,
+        "token ids with no padded row (only requests padded) are said to hold one value (issue #66's input_ids)",
     ),
     Mutant(
         "fresh-no-harness-inputs",

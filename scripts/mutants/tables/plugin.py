@@ -63,6 +63,16 @@ PACKAGES_TESTS = ("tests/test_report_complete.py::test_the_report_names_every_pa
 REPORTS: list[Mutant] = [
     # -- what a run's report says of its processes, and --cudagraph-compare ----------------------------
     Mutant(
+        "report-skip-detail-without-v",
+        "pytest_cudagraph/plugin/report.py",
+        "        if verbose:\n            if len(named) > _CHECKS_NAMED:",
+        "        if True:\n            if len(named) > _CHECKS_NAMED:",
+        (
+            "tests/test_skip_reasons.py::test_the_terminal_prints_each_reason_on_one_line_and_the_detail_under_v",
+        ),
+        "the terminal summary prints every skip's detail without -v: a reason is no longer one line (issue #66)",
+    ),
+    Mutant(
         "report-packages-from-workers-dropped",
         "pytest_cudagraph/plugin/report.py",
         "        self.modules.update(getattr(report, MODULES_ATTR, None) or ())",
