@@ -90,12 +90,50 @@ VLLM_SIZES = [1, 2, 4, *range(8, 513, 8)]
 CPU_SIZES = [1, 2, 4, 8, 16, 24, 32]
 
 
+#: The references ``verified`` hands to ``verify`` (``--attention op``: the bf16-only op's).
+REFERENCES: dict[Any, Any] = {}
+
+
+def _bf16_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention as a kernel for bf16 alone: every layer's causal attention through the
+    custom op ``cgref::attention`` (``examples/references``: it refuses any dtype but half precision,
+    as FlashAttention does), its keys and values repeated per query head."""
+    from examples.references.kernels import attention
+
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    out = torch.stack([attention(query[b], k[b], v[b]) for b in range(query.shape[0])])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_bf16_attention() -> None:
+    """Every Llama built after this runs its attention through ``cgref::attention``, and every
+    verification hands in its plain-torch reference (``references=``)."""
+    from transformers import AttentionInterface
+
+    from examples.references.kernels import attention, attention_reference
+
+    AttentionInterface.register("cg_bf16_only", _bf16_attention)
+    REFERENCES[attention] = attention_reference
+
+
 def build(shape: str, device: str) -> nn.Module:
     """A ``LlamaForCausalLM`` of ``shape`` with seeded random bf16 weights, made on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(max_position_embeddings=4096, **SHAPES[shape])
+    extra = {"attn_implementation": "cg_bf16_only"} if REFERENCES else {}
+    config = LlamaConfig(max_position_embeddings=4096, **SHAPES[shape], **extra)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -280,6 +318,7 @@ def verified(
         progress=False,
         checks=checks,
         descriptors=descriptors,
+        references=dict(REFERENCES) or None,
     )
     seconds = time.perf_counter() - started
     peak = report.peak_memory  # the graph stages' (the reference stage's is apart)
@@ -302,6 +341,15 @@ def verified(
             "limit": max((f["limit"] for f in reference), default=None),
             "largest_difference": max((f["relative_rms"] for f in reference), default=None),
             "skipped": skipped_reference,
+            "bit_for_bit": sum(
+                int(o.figures.get("bit_for_bit", 0)) for o in report.outcomes if o.check == "padded_size"
+            ),
+            "float64": sum(
+                int(o.figures.get("float64", 0)) for o in report.outcomes if o.check == "padded_size"
+            ),
+            "why_float64": sorted(
+                {str(o.figures["why_float64"]) for o in report.outcomes if "why_float64" in o.figures}
+            ),
         },
         "failed": failed,
         "first_failure": f"{first.headline()}: {first.message}" if first is not None else "",
@@ -419,15 +467,25 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: the kinds of 0.1 %% error the errors part plants (default mlp_scale,logit_scale)",
     )
     parser.add_argument("--resnet", action="store_true", help="also torchvision's resnet18 (fp32, TF32 on)")
+    parser.add_argument(
+        "--attention",
+        choices=("sdpa", "op"),
+        default="sdpa",
+        help="op: every attention layer through a custom op for bf16 alone (examples/references' "
+        "cgref::attention), its plain-torch reference handed in (default sdpa: transformers' own)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     parts = set(args.parts.split(","))
+    if args.attention == "op":
+        use_bf16_attention()
     results: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
         "torch": torch.__version__,
+        "attention": args.attention,
         "shapes": {},
     }
     print(f"{results['date']}, {results['device']}, torch {torch.__version__}", flush=True)
@@ -525,7 +583,8 @@ def _print(part: str, r: dict[str, Any], hand: dict[str, Any] | None) -> None:
     ref = r["reference"]
     if ref["precision"]:
         print(
-            f"         reference {ref['precision']}: floor {ref['floor']:.2g}, limit {ref['limit']:.2g}, largest "
+            f"         cross-shape: {ref['bit_for_bit']} batches bit for bit, {ref['float64']} in "
+            f"{ref['precision']}; floor {ref['floor']:.2g}, limit {ref['limit']:.2g}, largest "
             f"difference across shapes {ref['largest_difference']:.2g}; stage peak "
             f"{format_bytes(r['reference_peak'])} ({format_bytes(r['reference_before'])} before)"
             + (
@@ -535,6 +594,8 @@ def _print(part: str, r: dict[str, Any], hand: dict[str, Any] | None) -> None:
             ),
             flush=True,
         )
+        for why in ref["why_float64"][:3]:
+            print(f"         asked in float64 where {why[:300]}", flush=True)
     elif ref["skipped"]:
         print(f"         reference: {ref['skipped'][:200]}", flush=True)
     if r["first_failure"]:

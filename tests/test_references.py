@@ -314,7 +314,8 @@ def test_padded_size_asks_in_float64_through_the_reference_and_catches_a_small_e
     assert "references standing in for tref::attention" in message
     correct = run(tiny(), references=refs)
     assert correct.ok, correct.format()
-    ran = [o for o in correct.outcomes if o.check == "padded_size" and not o.skipped]
+    # The batches asked in float64 (the largest always) ran through the reference.
+    ran = [o for o in correct.outcomes if o.check == "padded_size" and o.figures.get("float64")]
     assert ran and all(o.figures["stood_in"] == ["tref::attention"] for o in ran)
     assert "references standing in for tref::attention" in correct.summary()
     held = [o for o in correct.outcomes if o.check == "references"]
@@ -325,9 +326,11 @@ def test_without_a_reference_padded_size_says_which_kernel_needs_one() -> None:
     report = run(tiny(error=1e-3))
     skipped = [o for o in report.outcomes if o.check == "padded_size"]
     assert skipped and all(o.skipped for o in skipped)
-    assert "for tref::attention, hand the harness a plain-torch reference" in skipped[0].message
-    assert "references={'tref::attention': fn}" in skipped[0].message
-    assert "register_reference('tref::attention', fn)" in skipped[0].message
+    # The reason one line (#66); the sentence that adds the reference in its detail (-v, the JSON report).
+    assert skipped[0].message == "the module cannot run in float64 nor in float32"
+    assert "for tref::attention, hand the harness a plain-torch reference" in skipped[0].detail
+    assert "references={'tref::attention': fn}" in skipped[0].detail
+    assert "register_reference('tref::attention', fn)" in skipped[0].detail
     assert report.references == []
 
 
@@ -343,7 +346,7 @@ def test_a_python_function_reference_keeps_the_question_alive() -> None:
     }
     # With the gate left out, the report names it as the kernel without a reference.
     half = run(tiny(use_gate=True), references={attention: attention_reference})
-    reasons = " ".join(o.message for o in half.outcomes if o.check == "padded_size")
+    reasons = " ".join(o.detail for o in half.outcomes if o.check == "padded_size")
     assert "gate takes bfloat16 only" in reasons
 
 
@@ -417,7 +420,9 @@ def test_a_kernel_the_module_never_calls_is_said_so() -> None:
         tiny(), references={attention: attention_reference, leaky_attention: bidirectional_reference}
     )
     (skipped,) = [o for o in report.outcomes if o.check == "references" and o.skipped]
-    assert "tref::leaky_attention was not called" in skipped.message
+    assert skipped.message.startswith("the module did not call tref::leaky_attention in one forward of ")
+    assert "so its reference was not held against it" in skipped.message
+    assert "check that the key names what the module calls" in skipped.detail
     assert report.ok
 
 
@@ -518,7 +523,7 @@ def test_spawned_ranks_take_the_call_s_and_the_suite_s_references(registry: Any)
     plan = {"capture_sizes": [1, 2, 4, 8], "world_size": 2, "backend": "emulate", "timeout": 300.0}
     report = verify_distributed(build_tiny, make_ids, references={attention: attention_reference}, **plan)
     assert report.ok, report.format()
-    ran = [o for o in report.outcomes if o.check == "padded_size" and not o.skipped]
+    ran = [o for o in report.outcomes if o.check == "padded_size" and o.figures.get("float64")]
     assert {o.rank for o in ran} == {0, 1} and all(o.figures["stood_in"] == ["tref::attention"] for o in ran)
     register_reference("tref::attention", attention_reference)
     caught = verify_distributed(build_buggy, make_ids, **plan)

@@ -53,6 +53,11 @@ SMOKE: dict[str, Smoke] = {
         ("--smoke",), r"^smoke: \d+ timer targets and \d+ variants resolve"
     ),
     "benchmarks/fault_probe.py": Smoke(("--help",), r"\{leaks,sticky\}.*--cycles"),
+    "benchmarks/invariance.py": Smoke(
+        ("--shapes", "tiny", "--errors", "logit_scale"),
+        r"^tiny invariant +[\d.]+ s  same at 7/7",
+        ("transformers",),
+    ),
     "benchmarks/run_overhead.py": Smoke(("--smoke",), r"^run\(\): [\d.]+ us a call .*the hand-written loop"),
     "benchmarks/runner_cost.py": Smoke(("--help",), r"--rounds ROUNDS"),
     "benchmarks/scale.py": Smoke(

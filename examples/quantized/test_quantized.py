@@ -46,7 +46,9 @@ def test_the_reference_says_which_precision_the_quantization_holds(cudagraph_ver
     assert "float64, with the module's own quantization kept (its casts to int8)" in note, report.notes
     # The floor is float64's rounding: noise at an exact value (a tie before the cast to int8)
     # would move a quantized value a whole step and lift the limit to the percent.
-    floors = [o.figures["floor"] for o in report.outcomes if o.check == "padded_size" and not o.skipped]
+    floors = [
+        o.figures["floor"] for o in report.outcomes if o.check == "padded_size" and "floor" in o.figures
+    ]
     assert floors and max(floors) < 1e-12, floors
 
 
@@ -147,7 +149,9 @@ def test_an_error_just_above_the_quantized_references_limit_is_caught(cudagraph_
     quantized model is float64's, and an error of 4 times that limit on the padded sizes is caught,
     where one of a sixteenth of it passes."""
     report = cudagraph_verify(ScaledOnPaddedSizes(0.0), make(), checks=CROSS_SHAPE, **CONFIG)
-    limits = [o.figures["limit"] for o in report.outcomes if o.check == "padded_size" and not o.skipped]
+    limits = [
+        o.figures["limit"] for o in report.outcomes if o.check == "padded_size" and "limit" in o.figures
+    ]
     limit = max(limits)
     assert limit < 1e-12, limit
     passes = cudagraph_verify(ScaledOnPaddedSizes(limit / 16), make(), checks=CROSS_SHAPE, **CONFIG)

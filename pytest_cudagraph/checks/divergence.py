@@ -12,11 +12,13 @@ import contextlib
 import difflib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from itertools import zip_longest
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import faults, launches
 from ..guard.tracker import call_site, user_site
@@ -79,6 +81,76 @@ def recording(module: torch.nn.Module) -> Iterator[list[Record]]:
             yield records
     finally:
         records.extend(recorder.records)
+
+
+def first_divergent_submodule(
+    module: torch.nn.Module,
+    run_expected: Callable[[], Any],
+    run_got: Callable[[], Any],
+    differs: Callable[[torch.Tensor, torch.Tensor], bool],
+) -> str | None:
+    """The first submodule of ``module`` (in the order forwards finish) one of whose tensor outputs
+    ``differs`` between ``run_got`` and ``run_expected``; the first whose name differs where the two
+    runs' structure parts; None where none does. The expected run's outputs are kept on the host
+    and the other run's compared as each submodule finishes, so the device holds one pair at a
+    time: every submodule output of an 8B model's forward in float64 is about 10 GiB, twice that
+    kept on the device made a failing verification's peak twice the hand loop's (issue #67)."""
+    expected: list[Record] = []
+
+    def keep(name: str, tensors: list[torch.Tensor]) -> None:
+        expected.append((name, [t.detach().to("cpu", copy=True) for t in tensors]))
+
+    with _each_output(module, keep, expected.clear):
+        run_expected()
+    found: list[str] = []
+    index = [0]
+
+    def compare(name: str, tensors: list[torch.Tensor]) -> None:
+        if found or index[0] >= len(expected):
+            return
+        name_e, outs_e = expected[index[0]]
+        index[0] += 1
+        if name_e != name:
+            found.append(name)  # control flow itself differs from here on
+            return
+        for got, e in zip(tensors, outs_e, strict=False):
+            if differs(got.detach(), e.to(got.device)):
+                found.append(name)
+                return
+
+    def reset() -> None:
+        found.clear()
+        index[0] = 0
+
+    with _each_output(module, compare, reset):
+        run_got()
+    return found[0] if found else None
+
+
+@contextlib.contextmanager
+def _each_output(
+    module: torch.nn.Module, seen: Callable[[str, list[torch.Tensor]], None], reset: Callable[[], None]
+) -> Iterator[None]:
+    """``seen(name, tensors)`` as each submodule's forward finishes, outside every dispatch mode (the
+    float64 reference's is active around the forward); ``reset()`` when ``module``'s forward starts
+    (only the block's last forward counts)."""
+    handles = []
+
+    def start(_m: Any, _a: Any) -> None:
+        reset()
+
+    def hook(_m: Any, _a: Any, out: Any, name: str) -> None:
+        with _disable_current_modes():
+            seen(name, [t for t in tree.leaves(out) if isinstance(t, torch.Tensor)])
+
+    handles.append(module.register_forward_pre_hook(start))
+    for name, sub in module.named_modules():
+        handles.append(sub.register_forward_hook(partial(hook, name=name)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class Located(str):

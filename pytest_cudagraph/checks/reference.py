@@ -64,6 +64,9 @@ class Queued:
     inputs: dict[str, Any]
     padded: dict[str, Any]
     out_dims: list[OutCut]
+    #: The fast route's two forwards, where they ran already (quick mode's sizes it did not capture:
+    #: the forward that learns how the output is cut is the padded one), not yet read.
+    fast: Any = None
 
 
 @dataclass
@@ -93,13 +96,15 @@ class Reference:
         out_dims: list[OutCut],
         *,
         first: bool,
-    ) -> None:
+    ) -> Queued | None:
         """Keep ``batch`` for the reference when it has padded rows, or is the descriptor's first
         (a descriptor that serves only its own size still has its capture path compared)."""
         # Decided before the copies to the CPU: a batch that is not kept costs no transfer.
         if batch.num_tokens < desc.num_tokens or first:
             item = Queued(desc, batch, on_cpu(dict(inputs)), on_cpu(dict(padded)), list(out_dims))
             self.queued.setdefault(desc, []).append(item)
+            return item
+        return None
 
 
 @dataclass

@@ -10,13 +10,63 @@ from typing import Any
 from ..plan import BatchDescriptor
 from ..units import format_bytes, format_seconds
 
-__all__ = ["TERMS", "Finding", "Outcome", "StepCost", "VerifyReport", "descriptor_dict"]
+__all__ = [
+    "REASON_LIMIT",
+    "TERMS",
+    "Finding",
+    "Outcome",
+    "StepCost",
+    "VerifyReport",
+    "descriptor_dict",
+    "fitted_reason",
+]
 
 #: The line a report ends with: where the words it uses (FULL-T8-R4, max ULP, floor, ...) are explained.
 TERMS = (
     "terms (descriptor names like FULL-T8-R4, max ULP, floor, limit, relative rms, quick mode, skipped): "
     "docs/terms.md in the pytest-cudagraph repository"
 )
+
+
+#: The most characters a skip reason takes: the terminal summary prints each reason on one line.
+REASON_LIMIT = 160
+
+# Where a reason too long for one line is cut, outside parentheses: before a parenthesis, a colon,
+# a semicolon or ", so" (the clause before each stands alone).
+_CUTS = (" (", ": ", "; ", ", so ")
+
+
+def fitted_reason(reason: str, detail: str = "") -> tuple[str, str]:
+    """A skip's (reason, detail) as every report shows them: the reason one line of at most
+    ``REASON_LIMIT`` characters, the detail whatever more there is to say (the JSON report and
+    ``-v`` show it). A reason that fits is kept as it is. One that does not (a check of your own
+    that says more, an exception's text) keeps its first line, cut where that is longer to its
+    longest start that ends a clause (before a parenthesis, a colon, a semicolon or ", so" outside
+    parentheses) or, failing one, at a word with "..."; its whole text then leads the detail, so
+    nothing is lost."""
+    if len(reason) <= REASON_LIMIT and len(reason.splitlines()) <= 1:
+        return reason, detail
+    lines = [" ".join(line.split()) for line in reason.splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:  # blank lines: nothing to say (skipped() refuses a blank reason)
+        return "", detail
+    whole = "\n".join(lines)
+    return _cut(lines[0]), f"{whole}\n{detail}" if detail else whole
+
+
+def _cut(line: str) -> str:
+    """``line`` itself where it fits; else its longest start that ends a clause, else at a word."""
+    if len(line) <= REASON_LIMIT:
+        return line
+    depth, end = 0, 0
+    for i, char in enumerate(line[:REASON_LIMIT]):
+        if depth == 0 and i and line.startswith(_CUTS, i):
+            end = i
+        depth = max(depth + (char in "([{") - (char in ")]}"), 0)
+    if not end:
+        end = line.rfind(" ", 0, REASON_LIMIT - 2)
+        return (line[:end] if end > 0 else line[: REASON_LIMIT - 3]).rstrip() + "..."
+    return line[:end].rstrip()
 
 
 def descriptor_dict(desc: BatchDescriptor | None) -> dict[str, Any] | None:
@@ -117,6 +167,15 @@ class Outcome:
     figures: dict[str, Any] = field(default_factory=dict)
     #: The rank that saw it (``verify_distributed``; None: one process, or all ranks).
     rank: int | None = None
+    #: A skip: what more there is to say than its reason (``message``, one line of at most
+    #: ``REASON_LIMIT`` characters, which the terminal summary prints); the JSON report and ``-v``
+    #: show it. "" where the reason says it all.
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        # The one place a skip's reason is held to one line of REASON_LIMIT characters.
+        if self.skipped:
+            self.message, self.detail = fitted_reason(self.message, self.detail)
 
     def headline(self) -> str:
         where = self.descriptor.label() if self.descriptor is not None else "module"
@@ -134,6 +193,7 @@ class Outcome:
             "passed": None if self.skipped else self.passed,
             "skipped": self.skipped,
             "message": self.message,
+            "detail": self.detail,
             "finding": _jsonable(asdict(self.finding)) if self.finding is not None else None,
             "figures": _jsonable(self.figures),
             "rank": self.rank,
@@ -217,6 +277,15 @@ class VerifyReport:
             grouped.setdefault((o.check, o.message), []).append(where)
         return [(check, reason, where) for (check, reason), where in grouped.items()]
 
+    def skipped_details(self) -> dict[tuple[str, str], list[str]]:
+        """(check, reason) -> the distinct details of its skips, in order (none where the reason said it all)."""
+        details: dict[tuple[str, str], list[str]] = {}
+        for o in self.skips:
+            told = details.setdefault((o.check, o.message), [])
+            if o.detail and o.detail not in told:
+                told.append(o.detail)
+        return details
+
     @property
     def graph_memory_bytes(self) -> int:
         return sum(self.graph_memory.values())
@@ -262,15 +331,25 @@ class VerifyReport:
 
     def _reference(self) -> str:
         """ "; float64 reference: floor ..., limit ..., peak ..." when padded_size ran its reference."""
-        ran = [o.figures for o in self.outcomes if o.check == "padded_size" and "limit" in o.figures]
+        asked = [o.figures for o in self.outcomes if o.check == "padded_size" and not o.skipped]
+        ran = [f for f in asked if "limit" in f]
         if not ran:
             return ""
         peak = f", peak {format_bytes(self.reference_peak_memory)}" if self.reference_peak_memory else ""
         stood = list(dict.fromkeys(name for f in ran for name in f.get("stood_in", ())))
         through = f" (references standing in for {', '.join(stood)})" if stood else ""
+        # Which route the cross-shape verdicts took: batches settled bit for bit in the module's own
+        # precision, and batches asked in float64 (the largest always, and any the first left open).
+        fast = sum(int(f.get("bit_for_bit", 0)) for f in asked)
+        deep = sum(int(f.get("float64", 0)) for f in asked)
+        routes = (
+            f" ({fast} of {fast + deep} batches settled bit for bit, {deep} asked in {ran[0]['reference']})"
+            if fast
+            else ""
+        )
         return (
             f"; {ran[0]['reference']} reference{through}: floor {max(f['floor'] for f in ran):.2g}, limit "
-            f"{max(f['limit'] for f in ran):.2g}{peak}"
+            f"{max(f['limit'] for f in ran):.2g}{peak}{routes}"
         )
 
     def cost_lines(self) -> list[str]:
@@ -294,13 +373,15 @@ class VerifyReport:
         return f", {graphed}/{calls} real batches replayed a CUDA graph"
 
     def format(self, *, verbose: bool = False) -> str:
-        """A readable report: the summary, each failure with where it shows, then every skipped check and why."""
+        """A readable report: the summary, each failure with where it shows, then every skipped check
+        and its reason; ``verbose``: every outcome, a skip's detail under its reason."""
         lines = [self.summary()]
         lines.extend(f"NOTE {note}" for note in dict.fromkeys(self.notes))  # each note once
         # A message several outcomes share (a DynamicCache returned: every comparing check at every
         # descriptor says the same) is printed once, the later ones pointing back to it.
         told: dict[str, str] = {}
         fixes: set[str] = set()
+        detailed: set[tuple[str, str]] = set()  # a skip's detail is printed once per reason
         # The op lists printed, each once (capture_safety at every descriptor): a list printed above
         # is pointed to (nothing at all under a message printed above), and a single op its own
         # message names is not listed.
@@ -314,6 +395,9 @@ class VerifyReport:
                 lines.append(
                     f"     {outcome.message}" if first == name else f"     the same message as {first} above"
                 )
+            if outcome.detail and (outcome.message, outcome.detail) not in detailed:
+                detailed.add((outcome.message, outcome.detail))
+                lines.extend(f"     {line}" for line in outcome.detail.splitlines())
             if outcome.finding is not None and not outcome.passed:
                 described = outcome.finding.describe()
                 if described:
@@ -343,6 +427,7 @@ class VerifyReport:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
+        details = self.skipped_details()
         return {
             "module": self.module,
             "backend": self.backend,
@@ -356,7 +441,10 @@ class VerifyReport:
             "planned_descriptors": self.planned,
             "descriptors": [descriptor_dict(d) for d in self.descriptors],
             "passed": self.ok,
-            "skipped": [{"check": c, "reason": r, "where": w} for c, r, w in self.skipped_reasons()],
+            "skipped": [
+                {"check": c, "reason": r, "details": details[c, r], "where": w}
+                for c, r, w in self.skipped_reasons()
+            ],
             "capture_seconds": self.capture_seconds,
             "check_seconds": self.check_seconds,
             "graph_memory_bytes": {d.label(): n for d, n in self.graph_memory.items()},

@@ -1,4 +1,12 @@
-"""``padded_size``: does eager compute the real rows the same at the graph's padded size? In float64.
+"""``padded_size``: does eager compute the real rows the same at the graph's padded size? Bit for bit
+where it can, in float64 where it must.
+
+Since issue #67 the question is asked first by the fast route (``padded_fast``): both forwards in the
+module's own precision under ``invariant`` (rows padded to one count at both sizes), held to each
+other bit for bit and op for op. A batch they settle needs no float64 forward; float64 is asked at
+the largest batch always and for every batch the fast route leaves open (``_float64`` below), and
+only the first ``DIAGNOSED`` failures are diagnosed in full (``padded_diagnosis``). What follows
+describes the float64 route.
 
 A graph captured at N tokens serves real batches of n < N. That it serves
 them right is two questions. The graph's real rows equal eager at the padded
@@ -29,26 +37,22 @@ kernel here, once ``kernel_references`` has held it against the kernel.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
 
 from ... import faults
-from ...manager import output_rows, tree
-from ...manager.types import cut_to_real
+from ...invariant import Invariance, invariant
+from ...manager import output_rows
+from ...manager.types import OutCut, cut_to_real
 from ...observe import unit_roundoff
-from ...plan import BatchDescriptor
-from ...precision import NoReference, Record, raised
+from ...plan import Batch, BatchDescriptor
+from ...precision import NoReference, raised
 from ...references import References, normalized, registered
-from ...units import counted
-from .. import causes, kernel_references
-from ..divergence import first_differing_call, recording, where_runs_part
-from ..floor import cut_leaf
+from .. import kernel_references
 from ..reference import (
     REFERENCE_CAP,
-    LeafDifference,
     PendingDifferences,
     Queued,
     Reference,
@@ -56,33 +60,13 @@ from ..reference import (
     pending_differences,
 )
 from ..registry import Check
-from ..report import Finding, Outcome
+from ..report import Outcome
 from ..verify_context import VerifyContext, clone_tree
-from .common import batch_norm_hint, python_hint
+from .padded_diagnosis import DIAGNOSED, _failure, _undiagnosed
+from .padded_fast import ROUTE, Fast, fast_pair
+from .padded_runs import CHECK, _attempt, _first_line, _limits, _Runs, _worst
 
 __all__ = ["CHECK", "PADDED_SIZE", "padded_size", "prepare_reference", "queue_every_size"]
-
-CHECK = "padded_size"
-
-
-def _on(value: Any, device: torch.device) -> Any:
-    """A fresh copy of queued inputs on ``device``: each run gets its own (a forward may write them).
-    To a GPU through pinned memory, without waiting: a copy from pageable memory waits for the
-    device to finish what it was given, and the reference's forwards are queued back to back."""
-
-    def copy(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        if device.type == "cuda" and t.device.type == "cpu":
-            return t.pin_memory().to(device, non_blocking=True)
-        return t.to(device, copy=True)
-
-    return tree.tree_map(copy, value)
-
-
-def _first_line(exc: BaseException) -> str:
-    """The error's type and first line (an out-of-memory error: what it asked for and found free)."""
-    return faults.described(exc).strip().splitlines()[0]
 
 
 def prepare_reference(ctx: VerifyContext) -> None:
@@ -230,61 +214,51 @@ def queue_every_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> li
             continue  # no real batch dispatches here
         inputs = ctx.make(batch)
         padded = ctx.load(desc, clone_tree(inputs), batch)
-        with ctx.preserved_state():
-            ctx.seed_all(ctx.seed)
-            out = ctx.eager(clone_tree(padded), desc)
-        dims = output_rows.out_dims_like_captured(
-            manager.state.entries, out, desc.num_tokens, reqs, manager.state.probed_rows
-        )
-        del out
-        ref.queue(desc, batch, inputs, padded, dims, first=True)
+        fast, dims = _fast_learning_the_cut(ctx, desc, batch, inputs, padded)
+        item = ref.queue(desc, batch, inputs, padded, dims, first=True)
+        if item is not None:
+            item.fast = fast
         queued.append(desc)
     return queued
 
 
-class _Runs:
-    """Eager runs in float64 from one state and seed: on the real batch as users run it, or at the
-    graph's padded shape on the path a capture takes, cut to the real rows."""
+def _fast_learning_the_cut(
+    ctx: VerifyContext, desc: BatchDescriptor, batch: Batch, inputs: dict[str, Any], padded: dict[str, Any]
+) -> tuple[Fast, list[OutCut]]:
+    """The fast route's two forwards of a size quick mode does not capture, the padded one also
+    learning how the output is cut (the one eager forward the size needed before the fast route)."""
+    manager = ctx.manager
+    reqs = manager.capture_reqs(desc)
+    dims: list[OutCut] = []
 
-    def __init__(self, ctx: VerifyContext, state0: Any, record: Record) -> None:
-        self.ctx, self.state0, self.record = ctx, state0, record
+    def cut(out: Any) -> Any:
+        if not dims:
+            dims.extend(
+                output_rows.out_dims_like_captured(
+                    manager.state.entries, out, desc.num_tokens, reqs, manager.state.probed_rows
+                )
+            )
+        return cut_to_real(out, dims, batch)
 
-    def _raised(self, run: Callable[[], Any], noise: float = 0.0) -> Any:
-        ctx = self.ctx
-        ctx.restore(self.state0)
-        ctx.seed_all(ctx.seed)
-        tier = ctx.reference.tier if ctx.reference is not None else "float64"
-        refs = ctx.reference.references if ctx.reference is not None else None
-        with raised(noise=noise, seed=ctx.seed, to=getattr(torch, tier), references=refs) as record:
-            out = run()
-        self.record.merge(record)
-        return out
+    def run(forward: Callable[[], Any]) -> Callable[[Invariance], Any]:
+        def call(state: Invariance) -> Any:
+            ctx.restore(state0)
+            ctx.seed_all(ctx.seed)
+            with invariant(state):
+                return forward()
 
-    def real(self, q: Queued, *, captured_path: bool = False, noise: float = 0.0) -> Any:
-        ctx = self.ctx
-        inputs = _on(q.inputs, ctx.manager.device)
-        return self._raised(lambda: ctx.eager_real(inputs, q.batch, captured_path=captured_path), noise)
+        return call
 
-    def padded(self, q: Queued) -> Any:
-        ctx = self.ctx
-        padded = _on(q.padded, ctx.manager.device)
-        return self._raised(lambda: cut_to_real(ctx.eager(padded, q.desc), q.out_dims, q.batch))
-
-
-def _limits(floors: dict[str, float], roundoff: float) -> dict[str, float]:
-    return {path: REFERENCE_CAP * max(floor, roundoff) for path, floor in floors.items()}
-
-
-def _worst(diffs: list[LeafDifference], limits: dict[str, float], roundoff: float) -> LeafDifference | None:
-    """The leaf furthest beyond its limit, or None when every leaf is within it."""
-    over = [d for d in diffs if d.why or d.relative > limits.get(d.path, REFERENCE_CAP * roundoff)]
-    if not over:
-        return None
-    return max(over, key=lambda d: d.relative / limits.get(d.path, REFERENCE_CAP * roundoff))
-
-
-def _fmt(x: float) -> str:
-    return "0" if x == 0 else f"{x:.2g}"
+    with ctx.preserved_state() as state0, faults.synchronizing(False):
+        fast = fast_pair(
+            run(lambda: ctx.eager_real(clone_tree(inputs), batch, captured_path=True)),
+            run(lambda: cut(ctx.eager(clone_tree(padded), desc))),
+        )
+        if not dims:  # the real batch raised alone, before the padded run: learn the cut anyway
+            ctx.restore(state0)
+            ctx.seed_all(ctx.seed)
+            cut(ctx.eager(clone_tree(padded), desc))
+    return fast, dims
 
 
 def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Outcome]:
@@ -298,8 +272,8 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
         return [_skipped(desc, why) for desc in descs]
     if ctx.host_draws():
         why = (
-            "the module hands a kernel host numbers that move on every call (a seed or an offset kept in "
-            "Python), so eager cannot match itself across shapes (the rng check names them)"
+            "the module hands a kernel host numbers that move on every call, so eager cannot match itself "
+            "across shapes (the rng check names them)"
         )
         return [_skipped(desc, why) for desc in descs]
     items = [(desc, q) for desc in descs for q in ref.queued.get(desc, [])]
@@ -311,65 +285,40 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
             for desc in descs
         ]
     outcomes: list[Outcome] = []
+    work = [q for desc in descs for q in ref.queued.get(desc, [])]
     with ctx.preserved_state() as state0:
         runs = _Runs(ctx, state0, ref.record)
-        # The floor, at the largest batch eager runs: the same forward with rounding-sized noise at every op.
-        floor_at: Queued | None = None
-        exact: Any = None
-        refused: dict[int, str] = {}  # id(queued) -> why eager cannot run it
-        for q in sorted((q for _, q in items), key=lambda q: (-q.batch.num_tokens, -q.desc.num_tokens)):
-            exact, why = _attempt(partial(runs.real, q), q)
-            if why:
-                refused[id(q)] = why
-                continue
-            floor_at = q
-            break
-        if floor_at is None:
-            return [_skipped(desc, _refused_all(refused)) for desc in descs]
-        # The noise of the reference's own precision at every op; an op that holds less (one with no
-        # kernel there, a float8 product, a kernel outside the dispatcher) gets its own precision's.
-        base = unit_roundoff(getattr(torch, ref.tier))
-        roundoff = max(ref.record.roundoff, base)
-        noisy = runs.real(floor_at, noise=base)
-        floors = {d.path: d.relative for d in leaf_differences(noisy, exact)}
-        del noisy
-        limits = _limits(floors, roundoff)
-        if ref.record.lower or ref.record.quantized or ref.record.described != "float64":
-            # Named once per verification, with the precision that holds at each.
-            note = f"padded_size's reference: {ref.record.described}"
-            if note not in ctx.notes:
-                ctx.notes.append(note)
-        figures_all = {
-            "reference": ref.record.precision,
-            "stood_in": list(ref.record.stood_in),
-            "floor": max(floors.values(), default=0.0),
-            "limit": max(limits.values(), default=REFERENCE_CAP * roundoff),
-        }
-        # Every batch's two forwards queued one after the other, nothing read off the device in
-        # between (no phase waits for it either), so the next forward's Python runs while the device
-        # still computes this one; the largest and smallest batches in turn, a forward whose
-        # arithmetic outlasts its Python beside one whose Python outlasts its arithmetic. Read once
-        # every forward is queued; a failure runs its batch again for the diagnosis.
-        pending: dict[int, PendingDifferences | str] = {}
-        work = [q for desc in descs for q in ref.queued.get(desc, []) if id(q) not in refused]
-        with faults.synchronizing(False):
-            for q in _alternating(work):
-                expected, why = (exact, "") if q is floor_at else _attempt(partial(runs.real, q), q)
-                got, why = (None, why) if why else _attempt(partial(runs.padded, q), q, padded=True)
-                pending[id(q)] = why or pending_differences(got, expected)
-                del got, expected
-        del exact
-        with ctx.phase("the float64 reference's results read", None):
-            read = {key: p if isinstance(p, str) else p.read() for key, p in pending.items()}
+        # The fast route first: each batch's two forwards in the module's own precision under
+        # ``invariant``, bit for bit and op for op; what it settles needs no float64 forward.
+        with ctx.phase("the fast route's forwards", None), faults.synchronizing(False):
+            fast = {id(q): q.fast if q.fast is not None else runs.fast(q) for q in work}
+        with ctx.phase("the fast route's results read", None):
+            unsettled = {key: f.read() for key, f in fast.items()}
+        # float64 for every batch the fast route did not settle, and for the largest batch always:
+        # its floor is measured there, and a computation that the module's own precision rounds
+        # away (a scale of 1.001 on bf16 logits) is seen there whatever the fast route saw.
+        anchor = max(work, key=lambda q: (q.batch.num_tokens, q.desc.num_tokens))
+        asked = [q for q in work if unsettled[id(q)] or q is anchor]
+        deep = _float64(ctx, runs, ref, asked)
+        if isinstance(deep, str):
+            return [_skipped(desc, deep) for desc in descs]
+        read, refused, limits, floors, roundoff, figures_all = deep
+        diagnosed: list[str] = []
         for desc in descs:
             queued = ref.queued.get(desc, [])
             if not queued:
                 outcomes.append(_skipped(desc, "real_batches queued no real batch for it"))
                 continue
-            worst_relative, compared = 0.0, 0
+            worst_relative, compared, bit_for_bit = 0.0, 0, 0
             failed: Outcome | None = None
             why_not: list[str] = []
+            escalated: list[str] = []
             for q in queued:
+                if id(q) not in read and id(q) not in refused:
+                    bit_for_bit += 1  # settled by the fast route
+                    continue
+                if unsettled[id(q)]:
+                    escalated.append(unsettled[id(q)])
                 found = refused.get(id(q)) or read[id(q)]
                 if isinstance(found, str):
                     why_not.append(found)
@@ -378,21 +327,96 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
                 worst_relative = max([worst_relative, *(d.relative for d in found if not d.why)])
                 bad = _worst(found, limits, roundoff)
                 if bad is not None:
-                    # The diagnosis compares the two runs with a third: made again, from the same
-                    # state and seed (they were not kept while the other batches ran).
-                    expected, got = runs.real(q), runs.padded(q)
-                    failed = _failure(ctx, runs, q, bad, expected, got, limits, floors, roundoff)
-                    del expected, got
+                    if len(diagnosed) < DIAGNOSED:
+                        # The diagnosis compares the two runs with a third: made again, from the same
+                        # state and seed (they were not kept while the other batches ran).
+                        expected, got = runs.real(q), runs.padded(q)
+                        failed = _failure(ctx, runs, q, bad, expected, got, limits, floors, roundoff)
+                        del expected, got
+                        diagnosed.append(desc.label())
+                    else:
+                        failed = _undiagnosed(ctx, q, bad, limits, floors, roundoff, diagnosed)
                     break
-            figures = {**figures_all, "relative_rms": worst_relative, "batches": compared}
+            figures = {
+                **(figures_all if compared else {}),
+                "relative_rms": worst_relative,
+                "batches": compared + bit_for_bit,
+                "bit_for_bit": bit_for_bit,
+                "float64": compared,
+                "route": _route(bit_for_bit, compared, ref.tier),
+            }
+            if escalated:
+                figures["why_float64"] = escalated[0]
             if failed is not None:
                 failed.figures.update(figures)
                 outcomes.append(failed)
-            elif not compared:
+            elif not compared and not bit_for_bit:
                 outcomes.append(_skipped(desc, _refused_all({i: w for i, w in enumerate(why_not)})))
             else:
                 outcomes.append(Outcome(CHECK, desc, True, figures=figures))
     return outcomes
+
+
+def _route(bit_for_bit: int, compared: int, tier: str) -> str:
+    """Which route the descriptor's verdict took, as the report names it."""
+    if compared and bit_for_bit:
+        return f"{ROUTE} and {tier}"
+    return tier if compared else ROUTE
+
+
+def _float64(
+    ctx: VerifyContext, runs: _Runs, ref: Reference, asked: list[Queued]
+) -> str | tuple[dict[int, Any], dict[int, str], dict[str, float], dict[str, float], float, dict[str, Any]]:
+    """The float64 route over ``asked``: the floor at the largest batch eager runs, then every batch's
+    two forwards; (read differences, refused, limits, floors, roundoff, figures) or why none ran."""
+    # The floor, at the largest batch eager runs: the same forward with rounding-sized noise at every op.
+    floor_at: Queued | None = None
+    exact: Any = None
+    refused: dict[int, str] = {}  # id(queued) -> why eager cannot run it
+    for q in sorted(asked, key=lambda q: (-q.batch.num_tokens, -q.desc.num_tokens)):
+        exact, why = _attempt(partial(runs.real, q), q)
+        if why:
+            refused[id(q)] = why
+            continue
+        floor_at = q
+        break
+    if floor_at is None:
+        return _refused_all(refused)
+    # The noise of the reference's own precision at every op; an op that holds less (one with no
+    # kernel there, a float8 product, a kernel outside the dispatcher) gets its own precision's.
+    base = unit_roundoff(getattr(torch, ref.tier))
+    roundoff = max(ref.record.roundoff, base)
+    noisy = runs.real(floor_at, noise=base)
+    floors = {d.path: d.relative for d in leaf_differences(noisy, exact)}
+    del noisy
+    limits = _limits(floors, roundoff)
+    if ref.record.lower or ref.record.quantized or ref.record.described != "float64":
+        # Named once per verification, with the precision that holds at each.
+        note = f"padded_size's reference: {ref.record.described}"
+        if note not in ctx.notes:
+            ctx.notes.append(note)
+    figures_all = {
+        "reference": ref.record.precision,
+        "stood_in": list(ref.record.stood_in),
+        "floor": max(floors.values(), default=0.0),
+        "limit": max(limits.values(), default=REFERENCE_CAP * roundoff),
+    }
+    # Every batch's two forwards queued one after the other, nothing read off the device in
+    # between (no phase waits for it either), so the next forward's Python runs while the device
+    # still computes this one; the largest and smallest batches in turn, a forward whose
+    # arithmetic outlasts its Python beside one whose Python outlasts its arithmetic. Read once
+    # every forward is queued; a failure runs its batch again for the diagnosis.
+    pending: dict[int, PendingDifferences | str] = {}
+    with faults.synchronizing(False):
+        for q in _alternating([q for q in asked if id(q) not in refused]):
+            expected, why = (exact, "") if q is floor_at else _attempt(partial(runs.real, q), q)
+            got, why = (None, why) if why else _attempt(partial(runs.padded, q), q, padded=True)
+            pending[id(q)] = why or pending_differences(got, expected)
+            del got, expected
+    del exact
+    with ctx.phase("the float64 reference's results read", None):
+        read = {key: p if isinstance(p, str) else p.read() for key, p in pending.items()}
+    return read, refused, limits, floors, roundoff, figures_all
 
 
 def _alternating(items: list[Queued]) -> list[Queued]:
@@ -404,23 +428,6 @@ def _alternating(items: list[Queued]) -> list[Queued]:
         if ordered:
             out.append(ordered.pop())
     return out
-
-
-def _attempt(run: Callable[[], Any], q: Queued, *, padded: bool = False) -> tuple[Any, str]:
-    """(the run's output, "") or (None, why eager cannot run this batch in float64): a batch eager cannot
-    take alone (a BatchNorm in train mode over one row), an op with no float64 or float32 kernel at
-    this shape. A lost CUDA context is no batch's matter: it goes up."""
-    try:
-        return run(), ""
-    except Exception as exc:
-        if faults.is_sticky(exc):
-            raise
-        where = (
-            f"at the padded shape of {counted(q.desc.num_tokens, 'token')}"
-            if padded
-            else f"on the real batch of {counted(q.batch.num_tokens, 'token')} alone"
-        )
-        return None, f"eager cannot run in float64 {where} ({_first_line(exc)})"
 
 
 def _refused_all(refused: dict[int, str]) -> str:
@@ -441,139 +448,20 @@ def _no_reference(why: str) -> str:
     )
 
 
-def _failure(
-    ctx: VerifyContext,
-    runs: _Runs,
-    q: Queued,
-    bad: LeafDifference,
-    expected: Any,
-    got: Any,
-    limits: dict[str, float],
-    floors: dict[str, float],
-    roundoff: float,
-) -> Outcome:
-    where = bad.path or "the output"
-    limit = limits.get(bad.path, REFERENCE_CAP * roundoff)
-    n, big = q.batch.num_tokens, q.desc.num_tokens
-    shape = (
-        f"eager at the graph's padded size ({counted(big, 'token')}), cut to the {counted(n, 'real row')},"
-    )
-    those = "that token" if n == 1 else f"those {n} tokens"
-    if bad.why:
-        what = f"{shape} differs from eager on {those} at {where}: {bad.why}"
-    else:
-        what = (
-            f"{shape} differs from eager on {those} by {_fmt(bad.relative)} (relative rms of {where}), "
-            f"in {ctx.reference.record.described if ctx.reference else 'float64'}, where rounding moves it by "
-            f"{_fmt(floors.get(bad.path, 0.0))} (the floor: this forward with noise of one unit roundoff at "
-            f"every op whose rounding can differ between shapes, at one shape; the limit is {REFERENCE_CAP:g}x "
-            f"that, {_fmt(limit)})"
-        )
-    # A Python input the graph holds at its capture's value (not the batch's): does that value decide?
-    held = ctx.python.held_values(q.padded, q.inputs)
-    if held:
-        with_batch_values = runs.padded(
-            replace(q, padded={**q.padded, **{n: b for n, (_, b) in held.items()}})
-        )
-        if _worst(leaf_differences(with_batch_values, got), limits, roundoff) is not None:
-            explains = _worst(leaf_differences(with_batch_values, expected), limits, roundoff) is None
-            cause = causes.held_python_input(
-                q.desc.label(), held, explains=explains, per_shape=ctx.python.values_per_shape(q.desc, held)
-            )
-            del with_batch_values
-            return _failed(ctx, runs, q, bad, limit, what, cause)
-        del with_batch_values
-    # Which path: the capture path on the real batch itself, or the padding?
-    on_path = runs.real(q, captured_path=True)
-    path_diffs = leaf_differences(on_path, expected)
-    path_differs = _worst(path_diffs, limits, roundoff) is not None
-    path_explains = _worst(leaf_differences(got, on_path), limits, roundoff) is None
-    del on_path
-    if path_differs and path_explains:
-        cause = (
-            "the module computes something else when it is captured: on the real batch itself, eager on its "
-            "capture path (torch.cuda.is_current_stream_capturing() answering True) differs from eager as "
-            "users run it, and the padded run agrees with the capture path. Look for a branch on capturing, or "
-            "state kept for captures (metadata planned per request count or per token count)"
-        )
-    else:
-        cause = (
-            "a computation depends on the padded batch size: a Python branch on the token count, a scale, "
-            "table or cache made for that size, statistics over the padded rows"
-        )
-    return _failed(ctx, runs, q, bad, limit, what, cause)
-
-
-def _failed(
-    ctx: VerifyContext, runs: _Runs, q: Queued, bad: LeafDifference, limit: float, what: str, cause: str
-) -> Outcome:
-    """The failure, with where the two runs first differ: the call, its line and the submodule whose
-    code made it, and, at the top level, where their control flow parts (context, where the call
-    was found: a library's branch on the shape parts the runs of a correct module too)."""
-    submodule = _first_divergent(runs, q, limit)
-
-    def differs(padded: torch.Tensor, real: torch.Tensor) -> bool:
-        found = leaf_differences(padded, real)
-        return bool(found) and (bool(found[0].why) or found[0].relative > limit)
-
-    first_call = first_differing_call(
-        ctx.module, submodule or "", lambda: runs.padded(q), lambda: runs.real(q), differs
-    )
-    # At the top level (or where control flow itself parts): the line of the branch, where one is found.
-    branch = (
-        where_runs_part(
-            lambda: runs.padded(q),
-            lambda: runs.real(q),
-            ("eager at the padded shape", "eager on the real batch"),
-            ctx.module,
-        )
-        if not submodule
-        else None
-    )
-    finding = Finding(
-        output=bad.path,
-        index=bad.index,
-        got=bad.got,
-        expected=bad.expected,
-        real_batch=q.batch.shape(),
-        submodule=submodule,
-        branch=branch,
-        sides=("eager at the padded shape", "eager on the real batch"),
-        first_call=first_call,
-    )
-    return Outcome(CHECK, q.desc, False, f"{what}: {cause}{batch_norm_hint(ctx)}{python_hint(ctx)}", finding)
-
-
-def _first_divergent(runs: _Runs, q: Queued, limit: float) -> str | None:
-    """The first submodule (in the order forwards finish) whose output, in float64, differs between
-    the padded run (cut to the real rows) and the real batch beyond ``limit``; None where none does
-    (or the module's structure differs between the two runs from the start)."""
-    ctx = runs.ctx
-    module = ctx.module
-    with recording(module) as expected_records:
-        runs.real(q)
-    with recording(module) as padded_records:
-        runs.padded(q)
-    for (name_e, outs_e), (name_p, outs_p) in zip(expected_records, padded_records, strict=False):
-        if name_e != name_p:
-            return name_p  # control flow itself differs from here on
-        for p, e in zip(outs_p, outs_e, strict=False):
-            cut = cut_leaf(p, e.shape)
-            if cut is None or not (e.is_floating_point() or e.is_complex()):
-                continue
-            diffs = leaf_differences(cut, e)
-            if diffs and (diffs[0].why or diffs[0].relative > limit):
-                return name_p
-    return None
-
-
 PADDED_SIZE = Check(
     CHECK,
     padded_size,
     scope="after_release",
     prepare=prepare_reference,
     compares="after the graphs are released, eager at each descriptor's padded shape, cut to the real "
-    "rows, against eager on the real batch (the most padded batch `real_batches` ran), both in float64: "
+    "rows, against eager on the real batch (the most padded batch `real_batches` ran). First by the fast "
+    "route: both forwards in the module's own precision on the path a capture takes, every product, "
+    "row-wise reduction and attention over queries and keys of one length given its rows padded to a "
+    "multiple of 8 (`pytest_cudagraph.invariant`), so the two sizes run one program; a batch whose "
+    "outputs agree bit for bit and whose forwards ran the same ops with the same float, bool and string "
+    "arguments is settled there (a scale that rounds away in bf16 still adds an op). Then in float64, "
+    "for the largest batch always (its floor is measured there) and every batch the fast route left open "
+    "(the report gives the count of each and why a batch was asked): "
     "every float16, bfloat16 and float32 op of the forward raised as it runs, weights converted as "
     "they are read (no copy of the model), float32 with TF32 off for an op with no float64 kernel. "
     "Kernels outside torch's dispatcher are found and held to the precision they keep: a Triton launch "

@@ -1,0 +1,84 @@
+"""The mutants of issue #67: ``invariant`` (rows padded to one count at both sizes) and
+``padded_size``'s fast route (bit for bit and op for op, float64 at the largest batch always and
+wherever the fast route leaves a batch open)."""
+
+from __future__ import annotations
+
+from ..common import Mutant
+
+TESTS = "tests/test_invariant.py"
+MODE = "pytest_cudagraph/invariant/mode.py"
+FAST = "pytest_cudagraph/checks/builtin/padded_fast.py"
+SIZE = "pytest_cudagraph/checks/builtin/padded_size.py"
+
+
+def _t(name: str) -> str:
+    return f"{TESTS}::{name}"
+
+
+INVARIANT: list[Mutant] = [
+    Mutant(
+        "invariant-products-unpadded",
+        MODE,
+        "        if target != rows:\n            new[row_arg] = _pad_dim(a, row_dim, target)",
+        "        if False:\n            new[row_arg] = _pad_dim(a, row_dim, target)",
+        (_t("test_products_and_reductions_reach_the_kernel_at_the_padded_row_count"),),
+        "products reach the kernel at the real row count: another tiling at each size",
+    ),
+    Mutant(
+        "invariant-mask-padded-open",
+        MODE,
+        "        out = torch.minimum(mask.amin(), lowest).expand(shape).clone()",
+        "        out = mask.new_zeros(shape)",
+        (_t("test_invariant_computes_what_each_op_computes"),),
+        "an additive mask's padded keys are left open: real rows attend the padding",
+    ),
+    Mutant(
+        "invariant-row-check-always-holds",
+        MODE,
+        "        if not torch.equal(a.narrow(out_dim, 0, half), b.narrow(out_dim, 0, half)):\n            return False",
+        "        if False:\n            return False",
+        (_t("test_an_op_whose_rows_depend_on_each_other_is_not_row_local"),),
+        "the row independence the invariance rests on is never found broken",
+    ),
+    Mutant(
+        "fast-route-trace-ignored",
+        FAST,
+        "        if self.parted:\n",
+        "        if False:\n",
+        (_t("test_an_error_that_rounds_away_in_bf16_is_caught_through_the_trace"),),
+        "two forwards that ran other ops are settled when their bf16 bits agree: a 0.1 % branch passes",
+    ),
+    Mutant(
+        "fast-route-bits-ignored",
+        FAST,
+        "        if self.flag is not None and bool(self.flag.item()):",
+        "        if False:",
+        (_t("test_an_error_that_moves_bits_at_one_size_goes_to_float64"),),
+        "two forwards whose outputs differ are settled: a branch on one size passes",
+    ),
+    Mutant(
+        "fast-route-no-float64-anchor",
+        SIZE,
+        "        asked = [q for q in work if unsettled[id(q)] or q is anchor]",
+        "        asked = [q for q in work if unsettled[id(q)]]",
+        (_t("test_an_error_that_neither_bits_nor_ops_show_is_caught_at_the_largest_batch"),),
+        "float64 is asked only where the fast route leaves a batch open: an error bf16 rounds away passes",
+    ),
+    Mutant(
+        "fast-route-every-failure-diagnosed-never-told",
+        SIZE,
+        "                        failed = _undiagnosed(ctx, q, bad, limits, floors, roundoff, diagnosed)",
+        "                        failed = Outcome(CHECK, q.desc, False, 'differs')",
+        (_t("test_a_failure_past_the_first_two_names_where_the_cause_was_diagnosed"),),
+        "a failure past the first two gives no figures and does not say where the cause was diagnosed",
+    ),
+    Mutant(
+        "fast-route-kernel-per-size-settled",
+        FAST,
+        "    flag = bits_differ(got, expected)\n",
+        "    flag = torch.zeros((), dtype=torch.bool)\n",
+        (_t("test_a_kernel_that_rounds_per_size_goes_to_float64_and_passes"),),
+        "the fast route never sees a difference: nothing goes to float64 but the largest batch",
+    ),
+]
