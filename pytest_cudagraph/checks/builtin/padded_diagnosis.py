@@ -27,6 +27,26 @@ __all__ = ["DIAGNOSED"]
 DIAGNOSED = 2
 
 
+def _what(ctx: VerifyContext, q: Queued, bad: LeafDifference, limit: float, floors: dict[str, float]) -> str:
+    """The sentence every failure of this check leads with: how eager at the padded size differs
+    from eager on the real batch, with the floor and the limit it was held to."""
+    where = bad.path or "the output"
+    n, big = q.batch.num_tokens, q.desc.num_tokens
+    shape = (
+        f"eager at the graph's padded size ({counted(big, 'token')}), cut to the {counted(n, 'real row')},"
+    )
+    those = "that token" if n == 1 else f"those {n} tokens"
+    if bad.why:
+        return f"{shape} differs from eager on {those} at {where}: {bad.why}"
+    return (
+        f"{shape} differs from eager on {those} by {_fmt(bad.relative)} (relative rms of {where}), "
+        f"in {ctx.reference.record.described if ctx.reference else 'float64'}, where rounding moves it by "
+        f"{_fmt(floors.get(bad.path, 0.0))} (the floor: this forward with noise of one unit roundoff at "
+        f"every op whose rounding can differ between shapes, at one shape; the limit is {REFERENCE_CAP:g}x "
+        f"that, {_fmt(limit)})"
+    )
+
+
 def _failure(
     ctx: VerifyContext,
     runs: _Runs,
@@ -38,23 +58,8 @@ def _failure(
     floors: dict[str, float],
     roundoff: float,
 ) -> Outcome:
-    where = bad.path or "the output"
     limit = limits.get(bad.path, REFERENCE_CAP * roundoff)
-    n, big = q.batch.num_tokens, q.desc.num_tokens
-    shape = (
-        f"eager at the graph's padded size ({counted(big, 'token')}), cut to the {counted(n, 'real row')},"
-    )
-    those = "that token" if n == 1 else f"those {n} tokens"
-    if bad.why:
-        what = f"{shape} differs from eager on {those} at {where}: {bad.why}"
-    else:
-        what = (
-            f"{shape} differs from eager on {those} by {_fmt(bad.relative)} (relative rms of {where}), "
-            f"in {ctx.reference.record.described if ctx.reference else 'float64'}, where rounding moves it by "
-            f"{_fmt(floors.get(bad.path, 0.0))} (the floor: this forward with noise of one unit roundoff at "
-            f"every op whose rounding can differ between shapes, at one shape; the limit is {REFERENCE_CAP:g}x "
-            f"that, {_fmt(limit)})"
-        )
+    what = _what(ctx, q, bad, limit, floors)
     # A Python input the graph holds at its capture's value (not the batch's): does that value decide?
     held = ctx.python.held_values(q.padded, q.inputs)
     if held:
@@ -155,18 +160,7 @@ def _undiagnosed(
     diagnosed: list[str],
 ) -> Outcome:
     """A failure past the first ``DIAGNOSED``: its figures, and where the diagnosis was made."""
-    where = bad.path or "the output"
-    limit = limits.get(bad.path, REFERENCE_CAP * roundoff)
-    n, big = q.batch.num_tokens, q.desc.num_tokens
-    what = (
-        f"eager at the graph's padded size ({counted(big, 'token')}), cut to the {counted(n, 'real row')}, "
-        f"differs from eager on those tokens by {_fmt(bad.relative)} (relative rms of {where}), in "
-        f"{ctx.reference.record.described if ctx.reference else 'float64'}, against a limit of {_fmt(limit)} "
-        f"(floor {_fmt(floors.get(bad.path, 0.0))})"
-        if not bad.why
-        else f"eager at the graph's padded size ({counted(big, 'token')}) differs from eager on the real rows "
-        f"at {where}: {bad.why}"
-    )
+    what = _what(ctx, q, bad, limits.get(bad.path, REFERENCE_CAP * roundoff), floors)
     cause = (
         f"a computation depends on the padded batch size; the cause is diagnosed at {' and '.join(diagnosed)} "
         f"(the first {len(diagnosed)} failures of this check are diagnosed in full)"

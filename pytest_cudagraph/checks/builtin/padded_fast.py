@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ... import faults
-from ...invariant import Invariance, invariant
+from ...invariant import Invariance
 from ..compare import leaves
 
 __all__ = ["Fast", "bits_differ", "fast_pair", "traces_part"]
@@ -125,13 +125,3 @@ def fast_pair(real: Callable[[Invariance], Any], padded: Callable[[Invariance], 
     if flag is None:
         return Fast(None, parted, "the two forwards give outputs of another structure or shape", ops)
     return Fast(flag, parted, "", ops)
-
-
-def under(run: Callable[[], Any]) -> Callable[[Invariance], Any]:
-    """``run`` as ``fast_pair`` takes it: inside ``invariant`` with the state it is handed."""
-
-    def call(state: Invariance) -> Any:
-        with invariant(state):
-            return run()
-
-    return call

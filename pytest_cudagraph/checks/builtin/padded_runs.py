@@ -72,7 +72,9 @@ class _Runs:
         padded = _on(q.padded, ctx.manager.device)
         return self._raised(lambda: cut_to_real(ctx.eager(padded, q.desc), q.out_dims, q.batch))
 
-    def _invariant(self, run: Callable[[], Any]) -> Callable[[Invariance], Any]:
+    def under_invariant(self, run: Callable[[], Any]) -> Callable[[Invariance], Any]:
+        """``run`` as ``fast_pair`` takes it: from the state and seed, under ``invariant``."""
+
         def call(state: Invariance) -> Any:
             ctx = self.ctx
             ctx.restore(self.state0)
@@ -91,8 +93,8 @@ class _Runs:
         inputs = _on(q.inputs, ctx.manager.device)
         padded = _on(q.padded, ctx.manager.device)
         return fast_pair(
-            self._invariant(lambda: ctx.eager_real(inputs, q.batch, captured_path=True)),
-            self._invariant(lambda: cut_to_real(ctx.eager(padded, q.desc), q.out_dims, q.batch)),
+            self.under_invariant(lambda: ctx.eager_real(inputs, q.batch, captured_path=True)),
+            self.under_invariant(lambda: cut_to_real(ctx.eager(padded, q.desc), q.out_dims, q.batch)),
         )
 
 

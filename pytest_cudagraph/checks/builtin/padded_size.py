@@ -36,19 +36,18 @@ kernel here, once ``kernel_references`` has held it against the kernel.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
 
 from ... import faults
-from ...invariant import Invariance, invariant
 from ...manager import output_rows
 from ...manager.types import OutCut, cut_to_real
 from ...observe import unit_roundoff
 from ...plan import Batch, BatchDescriptor
-from ...precision import NoReference, raised
+from ...precision import NoReference, Record, raised
 from ...references import References, normalized, registered
 from .. import kernel_references
 from ..reference import (
@@ -240,19 +239,11 @@ def _fast_learning_the_cut(
             )
         return cut_to_real(out, dims, batch)
 
-    def run(forward: Callable[[], Any]) -> Callable[[Invariance], Any]:
-        def call(state: Invariance) -> Any:
-            ctx.restore(state0)
-            ctx.seed_all(ctx.seed)
-            with invariant(state):
-                return forward()
-
-        return call
-
     with ctx.preserved_state() as state0, faults.synchronizing(False):
+        runs = _Runs(ctx, state0, Record())
         fast = fast_pair(
-            run(lambda: ctx.eager_real(clone_tree(inputs), batch, captured_path=True)),
-            run(lambda: cut(ctx.eager(clone_tree(padded), desc))),
+            runs.under_invariant(lambda: ctx.eager_real(clone_tree(inputs), batch, captured_path=True)),
+            runs.under_invariant(lambda: cut(ctx.eager(clone_tree(padded), desc))),
         )
         if not dims:  # the real batch raised alone, before the padded run: learn the cut anyway
             ctx.restore(state0)
