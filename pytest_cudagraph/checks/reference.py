@@ -33,6 +33,7 @@ __all__ = [
     "PendingDifferences",
     "Queued",
     "Reference",
+    "landed",
     "leaf_differences",
     "on_cpu",
     "pending_differences",
@@ -48,10 +49,32 @@ REFERENCE_CAP = 64.0
 
 
 def on_cpu(value: Any) -> Any:
-    """``value`` with every tensor copied to the CPU (queued batches hold no device memory)."""
-    return tree.tree_map(
-        lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t, value
-    )
+    """``value`` with every tensor copied to the CPU (queued batches hold no device memory).
+
+    From a GPU into pinned memory without waiting: a blocking copy waits for everything the device
+    was given, and quick mode queues a batch after each size's two forwards, so the host would wait
+    for them at every size instead of launching the next. A copy back to the device is ordered
+    after this one on the stream; a read on the host waits for ``landed`` first."""
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.detach()
+        if t.device.type == "cuda":
+            out = torch.empty_like(t, device="cpu", pin_memory=True)
+            out.copy_(t, non_blocking=True)
+            return out
+        return t.to("cpu", copy=True)
+
+    return tree.tree_map(copy, value)
+
+
+def landed(value: Any) -> Any:
+    """``value``, once the copies ``on_cpu`` made of it reached the host (it waits for the device
+    where any came from one)."""
+    if any(isinstance(t, torch.Tensor) and t.is_pinned() for t in tree.leaves(value)):
+        torch.cuda.current_stream().synchronize()
+    return value
 
 
 @dataclass

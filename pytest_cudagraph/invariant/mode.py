@@ -1,5 +1,14 @@
-"""``invariant``: the dispatch mode that pads the rows of products and row-wise reductions to a
-multiple of ``ROWS``, and ``Invariance``, what a block run under it did (see the package's docstring)."""
+"""``invariant``: the function mode that pads the rows of products, row-wise reductions and attention
+to a multiple of ``ROWS``, and ``Invariance``, what a block run under it did (see the package's
+docstring).
+
+Why a ``TorchFunctionMode`` and not a dispatch mode: the fast route runs two forwards a size, 134 at
+vLLM's 67 sizes, and a forward is bound by the host (a 1B Llama's 1,300 ops). A dispatch mode puts
+every aten op through Python (a no-op one cost 1.4x to 3x an eager forward on an H100 host, 2026-12-05);
+a function mode sees the calls the module's Python makes (``F.linear``, ``x.mean(-1)``,
+``x * 1.001``), about as many, for a fraction of that (1.1x), and the padded call's own ops run
+below it unseen. The calls are where a branch on the token count shows, too: that is the trace.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from ..observe import DispatchMode
-
-aten = torch.ops.aten
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 #: Rows are padded up to a multiple of this. vLLM's capture sizes are 1, 2, 4 and multiples of 8,
 #: and a real batch lies above the next smaller size, so no multiple of 8 lies between a real
@@ -27,49 +34,73 @@ def _round_up(rows: int) -> int:
 
 
 def _pad_dim(x: torch.Tensor, dim: int, target: int) -> torch.Tensor:
-    """``x`` with zeros appended along ``dim`` up to ``target`` (a new contiguous tensor)."""
+    """``x`` with zeros appended along ``dim`` up to ``target``, laid out in memory as ``x`` is: the
+    queries of a decoder are a transposed view, and a kernel picked (and on a GPU set up) per
+    layout would run another program on the real batch than at the padded size."""
     shape = list(x.shape)
     shape[dim] = target
-    out = x.new_zeros(shape)
+    if x.is_contiguous() or x.dim() < 2:
+        out = x.new_zeros(shape)
+    else:
+        strides = x.stride()
+        order = sorted(range(x.dim()), key=lambda d: -strides[d])  # outermost first; stable on ties
+        out = x.new_zeros([shape[d] for d in order]).permute([order.index(d) for d in range(x.dim())])
     out.narrow(dim, 0, x.shape[dim]).copy_(x)
     return out
 
 
 @dataclass
 class Invariance:
-    """What the blocks run under ``invariant`` did: the ops padded (by name) and the ops whose rows
-    came out depending on other rows of the same call (``not_row_local``: op and shapes)."""
+    """What the blocks run under ``invariant`` did: the calls padded (by name) and the calls whose
+    rows came out depending on other rows of the same call (``not_row_local``: call and shapes)."""
 
     padded: set[str] = field(default_factory=set)
     not_row_local: list[str] = field(default_factory=list)
-    #: Each op the block ran, with its Python float, bool and string arguments (not its ints, which
-    #: are mostly sizes): two forwards of one program at two sizes run the same trace, and a branch
-    #: on the size that adds an op or changes a constant shows here even where its effect is below
-    #: the precision's rounding (``trace`` is None unless asked for).
+    #: Each torch call the block made, with its Python float, bool and string arguments (not its
+    #: ints, which are mostly sizes): two forwards of one program at two sizes make the same calls,
+    #: and a branch on the size that adds a call or changes a constant shows here even where its
+    #: effect is below the precision's rounding (``trace`` is None unless asked for).
     trace: list[tuple[Any, ...]] | None = None
+
+    #: The last tensor padded and its padded copy: a decoder feeds one input to its query, key and
+    #: value projections (and its gate and up ones), padded once for all three.
+    _last: tuple[Any, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def holds(self) -> bool:
         return not self.not_row_local
 
+    def _padded_once(self, x: torch.Tensor, dim: int, target: int) -> torch.Tensor:
+        last = self._last
+        if last and last[0] is x and last[1] == (x._version, dim, target):
+            return last[2]  # type: ignore[no-any-return]
+        out = _pad_dim(x, dim, target)
+        self._last = (x, (x._version, dim, target), out)
+        return out
+
 
 #: The signatures checked so far in this process, and those that failed (shared by every run: the
-#: same kernel at the same shape behaves the same).
+#: same kernel on the same features behaves the same at every row count).
 _CHECKED: dict[Any, str] = {}
 
 
-def _signature(func: Any, args: tuple[Any, ...]) -> Any:
-    return (
-        func,
-        tuple(
-            (tuple(a.shape), a.dtype, a.device.type, tuple(a.stride()))
-            if isinstance(a, torch.Tensor)
-            else a
-            if isinstance(a, (int, float, bool, type(None)))
-            else repr(a)
-            for a in args
-        ),
-    )
+def _signature(func: Any, args: tuple[Any, ...], rows_at: list[tuple[int, int]], by_rows: bool) -> Any:
+    """What the row check is keyed by: the call and its arguments, each tensor by shape (its row count
+    left out unless ``by_rows``), dtype and device. A plain loop: it runs at every padded call."""
+    dims = {} if by_rows else dict(rows_at)
+    key: list[Any] = [func]
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            shape: tuple[int, ...] = tuple(a.shape)
+            dim = dims.get(i)
+            if dim is not None and dim < len(shape):
+                shape = (*shape[:dim], -1, *shape[dim + 1 :])  # the row count is not what a row gets
+            key.append((shape, a.dtype, a.device.type))
+        elif isinstance(a, (int, float, bool, type(None))):
+            key.append(a)
+        else:
+            key.append(repr(a))
+    return tuple(key)
 
 
 def _row_local(
@@ -105,9 +136,12 @@ def _checked(
     kwargs: dict[str, Any],
     rows_at: list[tuple[int, int]],
     out: Any,
+    *,
+    by_rows: bool = False,
 ) -> None:
-    """The row independence of ``func`` at this signature, checked once per process."""
-    key = _signature(func, args)
+    """The row independence of ``func`` on these features, checked once per process (at each row
+    count too where ``by_rows``: attention, whose keys are its rows)."""
+    key = _signature(func, args, rows_at, by_rows)
     found = _CHECKED.get(key)
     if found is None:
         found = "" if _row_local(func, args, kwargs, rows_at, out) else _described(func, args)
@@ -116,164 +150,243 @@ def _checked(
         state.not_row_local.append(found)
 
 
+def _name(func: Any) -> str:
+    return str(getattr(func, "__name__", func))
+
+
 def _described(func: Any, args: tuple[Any, ...]) -> str:
     shapes = ", ".join(
         f"{tuple(a.shape)} {str(a.dtype).replace('torch.', '')}" for a in args if isinstance(a, torch.Tensor)
     )
-    return f"{func} on {shapes}"
+    return f"{_name(func)} on {shapes}"
 
 
-def _product(row_arg: int, row_dim: int, bias_arg: int | None = None) -> Callable[..., Any]:
-    """A handler for a product whose rows are ``args[row_arg]``'s dim ``row_dim`` (and a bias with rows)."""
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _padded_call(
+    state: Invariance,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    at: list[tuple[int, int]],
+    rows: int,
+    *,
+    by_rows: bool = False,
+) -> Any:
+    """``func`` on ``args`` whose tensors at ``at`` (argument index, row dim) hold ``rows`` rows,
+    padded to a multiple of ``ROWS``: the output, its rows still padded (the caller cuts them)."""
+    target = _round_up(rows)
+    if target != rows:
+        new = list(args)
+        for i, dim in at:
+            new[i] = state._padded_once(args[i], dim, target)
+        args = tuple(new)
+    out = func(*args, **kwargs)
+    state.padded.add(_name(func))
+    _checked(state, func, args, kwargs, at, out, by_rows=by_rows)
+    return out
+
+
+def _flat_rows(row_arg: int, bias_arg: int | None = None) -> Callable[..., Any]:
+    """A product whose rows are ``args[row_arg]``'s leading dims (a matrix on its right: ``F.linear``,
+    ``x @ W``, ``mm``, ``addmm`` and its bias where it has rows)."""
 
     def run(state: Invariance, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         a = args[row_arg]
-        rows = a.shape[row_dim]
-        target = _round_up(rows)
+        other = args[row_arg + 1] if len(args) > row_arg + 1 else kwargs.get("weight")
+        if (
+            not _floating(a)
+            or a.dim() < 2
+            or not isinstance(other, torch.Tensor)
+            or other.dim() > 2
+            or "out" in kwargs
+        ):
+            return func(*args, **kwargs)
+        if a.dim() == 2 or all(d == 1 for d in a.shape[:-2]):
+            # Rows in one dim (a decoder's (1, tokens, hidden)): padded there, no reshape either way.
+            dim = a.dim() - 2
+            rows = a.shape[dim]
+            at = [(row_arg, dim)]
+            if bias_arg is not None and dim == 0:
+                bias = args[bias_arg]
+                if isinstance(bias, torch.Tensor) and bias.dim() == 2 and bias.shape[0] == rows and rows > 1:
+                    at.append((bias_arg, 0))
+            out = _padded_call(state, func, args, kwargs, at, rows)
+            return out if rows % ROWS == 0 else out.narrow(out.dim() - 2, 0, rows)
+        lead = a.shape[:-1]
+        rows = math.prod(lead)
         new = list(args)
-        rows_at = [(row_arg, row_dim)]
-        if target != rows:
-            new[row_arg] = _pad_dim(a, row_dim, target)
+        new[row_arg] = a.reshape(rows, a.shape[-1])
+        at = [(row_arg, 0)]
         if bias_arg is not None:
             bias = args[bias_arg]
-            if (
-                isinstance(bias, torch.Tensor)
-                and bias.dim() > row_dim
-                and bias.shape[row_dim] == rows
-                and rows > 1
-            ):
-                if target != rows:
-                    new[bias_arg] = _pad_dim(bias, row_dim, target)
-                rows_at.append((bias_arg, row_dim))
-        args2 = tuple(new)
-        out = func(*args2, **kwargs)
-        state.padded.add(str(func.overloadpacket.__name__))
-        _checked(state, func, args2, kwargs, rows_at, out)
-        return out.narrow(row_dim, 0, rows) if target != rows else out
+            if isinstance(bias, torch.Tensor) and bias.dim() == 2 and bias.shape[0] == rows and rows > 1:
+                at.append((bias_arg, 0))
+        out = _padded_call(state, func, tuple(new), kwargs, at, rows)
+        return out[:rows].reshape(*lead, *out.shape[1:])
 
     return run
 
 
-def _reduced_dims(x: torch.Tensor, dims: Any) -> list[int] | None:
-    if dims is None:
+def _batched_rows(row_arg: int, bias_arg: int | None = None) -> Callable[..., Any]:
+    """A product of stacks of matrices (``bmm``, ``baddbmm``, ``matmul`` of two stacks): the rows of
+    each, ``args[row_arg]``'s dim -2."""
+
+    def run(state: Invariance, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        a = args[row_arg]
+        if not _floating(a) or a.dim() < 3 or "out" in kwargs:
+            return func(*args, **kwargs)
+        dim = a.dim() - 2
+        rows = a.shape[dim]
+        at = [(row_arg, dim)]
+        if bias_arg is not None:
+            bias = args[bias_arg]
+            if (
+                isinstance(bias, torch.Tensor)
+                and bias.dim() == a.dim()
+                and bias.shape[dim] == rows
+                and rows > 1
+            ):
+                at.append((bias_arg, dim))
+        out = _padded_call(state, func, args, kwargs, at, rows)
+        return out.narrow(out.dim() - 2, 0, rows)
+
+    return run
+
+
+_FLAT_MATMUL = _flat_rows(0)
+_BATCHED_MATMUL = _batched_rows(0)
+
+
+def _matmul(state: Invariance, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``matmul`` and ``@``: rows flattened where the right side is a matrix, else per stack."""
+    other = args[1] if len(args) > 1 else kwargs.get("other")
+    if isinstance(other, torch.Tensor) and other.dim() > 2:
+        return _BATCHED_MATMUL(state, func, args, kwargs)
+    return _FLAT_MATMUL(state, func, args, kwargs)
+
+
+def _dims(x: torch.Tensor, dims: Any) -> list[int] | None:
+    """The reduced dims, sorted and non-negative; None for a reduction over everything."""
+    if dims is None or isinstance(dims, bool):
         return None
     if isinstance(dims, int):
         dims = [dims]
-    dims = list(dims)
-    if not dims:
-        return None  # an empty dim list reduces everything
+    if not isinstance(dims, (list, tuple)) or not dims or not all(isinstance(d, int) for d in dims):
+        return None  # an empty dim list reduces everything; a named dim is passed through
     return sorted(d % x.dim() for d in dims)
 
 
 def _rowwise(dim_arg: int | None, *, trailing: int | None = None) -> Callable[..., Any]:
-    """A handler for a reduction of ``args[0]`` over the dims in ``args[dim_arg]`` (or its
-    ``trailing`` last dims): the leading dims before the first reduced one are its rows, padded."""
+    """A reduction of ``args[0]`` over the dims in ``args[dim_arg]`` (or the trailing dims that
+    ``args[trailing]``, a shape, names): the leading dims before the first reduced one are its
+    rows, flattened and padded."""
 
     def run(state: Invariance, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x = args[0]
-        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        if not _floating(x) or x.dim() < 2 or "out" in kwargs:
             return func(*args, **kwargs)
         if trailing is not None:
-            n = len(args[trailing]) if isinstance(args[trailing], (list, tuple)) else 1
+            shape = args[trailing] if len(args) > trailing else kwargs.get("normalized_shape")
+            n = len(shape) if isinstance(shape, (list, tuple, torch.Size)) else 1
             dims: list[int] | None = list(range(x.dim() - n, x.dim()))
         else:
-            dims = _reduced_dims(
-                x, args[dim_arg] if dim_arg is not None and len(args) > dim_arg else kwargs.get("dim")
-            )
+            given = args[dim_arg] if dim_arg is not None and len(args) > dim_arg else kwargs.get("dim")
+            dims = _dims(x, given)
         if dims is None or dims[0] == 0:
             return func(*args, **kwargs)  # over the leading dim: statistics over the batch, as they are
         lead = dims[0]
+        if all(d == 1 for d in x.shape[: lead - 1]):
+            # Rows in one dim (a norm over (1, tokens, hidden)): padded there, the dims as given.
+            rows = x.shape[lead - 1]
+            out = _padded_call(state, func, args, kwargs, [(0, lead - 1)], rows)
+            if rows % ROWS == 0:
+                return out
+            return _each(out, lambda t: t.narrow(lead - 1, 0, rows) if _has_rows(t, lead - 1, rows) else t)
         rows = math.prod(x.shape[:lead])
-        target = _round_up(rows)
-        flat = x.reshape(rows, *x.shape[lead:])
-        if target != rows:
-            flat = _pad_dim(flat, 0, target)
         new = list(args)
-        new[0] = flat
-        if dim_arg is not None and trailing is None:
+        new[0] = x.reshape(rows, *x.shape[lead:])
+        if trailing is None:
             shifted = [d - lead + 1 for d in dims]
-            if len(args) > dim_arg:
-                original = args[dim_arg]
-                new[dim_arg] = shifted[0] if isinstance(original, int) else shifted
+            if dim_arg is not None and len(args) > dim_arg:
+                new[dim_arg] = shifted[0] if isinstance(args[dim_arg], int) else shifted
             else:
-                kwargs = {**kwargs, "dim": shifted}
-        args2 = tuple(new)
-        out = func(*args2, **kwargs)
-        state.padded.add(str(func.overloadpacket.__name__))
-        _checked(state, func, args2, kwargs, [(0, 0)], out)
+                kwargs = {**kwargs, "dim": shifted[0] if isinstance(kwargs.get("dim"), int) else shifted}
+        out = _padded_call(state, func, tuple(new), kwargs, [(0, 0)], rows)
+        target = _round_up(rows)
 
         def back(t: Any) -> Any:
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != target:
                 return t
             return t[:rows].reshape(*x.shape[:lead], *t.shape[1:])
 
-        return tuple(back(t) for t in out) if isinstance(out, (tuple, list)) else back(out)
+        return _each(out, back)
 
     return run
+
+
+def _has_rows(t: Any, dim: int, rows: int) -> bool:
+    """Whether ``t`` is an output with the call's padded rows in ``dim`` (a statistic is)."""
+    return isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == _round_up(rows)
+
+
+def _each(out: Any, cut: Callable[[Any], Any]) -> Any:
+    """``cut`` applied to ``out`` or to each of its outputs (a named tuple stays one)."""
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        return type(out)(*(cut(t) for t in out))
+    return tuple(cut(t) for t in out) if isinstance(out, (tuple, list)) else cut(out)
 
 
 def _pad_mask(mask: torch.Tensor, target: int) -> torch.Tensor:
     """An attention mask over (queries, keys) padded to ``target`` of each, the new places masked:
     False for a boolean mask, for an additive one the most negative value it holds (what masks the
     keys past the causal diagonal, as the larger size's mask holds it there), never more than the
-    dtype's lowest finite value."""
+    dtype's lowest finite value. No value comes to the host: this runs in every attention call."""
     rows = mask.shape[-1]
     shape = [*mask.shape[:-2], target, target]
     if mask.dtype == torch.bool:
         out = mask.new_zeros(shape)
     else:
-        lowest = torch.tensor(torch.finfo(mask.dtype).min, dtype=mask.dtype, device=mask.device)
-        out = torch.minimum(mask.amin(), lowest).expand(shape).clone()
+        lowest = mask.amin().clamp(max=torch.finfo(mask.dtype).min)
+        out = lowest.expand(shape).clone()
     out[..., :rows, :rows] = mask
     return out
 
 
-def _attention(causal_arg: int, bias_arg: int | None) -> Callable[..., Any]:
-    """A handler for fused attention over (batch, heads, sequence, dim) of queries and keys of one
+def _attention(state: Invariance, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``F.scaled_dot_product_attention`` over (batch, heads, sequence, dim) of queries and keys of one
     length: the sequence of the query, keys and values padded alike, for causal attention with no
     mask (row i attends keys 0..i, so no real row attends a padded key) and for attention with a
     mask over (queries, keys), padded with masked places (transformers builds one on the path a
     capture takes); anything else (dropout, keys of another length, no mask and not causal: a
     padded key would be attended) passes as it is."""
-
-    def run(state: Invariance, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        q, k, v = args[0], args[1], args[2]
-        causal = args[causal_arg] if len(args) > causal_arg else kwargs.get("is_causal", False)
-        where: int | str | None = None
-        mask: Any = None
-        if bias_arg is not None and len(args) > bias_arg and args[bias_arg] is not None:
-            where, mask = bias_arg, args[bias_arg]
-        elif kwargs.get("attn_mask") is not None:
-            where, mask = "attn_mask", kwargs["attn_mask"]
-        dropout = args[causal_arg - 1] if len(args) >= causal_arg else kwargs.get("dropout_p", 0.0)
-        rows = q.shape[-2] if q.dim() == 4 else -1
-        plain = q.dim() != 4 or k.shape[-2] != rows or v.shape[-2] != rows or bool(dropout)
-        masked = isinstance(mask, torch.Tensor) and mask.dim() >= 2 and tuple(mask.shape[-2:]) == (rows, rows)
-        if plain or (mask is not None and not masked) or (mask is None and not causal):
-            return func(*args, **kwargs)
-        target = _round_up(rows)
-        new = list(args)
-        if target != rows:
-            new[0], new[1], new[2] = (_pad_dim(t, 2, target) for t in (q, k, v))
-            if isinstance(where, int) and mask is not None:
-                new[where] = _pad_mask(mask, target)
-            elif isinstance(where, str) and mask is not None:
-                kwargs = {**kwargs, where: _pad_mask(mask, target)}
-        args2 = tuple(new)
-        out = func(*args2, **kwargs)
-        state.padded.add(str(func.overloadpacket.__name__))
-        _checked(state, func, args2, kwargs, [(0, 2), (1, 2), (2, 2)], out)
-        if target == rows:
-            return out
-
-        def back(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[2] == target:
-                return t.narrow(2, 0, rows)
-            return rows if isinstance(t, int) and t == target else t
-
-        return tuple(back(t) for t in out)
-
-    return run
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    given = {**dict(zip(names, args, strict=False)), **kwargs}
+    q, k, v = given.get("query"), given.get("key"), given.get("value")
+    mask, dropout, causal = given.get("attn_mask"), given.get("dropout_p", 0.0), given.get("is_causal", False)
+    if (
+        not isinstance(q, torch.Tensor)
+        or not q.is_floating_point()
+        or not isinstance(k, torch.Tensor)
+        or not isinstance(v, torch.Tensor)
+        or q.dim() != 4
+    ):
+        return func(*args, **kwargs)
+    rows = q.shape[-2]
+    plain = k.shape[-2] != rows or v.shape[-2] != rows or bool(dropout)
+    masked = isinstance(mask, torch.Tensor) and mask.dim() >= 2 and tuple(mask.shape[-2:]) == (rows, rows)
+    if plain or (mask is not None and not masked) or (mask is None and not causal):
+        return func(*args, **kwargs)
+    target = _round_up(rows)
+    rest = {n: given[n] for n in given if n not in ("query", "key", "value", "attn_mask")}
+    if mask is not None and target != rows:
+        mask = _pad_mask(mask, target)
+    if mask is not None:
+        rest["attn_mask"] = mask
+    out = _padded_call(state, func, (q, k, v), rest, [(0, 2), (1, 2), (2, 2)], rows, by_rows=True)
+    return out.narrow(2, 0, rows)
 
 
 #: On the CPU an elementwise op runs its SIMD kernel on whole vectors and a scalar loop on the tail,
@@ -286,16 +399,25 @@ _LANES = 64
 
 def _elementwise(state: Invariance, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A unary transcendental op on the CPU, on its operand flattened and padded to ``_LANES``."""
-    x = args[0]
-    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.numel() % _LANES == 0:
+    x = args[0] if args else None
+    if (
+        not isinstance(x, torch.Tensor)
+        or not x.is_cpu  # first: on a GPU nothing here pads, and this runs at every such call
+        or not x.is_floating_point()
+        or x.numel() % _LANES == 0
+        or any(isinstance(a, torch.Tensor) for a in args[1:])
+        or kwargs.get("inplace")
+        or "out" in kwargs
+    ):
         return func(*args, **kwargs)
     flat = _pad_dim(x.reshape(-1), 0, -(-x.numel() // _LANES) * _LANES)
     out = func(flat, *args[1:], **kwargs)
-    state.padded.add(str(func.overloadpacket.__name__))
+    state.padded.add(_name(func))
     return out[: x.numel()].view(x.shape)
 
 
-#: The unary ops whose vector and scalar kernels round differently on the CPU (by packet name).
+#: The unary functions whose vector and scalar kernels round differently on the CPU (by name, in
+#: ``torch``, as ``Tensor`` methods, in ``torch.nn.functional`` and ``torch.special``).
 _TRANSCENDENTAL = (
     "rsqrt",
     "exp",
@@ -326,111 +448,142 @@ _TRANSCENDENTAL = (
     "elu",
     "logit",
     "hardswish",
+    "pow",
+    "__pow__",
 )
 
 
 def _handlers() -> dict[Any, Callable[..., Any]]:
     table: dict[Any, Callable[..., Any]] = {}
 
-    def add(name: str, overload: str, handler: Callable[..., Any]) -> None:
-        packet = getattr(aten, name, None)
-        op = getattr(packet, overload, None) if packet is not None else None
-        if op is not None:
-            table[op] = handler
+    def add(names: tuple[str, ...], handler: Callable[..., Any], *spaces: Any) -> None:
+        for space in spaces or (torch, torch.Tensor):
+            for name in names:
+                func = getattr(space, name, None)
+                if callable(func):
+                    table[func] = handler
 
-    add("mm", "default", _product(0, 0))
-    add("addmm", "default", _product(1, 0, bias_arg=0))
-    add("bmm", "default", _product(0, 1))
-    add("baddbmm", "default", _product(1, 1, bias_arg=0))
-    add("mv", "default", _product(0, 0))
-    add("addmv", "default", _product(1, 0, bias_arg=0))
-    for name, overload in (
-        ("sum", "dim_IntList"),
-        ("mean", "dim"),
-        ("amax", "default"),
-        ("amin", "default"),
-        ("var", "correction"),
-        ("std", "correction"),
-        ("var_mean", "correction"),
-        ("linalg_vector_norm", "default"),
-        ("logsumexp", "default"),
-        ("_softmax", "default"),
-        ("_log_softmax", "default"),
-    ):
-        dim_arg = 2 if name == "linalg_vector_norm" else 1
-        add(name, overload, _rowwise(dim_arg))
-    for name in _TRANSCENDENTAL:
-        add(name, "default", _elementwise)
-    add("pow", "Tensor_Scalar", _elementwise)
-    add("native_layer_norm", "default", _rowwise(None, trailing=1))
-    add("_fused_rms_norm", "default", _rowwise(None, trailing=1))
-    add("_scaled_dot_product_flash_attention_for_cpu", "default", _attention(4, None))
-    add("_scaled_dot_product_flash_attention", "default", _attention(4, None))
-    add("_scaled_dot_product_efficient_attention", "default", _attention(6, 3))
-    add("_scaled_dot_product_cudnn_attention", "default", _attention(6, 3))
-    add("_scaled_dot_product_fused_attention_overrideable", "default", _attention(5, 3))
+    add(("linear",), _flat_rows(0), F)
+    add(("mm", "mv"), _flat_rows(0))
+    add(("addmm", "addmv"), _flat_rows(1, bias_arg=0))
+    add(("bmm",), _batched_rows(0))
+    add(("baddbmm",), _batched_rows(1, bias_arg=0))
+    add(("matmul", "__matmul__"), _matmul)
+    add(
+        (
+            "sum",
+            "mean",
+            "nansum",
+            "nanmean",
+            "var",
+            "std",
+            "var_mean",
+            "std_mean",
+            "logsumexp",
+            "softmax",
+            "log_softmax",
+        ),
+        _rowwise(1),
+    )
+    add(("softmax", "log_softmax"), _rowwise(1), F)
+    add(("norm",), _rowwise(2))
+    add(("vector_norm", "norm"), _rowwise(2), torch.linalg)
+    add(("layer_norm", "rms_norm"), _rowwise(None, trailing=1), torch, F)
+    add(("scaled_dot_product_attention",), _attention, F)
+    add(_TRANSCENDENTAL, _elementwise, torch, torch.Tensor, F, torch.special)
     return table
 
 
 _HANDLERS: dict[Any, Callable[..., Any]] = {}
 
-
-#: Ops that move or lay out values without arithmetic: where a tensor is contiguous at one size and a
-#: view at the other (a padded product's rows cut), a reshape copies at one size alone.
-_LAYOUT = frozenset(
-    getattr(aten, n)
-    for n in ("clone", "copy_", "_unsafe_view", "contiguous", "empty_like", "detach")
-    if hasattr(aten, n)
+#: Calls that read a tensor's metadata, lay it out or move its values, with no arithmetic: left out
+#: of the trace, which is for effects that round away (a forward makes thousands of these; one that
+#: moves other values shows in the bits, and the harness cuts the padded size's output with them).
+_UNTRACED_NAMES = frozenset(
+    {
+        "__get__",
+        "size",
+        "dim",
+        "stride",
+        "numel",
+        "is_contiguous",
+        "data_ptr",
+        "element_size",
+        "view",
+        "reshape",
+        "transpose",
+        "permute",
+        "contiguous",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "flatten",
+        "__len__",
+        "__getitem__",
+        "__setitem__",
+        "narrow",
+        "select",
+        "split",
+        "chunk",
+        "unbind",
+        "cat",
+        "stack",
+        "clone",
+        "copy_",
+        "detach",
+        "index_select",
+        "gather",
+    }
 )
-_LAYOUT_ONLY: dict[Any, bool] = {}
+#: Per function seen: whether the trace lists it, and its handler (None: called as it is).
+_KINDS: dict[Any, tuple[bool, Callable[..., Any] | None]] = {}
+
+_SCALARS = (float, bool, str)
 
 
-def _layout_only(func: Any) -> bool:
-    found = _LAYOUT_ONLY.get(func)
-    if found is None:
-        schema = getattr(func, "_schema", None)
-        found = getattr(func, "overloadpacket", None) in _LAYOUT or (
-            schema is not None
-            and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-        )
-        _LAYOUT_ONLY[func] = found
+def _constants(values: Any) -> list[Any]:
+    """The float, bool and string arguments among ``values`` (a list of them flattened one level).
+    By class, not ``isinstance``: an int is no constant here, and a bool is not an int."""
+    found: list[Any] = []
+    for v in values:
+        cls = v.__class__
+        if cls in _SCALARS:
+            found.append(v)
+        elif cls is list or cls is tuple:
+            found.extend(x for x in v if x.__class__ in _SCALARS)
     return found
 
 
-def _constants(values: Any) -> tuple[Any, ...]:
-    """The float, bool and string arguments among ``values`` (a list of them flattened one level)."""
-    found: list[Any] = []
-    for v in values:
-        if isinstance(v, (float, bool, str)):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            found.extend(x for x in v if isinstance(x, (float, bool, str)))
-    return tuple(found)
-
-
-class _Invariant(DispatchMode):  # type: ignore[misc]
+class _Invariant(TorchFunctionMode):
     def __init__(self, state: Invariance) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.state = state
         if not _HANDLERS:
             _HANDLERS.update(_handlers())
 
-    def __torch_dispatch__(
+    def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        kwargs = kwargs or {}
+        # Every torch call of the forward passes here (about 1,300 in a 1B Llama's): kept lean.
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = (_name(func) not in _UNTRACED_NAMES, _HANDLERS.get(func))
+        traced, handler = kind
         trace = self.state.trace
-        if trace is not None and not _layout_only(func):
-            trace.append((func, *_constants(args), *_constants(kwargs.values())))
-        handler = _HANDLERS.get(func)
-        if handler is None or not all(t.is_floating_point() for t in args if isinstance(t, torch.Tensor)):
-            return func(*args, **kwargs)
-        return handler(self.state, func, args, kwargs)
+        if trace is not None and traced:
+            found = _constants(args)
+            if kwargs:
+                found += _constants(kwargs.values())
+            trace.append((func, *found))
+        if handler is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return handler(self.state, func, args, kwargs or {})
 
 
 @contextlib.contextmanager
 def invariant(state: Invariance | None = None) -> Iterator[Invariance]:
-    """Run the block with products and row-wise reductions padded to a multiple of ``ROWS`` rows."""
+    """Run the block with products, row-wise reductions and attention padded to a multiple of
+    ``ROWS`` rows."""
     state = state if state is not None else Invariance()
     with _Invariant(state):
         yield state

@@ -13,7 +13,7 @@ from ...units import counted
 from .. import causes
 from ..divergence import first_differing_call, first_divergent_submodule, where_runs_part
 from ..floor import cut_leaf
-from ..reference import REFERENCE_CAP, LeafDifference, Queued, leaf_differences
+from ..reference import REFERENCE_CAP, LeafDifference, Queued, landed, leaf_differences
 from ..report import Finding, Outcome
 from ..verify_context import VerifyContext
 from .common import batch_norm_hint, python_hint
@@ -61,7 +61,7 @@ def _failure(
     limit = limits.get(bad.path, REFERENCE_CAP * roundoff)
     what = _what(ctx, q, bad, limit, floors)
     # A Python input the graph holds at its capture's value (not the batch's): does that value decide?
-    held = ctx.python.held_values(q.padded, q.inputs)
+    held = ctx.python.held_values(landed(q.padded), landed(q.inputs))
     if held:
         with_batch_values = runs.padded(
             replace(q, padded={**q.padded, **{n: b for n, (_, b) in held.items()}})

@@ -1,5 +1,5 @@
 """``padded_size``'s fast route: the two forwards of a queued batch in the module's own precision,
-under ``invariant``, held to each other bit for bit and op for op.
+under ``invariant``, held to each other bit for bit and call for call.
 
 Eager at the graph's padded size (cut to the real rows) and eager on the real batch run with every
 product, row-wise reduction and causal attention on rows padded to a multiple of 8
@@ -7,9 +7,12 @@ product, row-wise reduction and causal attention on rows padded to a multiple of
 Two things are read, nothing off the device until every batch is queued:
 
 - whether the outputs agree bit for bit (a flag on the device per batch);
-- whether the two forwards ran the same ops with the same float, bool and string arguments (the
-  trace): a branch on the token count that adds an op or changes a constant shows here even where
-  its effect rounds away in bf16 (a scale of 1.001 on bf16 logits changes no bit of them).
+- whether the two forwards made the same torch calls with the same float, bool and string
+  arguments (the trace): a branch on the token count that adds a call or changes a constant shows
+  here even where its effect rounds away in bf16 (a scale of 1.001 on bf16 logits changes no bit
+  of them);
+- whether every padded call kept its rows independent (``Invariance.not_row_local``): where one did
+  not, padding changed what it computes, and the two forwards prove nothing.
 
 A batch that agrees both ways is settled: its real rows do not depend on the padded size. Any other
 goes to the float64 route, which decides (a kernel passed through, fused attention with a mask or a
@@ -107,7 +110,7 @@ def _op(entry: tuple[Any, ...]) -> str:
 
 def fast_pair(real: Callable[[Invariance], Any], padded: Callable[[Invariance], Any]) -> Fast:
     """Both forwards under ``invariant`` (each callable runs one inside the state it is handed, from
-    the same module state and seed), compared bit for bit and op for op; not read off the device."""
+    the same module state and seed), compared bit for bit and call for call; not read off the device."""
     try:
         r = Invariance(trace=[])
         expected = real(r)
@@ -122,6 +125,9 @@ def fast_pair(real: Callable[[Invariance], Any], padded: Callable[[Invariance], 
     flag = bits_differ(got, expected)
     parted = traces_part(r.trace or [], p.trace or [])
     ops = frozenset(r.padded | p.padded)
+    mixed = r.not_row_local + [c for c in p.not_row_local if c not in r.not_row_local]
+    if mixed:  # padding changed what such a call computes: the two forwards settle nothing
+        return Fast(None, parted, f"a padded call's rows depend on each other ({mixed[0]})", ops)
     if flag is None:
         return Fast(None, parted, "the two forwards give outputs of another structure or shape", ops)
     return Fast(flag, parted, "", ops)

@@ -3,7 +3,7 @@ where it can, in float64 where it must.
 
 Since issue #67 the question is asked first by the fast route (``padded_fast``): both forwards in the
 module's own precision under ``invariant`` (rows padded to one count at both sizes), held to each
-other bit for bit and op for op. A batch they settle needs no float64 forward; float64 is asked at
+other bit for bit and call for call. A batch they settle needs no float64 forward; float64 is asked at
 the largest batch always and for every batch the fast route leaves open (``_float64`` below), and
 only the first ``DIAGNOSED`` failures are diagnosed in full (``padded_diagnosis``). What follows
 describes the float64 route.
@@ -280,7 +280,7 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
     with ctx.preserved_state() as state0:
         runs = _Runs(ctx, state0, ref.record)
         # The fast route first: each batch's two forwards in the module's own precision under
-        # ``invariant``, bit for bit and op for op; what it settles needs no float64 forward.
+        # ``invariant``, bit for bit and call for call; what it settles needs no float64 forward.
         with ctx.phase("the fast route's forwards", None), faults.synchronizing(False):
             fast = {id(q): q.fast if q.fast is not None else runs.fast(q) for q in work}
         with ctx.phase("the fast route's results read", None):
@@ -448,9 +448,12 @@ PADDED_SIZE = Check(
     "rows, against eager on the real batch (the most padded batch `real_batches` ran). First by the fast "
     "route: both forwards in the module's own precision on the path a capture takes, every product, "
     "row-wise reduction and attention over queries and keys of one length given its rows padded to a "
-    "multiple of 8 (`pytest_cudagraph.invariant`), so the two sizes run one program; a batch whose "
-    "outputs agree bit for bit and whose forwards ran the same ops with the same float, bool and string "
-    "arguments is settled there (a scale that rounds away in bf16 still adds an op). Then in float64, "
+    "multiple of 8 (`pytest_cudagraph.invariant`), so the two sizes run one program (a call it does not "
+    "pad, `einsum`, a custom op, a Triton kernel, passes as it is); a batch whose outputs agree bit for "
+    "bit, whose forwards made the same torch calls with the same float, bool and string arguments (a "
+    "scale that rounds away in bf16 still adds a call) and whose padded calls kept their rows "
+    "independent (each checked once per process with half its rows zeroed) is settled there. Then in "
+    "float64, "
     "for the largest batch always (its floor is measured there) and every batch the fast route left open "
     "(the report gives the count of each and why a batch was asked): "
     "every float16, bfloat16 and float32 op of the forward raised as it runs, weights converted as "
