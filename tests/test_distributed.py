@@ -19,13 +19,6 @@ LAUNCHED = from_environment()
 _SPAWN_ONLY = pytest.mark.skipif(
     LAUNCHED is not None, reason="spawns ranks of its own; under a launcher they are its"
 )
-#: gloo ends a rank's process when its peer's collective has another size, and torchrun then ends the run.
-_ENDS_A_RANK = pytest.mark.skipif(
-    LAUNCHED is not None,
-    reason="gloo ends a rank's process on mismatched sizes, which ends the launcher's run (tests/test_launcher.py "
-    "runs a rank that dies last)",
-)
-
 D, HIDDEN = 8, 16
 KW = {
     "capture_sizes": [1, 2, 4],
@@ -116,23 +109,107 @@ def test_a_python_branch_on_the_rank_breaks_replicated_outputs():
     assert "rank 1" in next(o.message for o in report.failures if o.check == "rank_agreement")
 
 
-@_ENDS_A_RANK
-def test_ranks_that_pad_differently_are_named():
-    # Rank 1's extra token makes its all-reduce larger than rank 0's: gloo stops a rank on the mismatch,
-    # or the ranks wait in it; either way rank_agreement names the collective (and its shapes).
-    report = verify_distributed(build, make_inputs_by_rank, world_size=2, backend="emulate", timeout=25, **KW)
-    failed = [o for o in report.failures if o.check == "rank_agreement"]
-    assert any("all_reduce of (" in o.message for o in failed), report.format()
-
-
-@_ENDS_A_RANK
-def test_a_collective_skipped_on_one_rank_is_a_hang_naming_the_rank_and_the_collective():
-    report = verify_distributed(build_skips, make_inputs, world_size=2, backend="emulate", timeout=20, **KW)
-    # Rank 1 skips the all-reduce of its larger batches: its peer waits in it until the timeout, or gloo
-    # stops a rank on the next, mismatched one. Either way the report names the rank and the collective.
-    failed = [o for o in report.failures if o.check == "rank_agreement" and o.rank is not None]
+def _differ(report) -> str:
+    """The message of the rank_agreement failure that names collectives that differ (every rank's)."""
+    failed = [o.message for o in report.failures if o.check == "rank_agreement" and o.rank is not None]
     assert failed, report.format()
-    assert re.search(r"rank [01] (still running|ended).*in all_reduce", failed[0].message), failed[0].message
+    said = [m for m in failed if "collectives differ between ranks" in m]
+    assert said, failed
+    return said[0]
+
+
+def test_ranks_that_pad_differently_are_named_before_the_collective():
+    # Rank 1's extra token makes its all-reduce larger than rank 0's: named with both shapes and the
+    # user's line before either rank enters it (gloo would end a rank's process on the sizes).
+    report = verify_distributed(build, make_inputs_by_rank, world_size=2, backend="emulate", timeout=60, **KW)
+    said = _differ(report)
+    assert re.search(
+        r"rank [01] issues all_reduce of \(\d+, 8\) float32 at tests/test_distributed.py:\d+", said
+    ), said
+    assert "another shape or dtype on one rank" in said and "No rank entered it" in said, said
+
+
+def test_a_collective_skipped_on_one_rank_is_named_at_the_one_it_skipped():
+    report = verify_distributed(build_skips, make_inputs, world_size=2, backend="emulate", timeout=60, **KW)
+    # Rank 1 skips the all-reduce of its larger batches: named there, not after a timeout.
+    said = _differ(report)
+    assert re.search(
+        r"rank [01] issues all_reduce of \(4, 8\) float32 at tests/test_distributed.py:\d+ in forward", said
+    ), said
+    assert "rank 1 ended a forward without issuing what rank 0 issues there" in said, said
+
+
+class Reordered(RowParallel):
+    """Rank 1 broadcasts before it reduces; rank 0 the other way round."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(torch.relu(self.up(x)))
+        first, second = (
+            (dist.all_reduce, dist.broadcast) if self.rank == 0 else (dist.broadcast, dist.all_reduce)
+        )
+        first(y) if first is dist.all_reduce else first(y, 0)
+        second(y) if second is dist.all_reduce else second(y, 0)
+        return y
+
+
+def build_reordered(rank: int, world_size: int) -> nn.Module:
+    return Reordered(rank, world_size).eval()
+
+
+class OtherDtype(RowParallel):
+    """Rank 1 reduces in float64."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(torch.relu(self.up(x)))
+        y = y.double() if self.rank == 1 else y
+        dist.all_reduce(y)
+        return y.float()
+
+
+def build_other_dtype(rank: int, world_size: int) -> nn.Module:
+    return OtherDtype(rank, world_size).eval()
+
+
+def test_collectives_in_another_order_are_named():
+    report = verify_distributed(
+        build_reordered, make_inputs, world_size=2, backend="emulate", timeout=60, **KW
+    )
+    said = _differ(report)
+    assert "issues all_reduce of" in said and "issues broadcast of" in said, said
+    assert "in another order on one rank" in said, said
+
+
+def test_a_collective_of_another_dtype_is_named():
+    report = verify_distributed(
+        build_other_dtype, make_inputs, world_size=2, backend="emulate", timeout=60, **KW
+    )
+    said = _differ(report)
+    assert "float64" in said and "float32" in said and "another shape or dtype" in said, said
+
+
+class Raises(RowParallel):
+    """Rank 1 raises in forward, before its all-reduce, on larger batches."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 1 and x.shape[0] > 2:
+            raise RuntimeError("rank 1 gives up")
+        return super().forward(x)
+
+
+def build_raises(rank: int, world_size: int) -> nn.Module:
+    return Raises(rank, world_size).eval()
+
+
+def test_a_rank_that_raises_in_forward_is_named_and_no_rank_hangs():
+    started = time.monotonic()
+    report = verify_distributed(build_raises, make_inputs, world_size=2, backend="emulate", timeout=60, **KW)
+    assert time.monotonic() - started < 45, "named by the timeout, not before it"
+    said = _differ(report)
+    assert re.search(
+        r"rank 1 raised in its forward \d+ before issuing what rank 0 issues there: "
+        r"RuntimeError: rank 1 gives up \(at tests/test_distributed.py:\d+ in forward\)",
+        said,
+    ), said
 
 
 @_SPAWN_ONLY
@@ -255,3 +332,40 @@ def test_a_hang_on_nccl_says_the_gpu_waits(where, backend, noted):
     assert bool(_async_note(where, backend)) is noted
     if noted:
         assert "GPU" in _async_note(where, backend)
+
+
+class SkipsOnce(RowParallel):
+    """Rank 1 skips one all-reduce (its third call by its own count): the forward after it issues one
+    of the same shape, which must not pass for the one skipped."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.down(torch.relu(self.up(x)))
+        if not (self.rank == 1 and self.calls == 3):
+            dist.all_reduce(y)
+        return y
+
+
+def build_skips_once(rank: int, world_size: int) -> nn.Module:
+    return SkipsOnce(rank, world_size).eval()
+
+
+def test_a_collective_skipped_once_is_named_there_not_paired_with_the_next_forwards():
+    report = verify_distributed(
+        build_skips_once, make_inputs, world_size=2, backend="emulate", timeout=60, **KW
+    )
+    said = _differ(report)
+    # The harness puts the module's Python counter back between its runs: which forward it is shows
+    # in the message. The two collectives have one shape; they differ in the forward they belong to.
+    found = re.search(
+        r"rank 0 issues all_reduce of \((\d+), 8\) float32 .*its forward (\d+)\); "
+        r"rank 1 issues all_reduce of \((\d+), 8\) float32 .*its forward (\d+)\)",
+        said,
+    )
+    assert found, said
+    assert found[1] == found[3] and int(found[4]) == int(found[2]) + 1, said
+    assert "rank 1 ended a forward without issuing what rank 0 issues there" in said, said

@@ -175,7 +175,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pytest_cudagraph import verify_data_parallel
 from tests import data_parallel_models as m
-from tests.test_distributed import build, build_branches, build_stalls, make_inputs
+from tests.test_distributed import (
+    build,
+    build_branches,
+    build_other_dtype,
+    build_raises,
+    build_reordered,
+    build_skips,
+    build_stalls,
+    make_inputs,
+    make_inputs_by_rank,
+)
 
 TP = dict(capture_sizes=[1, 2, 4], max_num_reqs=4, checks=["real_batches", "replay_matches_eager"])
 DDP = dict(capture_sizes=[2], steps=3, warmup_steps=3, pad_values={"weight": 0})
@@ -198,6 +208,36 @@ def test_tp_collective_on_one_rank_only(cudagraph_verify_distributed):
 
 @pytest.mark.cudagraph(**TP)
 def test_tp_passes_after_the_hang(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build, make_inputs)
+
+
+@pytest.mark.cudagraph(**TP)
+def test_tp_skips_a_collective(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build_skips, make_inputs)
+
+
+@pytest.mark.cudagraph(**TP)
+def test_tp_pads_by_rank(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build, make_inputs_by_rank)
+
+
+@pytest.mark.cudagraph(**TP)
+def test_tp_reorders(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build_reordered, make_inputs)
+
+
+@pytest.mark.cudagraph(**TP)
+def test_tp_other_dtype(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build_other_dtype, make_inputs)
+
+
+@pytest.mark.cudagraph(**TP)
+def test_tp_raises(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build_raises, make_inputs)
+
+
+@pytest.mark.cudagraph(**TP)
+def test_tp_passes_after_the_mismatches(cudagraph_verify_distributed):
     cudagraph_verify_distributed(build, make_inputs)
 
 
@@ -267,6 +307,22 @@ EXPECTED = {
         ("hang: rank 0 still running after 8 s, in all_reduce of (4, 8)", "rank 1 still running after 8 s"),
     ),
     "test_tp_passes_after_the_hang": ("passed", ()),
+    # Named before any rank enters the collective: no process ends, and the next test passes.
+    "test_tp_skips_a_collective": (
+        "failed",
+        (
+            "collectives differ between ranks",
+            "rank 1 ended a forward without issuing what rank 0 issues there",
+        ),
+    ),
+    "test_tp_pads_by_rank": (
+        "failed",
+        ("collectives differ between ranks", "another shape or dtype on one rank"),
+    ),
+    "test_tp_reorders": ("failed", ("collectives differ between ranks", "in another order on one rank")),
+    "test_tp_other_dtype": ("failed", ("collectives differ between ranks", "float64")),
+    "test_tp_raises": ("failed", ("rank 1 gives up",)),
+    "test_tp_passes_after_the_mismatches": ("passed", ()),
     "test_tp_four_ranks": ("skipped", ()),
     "test_plain_module": ("passed", ()),
     "test_ddp_correct": ("passed", ()),
@@ -398,6 +454,8 @@ def test_two_nodes_give_the_verdicts_of_one(tmp_path: Path):
     chosen = [
         "test_tp_passes",
         "test_tp_rank_branch",
+        "test_tp_skips_a_collective",
+        "test_tp_passes_after_the_mismatches",
         "test_ddp_synced_capture_under_no_sync",
         "test_ddp_synced_outside",
     ]

@@ -64,6 +64,8 @@ SMOKE: dict[str, Smoke] = {
         ("--shapes", "tiny", "--parts", "quick"), r"^  quick .*passed; \d+ descriptors", ("transformers",)
     ),
     "benchmarks/startup.py": Smoke(("--runs", "1"), r"^with the plugin +median [\d.]+ s over 1 runs"),
+    # Runs under torchrun alone (its ranks are the launcher's): the smoke reads its arguments.
+    "benchmarks/collective_check.py": Smoke(("--help",), r"usage: collective_check.py"),
     "benchmarks/tp_scale.py": Smoke(
         # one rank (gloo still set up): two cost twice the CPU
         ("--shape", "small", "--backend", "emulate", "--world-size", "1", "--sizes", "1", "--bugs", ""),

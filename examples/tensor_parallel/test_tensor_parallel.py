@@ -25,7 +25,6 @@ import pytest_cudagraph
 from examples.tensor_parallel import buggy, llama, tp
 from pytest_cudagraph.checks import VerifyReport
 from pytest_cudagraph.checks.floor import across_shapes, given
-from pytest_cudagraph.launch_env import from_environment
 from pytest_cudagraph.observe import unit_roundoff
 
 WORLD_SIZE = 2
@@ -44,14 +43,19 @@ MODELS = {
 # twin of each is TPMLP with tp.make_inputs (test_tp_mlp_with_the_fixture).
 BUGS = {
     # Rank 1 runs one more row: on gloo the all-reduce of mismatched sizes
-    # stops a rank; on NCCL it would hang or read garbage.
+    # would end a rank's process; on NCCL it would hang or read garbage. Named
+    # with both shapes before either rank enters it.
     "RankDependentPadding": (
         buggy.build_rank_dependent_padding,
         buggy.make_inputs_rank_dependent,
-        r"all_reduce",
+        r"collectives differ between ranks.*all_reduce of \(\d+, \d+\).*another shape or dtype on one rank",
     ),
-    # Rank 1 leaves a collective out: a rank is named with the all_reduce it is stuck in.
-    "SkippedCollective": (buggy.build_skipped_collective, tp.make_inputs, r"rank [01]\b[^;]*\ball_reduce"),
+    # Rank 1 leaves a collective out: named at the all_reduce it skipped.
+    "SkippedCollective": (
+        buggy.build_skipped_collective,
+        tp.make_inputs,
+        r"collectives differ between ranks.*all_reduce.*rank 1 ended a forward without issuing",
+    ),
     # Each rank is right on its own; the replicated outputs differ, on rank 1.
     "RankBranch": (buggy.build_rank_branch, tp.make_inputs, r"rank 1\b"),
 }
@@ -83,23 +87,9 @@ def test_tp_mlp_with_the_fixture(cudagraph_verify_distributed: Callable[..., Ver
 
 
 #: Under torchrun (``python -m torch.distributed.run --nproc-per-node=2 -m pytest examples/tensor_parallel``)
-#: the verifications run on its ranks; gloo ends a rank's process when its peer's collective has
-#: another size (rank-dependent padding; a collective one rank skips, whose peer's next one pairs
-#: with it), and torchrun then ends the whole run: those cases run on spawned ranks alone.
-_ENDS_A_RANK = pytest.mark.skipif(
-    from_environment() is not None,
-    reason="gloo ends a rank's process on mismatched sizes, which ends the launcher's run (tests/test_launcher.py "
-    "runs a rank that dies last)",
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=_ENDS_A_RANK) if n in ("RankDependentPadding", "SkippedCollective") else n
-        for n in BUGS
-    ],
-)
+#: the verifications run on its ranks, these cases included: each collective is held to the other
+#: ranks' before any rank enters it, so a mismatch is named and no rank's process ends.
+@pytest.mark.parametrize("name", list(BUGS))
 def test_bug_fails_rank_agreement(name: str) -> None:
     build, make_inputs, pattern = BUGS[name]
     report = pytest_cudagraph.verify_distributed(build, make_inputs, timeout=HANG_TIMEOUT, **CONFIG)

@@ -112,7 +112,10 @@ class Ranks:
         deadline = started + timeout
         if not self._has(f"{label}/verdict"):  # a rank that comes after the verdict does not run
             self.say(f"in {label}")
-            where = Where(lambda text: self.store.set(f"{label}/where/{self.rank}", text))
+            where = Where(
+                lambda text: self.store.set(f"{label}/where/{self.rank}", text),
+                agreement=self._agreement(label),
+            )
             dog = _Watchdog(self, label, deadline, timeout, backend)
             dog.start()
             try:
@@ -136,6 +139,19 @@ class Ranks:
         self.say(f"after {label}")
         results = {r: pickle.loads(self.store.get(f"{label}/result/{r}")) for r in verdict.present}
         return results, dict(verdict.missing)
+
+    def _agreement(self, label: str) -> Any:
+        """This verification's collectives held to the peers' (``agree``), through the store."""
+        from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+
+        from .agree import Agreement
+
+        return Agreement(
+            PrefixStore(f"{label}/", self.store),
+            self.rank,
+            self.world_size,
+            lambda r: self._has(f"{label}/result/{r}"),
+        )
 
     def _wait(self, label: str, deadline: float, timeout: float, backend: str) -> Verdict:
         keys = [f"{label}/result/{r}" for r in range(self.world_size)]

@@ -88,10 +88,12 @@ class RankStopped(BaseException):
 class Where:
     """Where a rank is, told to ``write`` (a file the parent reads, or a key of the ranks' store)."""
 
-    def __init__(self, write: Callable[[str], object]) -> None:
+    def __init__(self, write: Callable[[str], object], agreement: Any = None) -> None:
         self.write = write
         self.depth = 0
         self.now = ""
+        #: Holds each collective to the peers' before it runs (an ``agree.Agreement``; None: not held).
+        self.agreement = agreement
         write("")
 
     @contextlib.contextmanager
@@ -133,9 +135,12 @@ def _install_watch() -> None:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not _current:
                 return original(*args, **kwargs)
+            where = _current[-1]
             first = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape")), None)
             shape = f" of {tuple(first.shape)}" if first is not None else ""
-            with _current[-1].inside(f"{name}{shape}"):
+            with where.inside(f"{name}{shape}"):
+                if where.agreement is not None and where.depth == 1:
+                    where.agreement.before(name, args, kwargs)
                 return original(*args, **kwargs)
 
         return wrapper
@@ -218,6 +223,10 @@ class VerifyWork:
         seed = int(self.keywords.get("seed", 0))
         torch.manual_seed(seed)
         module = self.build(rank, world_size)
+        if isinstance(module, torch.nn.Module):
+            # Which forward a collective belongs to: what the ranks' collectives are held to.
+            module.register_forward_pre_hook(_forward_started)
+            module.register_forward_hook(_forward_ended, always_call=True)
         # Every rank draws the same inputs: the same seed, the same sequence of calls.
         torch.manual_seed(seed)
         with recording(seen):
@@ -229,6 +238,20 @@ class VerifyWork:
                 progress=False,
                 **self.keywords,
             )
+
+
+def _forward_started(*_: Any) -> None:
+    if _current and _current[-1].agreement is not None:
+        _current[-1].agreement.forward_started()
+
+
+def _forward_ended(*_: Any) -> None:
+    # An always-called hook: torch runs it inside its ``except`` when the forward raised.
+    import sys
+
+    exc = sys.exc_info()[1]
+    if exc is not None and _current and _current[-1].agreement is not None:
+        _current[-1].agreement.forward_raised(exc)
 
 
 def _backend(device: Any) -> str:

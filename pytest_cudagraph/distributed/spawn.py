@@ -57,6 +57,17 @@ def rank_main(
             rank=rank,
             world_size=world_size,
         )
+        from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        from .agree import Agreement
+
+        where.agreement = Agreement(
+            PrefixStore("pytest-cudagraph-ops/", _get_default_store()),
+            rank,
+            world_size,
+            lambda r: (out / f"rank{r}.pkl").exists(),
+        )
         with watching(where):
             result = run_rank(rank, world_size, device, work)
     except BaseException as exc:  # joining the group failed: the rank says so

@@ -73,7 +73,43 @@ RUNNER: list[Mutant] = [
     ),
 ]
 
+_AGREE = "pytest_cudagraph/distributed/agree.py"
+_TD = "tests/test_distributed.py"
+
 DISTRIBUTED: list[Mutant] = [
+    # -- each collective held to the other ranks' before any enters it (issue #68) -------------
+    Mutant(
+        "agree-shapes-not-compared",
+        _AGREE,
+        "    def key(self) -> tuple[str, int, int]:\n        return (self.what, self.forward, self.place)",
+        "    def key(self) -> tuple[str, int, int]:\n        return (self.what.split(' of ')[0], self.forward, self.place)",
+        (f"{_TD}::test_ranks_that_pad_differently_are_named_before_the_collective",),
+        "collectives of another shape pass the agreement: gloo then ends a rank's process on the sizes",
+    ),
+    Mutant(
+        "agree-forward-not-compared",
+        _AGREE,
+        "    def key(self) -> tuple[str, int, int]:\n        return (self.what, self.forward, self.place)",
+        "    def key(self) -> tuple[str, int, int]:\n        return (self.what, 0, 0)",
+        (f"{_TD}::test_a_collective_skipped_once_is_named_there_not_paired_with_the_next_forwards",),
+        "a skipped collective pairs with the next forward's: named late, if at all, not at the one skipped",
+    ),
+    Mutant(
+        "agree-raise-not-told",
+        _AGREE,
+        "            raised = self._raised(ahead, forward)\n",
+        "            raised = ''\n",
+        (f"{_TD}::test_a_rank_that_raises_in_forward_is_named_and_no_rank_hangs",),
+        "a rank that raised before its collective is told as one that skipped it: the cause is lost",
+    ),
+    Mutant(
+        "agree-order-said-as-shape",
+        _AGREE,
+        '        elif mine.what.split(" of ")[0] != theirs.what.split(" of ")[0]:',
+        "        elif False:",
+        (f"{_TD}::test_collectives_in_another_order_are_named",),
+        "collectives in another order are told as another shape",
+    ),
     # -- verify_distributed and the emulator's collectives ------------------------------------
     Mutant(
         "distributed-rank-peaks-dropped",
