@@ -221,3 +221,31 @@ class Inner(nn.Module):
             reps = torch.ones(y.shape[0], dtype=torch.int64, device=y.device)
             return torch.repeat_interleave(y, reps, dim=0)
         return y
+
+
+def bf16_llama(
+    *,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    max_positions: int | None = None,
+) -> nn.Module:
+    """A ``LlamaForCausalLM`` of this shape with weights drawn from seed 0, in bf16, in eval mode (the
+    suite's Llama at small size; transformers is imported here, for suites that skip without it)."""
+    import transformers
+
+    torch.manual_seed(0)
+    extra = {"max_position_embeddings": max_positions} if max_positions is not None else {}
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        **extra,
+    )
+    return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()

@@ -53,6 +53,7 @@ from pytest_cudagraph.plugin.harness import (
 )
 from pytest_cudagraph.plugin.option_table import OWN_OPTIONS
 from tests.conftest import isolate_plugins
+from tests.test_bad_input import _Raises  # the module whose forward raises, with its user's line
 
 #: Cases per door: fixed, derandomized, small enough for CI (docs/reliability.md: the run's time).
 CASES = {"verify": 60, "fixtures": 60, "modules": 25, "marker": 60, "inputs": 40, "session": 40}
@@ -325,17 +326,6 @@ def test_every_fixture_fails_a_bad_keyword_with_one_line(data: st.DataObject, wh
 
 
 # -- the module each fixture is given ------------------------------------------------------------------
-
-
-class _Raises(torch.nn.Module):
-    """A module whose forward raises (the user's bug, not the harness's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("this forward raises on purpose")
 
 
 #: What a test may hand a fixture for its module, none of which any fixture can run: each is refused

@@ -22,6 +22,7 @@ from pytest_cudagraph.checks.builtin.padded_fast import bits_differ, traces_part
 from pytest_cudagraph.invariant import ROWS, Invariance, invariant
 from pytest_cudagraph.invariant.mode import _row_local
 from pytest_cudagraph.observe import DispatchMode
+from tests.models import bf16_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,17 +141,9 @@ class Logits(nn.Module):
 
 @pytest.fixture(scope="module")
 def llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+    return bf16_llama(
+        vocab=VOCAB, hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, max_positions=64
     )
-    return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
 def _inputs(num_tokens: int, num_reqs: int) -> dict[str, Any]:

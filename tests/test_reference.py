@@ -20,6 +20,7 @@ from torch import nn
 
 from benchmarks.scale import ERROR_KINDS, Planted
 from pytest_cudagraph import verify
+from tests.models import bf16_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,17 +42,9 @@ class Logits(nn.Module):
 
 @pytest.fixture(scope="module")
 def llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+    return bf16_llama(
+        vocab=VOCAB, hidden=256, intermediate=512, layers=4, heads=4, kv_heads=2, max_positions=64
     )
-    return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
 def _inputs(num_tokens: int, num_reqs: int) -> dict[str, Any]:

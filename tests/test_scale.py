@@ -19,6 +19,7 @@ from torch import nn
 
 from pytest_cudagraph import verify
 from pytest_cudagraph.checks.compare import first_difference
+from tests.models import bf16_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,16 +28,7 @@ VOCAB = 512
 
 
 def _llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    )
-    return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return bf16_llama(vocab=VOCAB, hidden=512, intermediate=1024, layers=8, heads=8, kv_heads=4)
 
 
 class Logits(nn.Module):

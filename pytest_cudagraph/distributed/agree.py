@@ -18,16 +18,15 @@ it is told, not compared.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..guard.tracker import raised_at, user_site
 from .rank import RankStopped
 
-__all__ = ["Agreement", "CollectivesDiffer", "described", "user_line"]
+__all__ = ["Agreement", "CollectivesDiffer", "described"]
 
 #: The longest pause between two looks at the store while a peer has not said what it issues.
 POLL = 0.002
@@ -57,30 +56,6 @@ def described(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         op = next((a for a in args if type(a).__name__ in ("ReduceOp", "RedOpType")), None)
     said = f"{name} of {', '.join(parts)}" if parts else name
     return f"{said} ({str(op).rsplit('.', 1)[-1]})" if op is not None else said
-
-
-_OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
-
-
-def user_line() -> str:
-    """'path:line in function' of the innermost frame of the caller's stack that is the user's code
-    (not torch's, not this package's, not the standard library's); "" where none is."""
-    import torch
-
-    skip = (
-        *_OURS,
-        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-        os.path.dirname(os.__file__) + os.sep,
-    )
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith(skip) and not filename.startswith("<"):
-            cwd = os.getcwd() + os.sep
-            shown = filename[len(cwd) :] if filename.startswith(cwd) else filename
-            return f"{shown}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return ""
 
 
 @dataclass(frozen=True)
@@ -132,8 +107,6 @@ class Agreement:
     def forward_raised(self, exc: BaseException) -> None:
         """This rank's forward raised (its collectives after that point will not come): said, for a
         peer that waits at one of them to name the cause."""
-        from ..guard.tracker import raised_at
-
         first = (str(exc).strip().splitlines() or [""])[0]
         at = raised_at(exc)
         self.store.set(
@@ -154,7 +127,7 @@ class Agreement:
         self.issued += 1
         self.in_forward += 1
         n = self.issued
-        mine = _Said(described(name, args, kwargs), self.forwards, self.in_forward, user_line())
+        mine = _Said(described(name, args, kwargs), self.forwards, self.in_forward, user_site())
         self.store.set(f"op/{n}/{self.rank}", mine.encode())
         peers = [r for r in range(self.world_size) if r != self.rank]
         keys = {r: f"op/{n}/{r}" for r in peers}
