@@ -76,6 +76,19 @@ def build_stalls(rank: int, world_size: int) -> nn.Module:
     return Stalls(rank, world_size).eval()
 
 
+class Sleeps(RowParallel):
+    """Rank 1 sleeps in forward, past any timeout, before the collective of larger batches."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 1 and x.shape[0] > 2:
+            time.sleep(600)
+        return super().forward(x)
+
+
+def build_sleeps(rank: int, world_size: int) -> nn.Module:
+    return Sleeps(rank, world_size).eval()
+
+
 def build_branches(rank: int, world_size: int) -> nn.Module:
     return RowParallel(rank, world_size, branch_on=1).eval()
 
@@ -231,7 +244,9 @@ def test_a_rank_that_never_comes_is_a_hang_naming_who_waits_in_what():
     assert time.monotonic() - started < 80
     failed = [o for o in report.failures if o.check == "rank_agreement"]
     assert failed and failed[0].message.startswith("hang:"), report.format()
-    assert "rank 0 still running after 20 s, in all_reduce of (" in failed[0].message
+    assert (
+        "rank 0 still running after 20 s, waiting for its peers to issue all_reduce of (" in failed[0].message
+    )
     assert "rank 1 still running" in failed[0].message
 
 
@@ -369,3 +384,75 @@ def test_a_collective_skipped_once_is_named_there_not_paired_with_the_next_forwa
     assert found, said
     assert found[1] == found[3] and int(found[4]) == int(found[2]) + 1, said
     assert "rank 1 ended a forward without issuing what rank 0 issues there" in said, said
+
+
+class TokenBranch(RowParallel):
+    """Rank 1 scales its output on batches of 4 tokens, after the all-reduce: every rank issues the
+    same collectives, and the bug is one rank's computation across shapes (issue #68's point 3)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(torch.relu(self.up(x)))
+        dist.all_reduce(y)
+        if self.rank == 1 and x.shape[0] == 4:
+            y = y * 1.001  # the bug
+        return y
+
+
+def build_token_branch(rank: int, world_size: int) -> nn.Module:
+    return TokenBranch(rank, world_size).eval()
+
+
+@pytest.mark.parametrize(
+    ("checks", "named_by"),
+    [
+        # The float64 reference: the batch rank 1's fast route leaves open goes to float64 on both ranks.
+        (["real_batches", "padded_size"], "padded_size"),
+        # No reference: real_batches' floor, measured on both ranks where either asks for it.
+        (["real_batches", "replay_matches_eager"], "real_batches"),
+    ],
+)
+def test_a_bug_on_one_rank_is_named_by_the_check_that_sees_it_there(checks, named_by):
+    started = time.monotonic()
+    kw = {**KW, "checks": checks}
+    report = verify_distributed(
+        build_token_branch, make_inputs, world_size=2, backend="emulate", timeout=60, **kw
+    )
+    assert time.monotonic() - started < 45, "named by the timeout, not before it"
+    failed = [o for o in report.failures if o.check == named_by]
+    assert [(o.rank, o.descriptor.num_tokens) for o in failed] == [(1, 4)], report.format()
+    # The diagnosis ran on rank 1 alone and still names the user's line.
+    named = f"{failed[0].message} {failed[0].finding.describe() if failed[0].finding else ''}"
+    assert re.search(r"tests/test_distributed.py:\d+ in forward", named), named
+    said = report.format()
+    assert "collectives differ" not in said and "hang:" not in said and "stopped:" not in said, said
+
+
+class Exits(RowParallel):
+    """Rank 1's process ends in forward, before its all-reduce, on larger batches."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 1 and x.shape[0] > 2:
+            import os
+
+            os._exit(3)
+        return super().forward(x)
+
+
+def build_exits(rank: int, world_size: int) -> nn.Module:
+    return Exits(rank, world_size).eval()
+
+
+@_SPAWN_ONLY
+def test_a_rank_whose_process_ends_is_named_at_once_and_the_session_goes_on():
+    started = time.monotonic()
+    report = verify_distributed(build_exits, make_inputs, world_size=2, backend="emulate", timeout=60, **KW)
+    assert time.monotonic() - started < 45, "named by the timeout, not before it"
+    said = report.format()
+    assert "rank 1 ended (exit code 3) without a report" in said, said
+    assert re.search(
+        r"rank 1 will never issue what rank 0 issues, all_reduce of \(4, 8\) float32 at "
+        r"tests/test_distributed.py:\d+ in forward .*rank 1 ended \(exit code 3\)",
+        said,
+    ), said
+    # The next verification runs on fresh ranks and passes.
+    assert verify_distributed(build, make_inputs, world_size=2, backend="emulate", **KW).ok

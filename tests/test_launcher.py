@@ -182,7 +182,9 @@ from tests.test_distributed import (
     build_raises,
     build_reordered,
     build_skips,
+    build_sleeps,
     build_stalls,
+    build_token_branch,
     make_inputs,
     make_inputs_by_rank,
 )
@@ -212,6 +214,16 @@ def test_tp_passes_after_the_hang(cudagraph_verify_distributed):
 
 
 @pytest.mark.cudagraph(**TP)
+def test_tp_sleeps_past_the_timeout(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build_sleeps, make_inputs, timeout=8)
+
+
+@pytest.mark.cudagraph(**TP)
+def test_tp_passes_after_the_sleep(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build, make_inputs)
+
+
+@pytest.mark.cudagraph(**TP)
 def test_tp_skips_a_collective(cudagraph_verify_distributed):
     cudagraph_verify_distributed(build_skips, make_inputs)
 
@@ -237,7 +249,43 @@ def test_tp_raises(cudagraph_verify_distributed):
 
 
 @pytest.mark.cudagraph(**TP)
+def test_tp_token_branch_on_one_rank(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build_token_branch, make_inputs)
+
+
+@pytest.mark.cudagraph(**{**TP, "checks": ["real_batches", "padded_size"]})
+def test_tp_token_branch_with_float64(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build_token_branch, make_inputs)
+
+
+@pytest.mark.cudagraph(**TP)
 def test_tp_passes_after_the_mismatches(cudagraph_verify_distributed):
+    cudagraph_verify_distributed(build, make_inputs)
+
+
+@pytest.mark.cudagraph(**TP)
+def test_tp_skipped_on_rank_1(cudagraph_verify_distributed):
+    if os.environ["RANK"] == "1":
+        pytest.skip("rank 1 holds no shard here")
+    cudagraph_verify_distributed(build, make_inputs)
+
+
+@pytest.mark.cudagraph(**TP)
+def test_tp_skipped_on_rank_0(cudagraph_verify_distributed):
+    if os.environ["RANK"] == "0":
+        pytest.skip("rank 0 holds no shard here")
+    cudagraph_verify_distributed(build, make_inputs)
+
+
+if os.environ.get("RANK") == "0":  # a selection that depends on the rank: rank 1 does not collect it
+
+    @pytest.mark.cudagraph(**TP)
+    def test_tp_collected_on_rank_0_only(cudagraph_verify_distributed):
+        cudagraph_verify_distributed(build, make_inputs)
+
+
+@pytest.mark.cudagraph(**TP)
+def test_tp_passes_after_the_skips(cudagraph_verify_distributed):
     cudagraph_verify_distributed(build, make_inputs)
 
 
@@ -304,9 +352,23 @@ EXPECTED = {
     ),
     "test_tp_collective_on_one_rank_only": (
         "failed",
-        ("hang: rank 0 still running after 8 s, in all_reduce of (4, 8)", "rank 1 still running after 8 s"),
+        (
+            "hang: rank 0 still running after 8 s, waiting for its peers to issue all_reduce of (4, 8) float32 at ",
+            "rank 1 still running after 8 s",
+        ),
     ),
     "test_tp_passes_after_the_hang": ("passed", ()),
+    # A rank asleep in its own code past the timeout: named there, woken (not ended), and the session
+    # goes on with every rank.
+    "test_tp_sleeps_past_the_timeout": (
+        "failed",
+        (
+            "rank 1 still running after 8 s",
+            "not at a collective: its own code runs or waits there",
+            "rank 0 still running after 8 s, waiting for its peers to issue all_reduce of (4, 8) float32 at ",
+        ),
+    ),
+    "test_tp_passes_after_the_sleep": ("passed", ()),
     # Named before any rank enters the collective: no process ends, and the next test passes.
     "test_tp_skips_a_collective": (
         "failed",
@@ -322,7 +384,28 @@ EXPECTED = {
     "test_tp_reorders": ("failed", ("collectives differ between ranks", "in another order on one rank")),
     "test_tp_other_dtype": ("failed", ("collectives differ between ranks", "float64")),
     "test_tp_raises": ("failed", ("rank 1 gives up",)),
+    # A bug on one rank behind the same collectives: named by the check that sees it there, each rank's
+    # forwards in step (issue #68's point 3), not as a hang or a collective mismatch.
+    "test_tp_token_branch_on_one_rank": (
+        "failed",
+        ("FAIL real_batches           FULL-T4-R4 rank 1", "tests/test_distributed.py:"),
+    ),
+    "test_tp_token_branch_with_float64": (
+        "failed",
+        ("FAIL padded_size            FULL-T4-R4 rank 1", "tests/test_distributed.py:"),
+    ),
     "test_tp_passes_after_the_mismatches": ("passed", ()),
+    # A test one rank skips or does not collect fails on every rank that has it, named, at once.
+    "test_tp_skipped_on_rank_1": (
+        "failed",
+        ("rank 1 skipped this test (rank 1 holds no shard here at", "where its peers ran it"),
+    ),
+    "test_tp_skipped_on_rank_0": (
+        "failed",
+        ("rank 0 skipped this test (rank 0 holds no shard here at", "where rank(s) [1] ran it"),
+    ),
+    "test_tp_collected_on_rank_0_only": ("failed", ("rank(s) [1] did not collect this test",)),
+    "test_tp_passes_after_the_skips": ("passed", ()),
     "test_tp_four_ranks": ("skipped", ()),
     "test_plain_module": ("passed", ()),
     "test_ddp_correct": ("passed", ()),
@@ -396,6 +479,23 @@ def _outcomes(junit: Path) -> dict[str, tuple[str, str]]:
     return found
 
 
+#: ``examples/tensor_parallel``: run in the same launches, every bug of it caught under torchrun with no
+#: case left to spawned ranks (issue #68).
+EXAMPLE = str(ROOT / "examples" / "tensor_parallel")
+
+
+def _example_passed(junit: Path) -> None:
+    """Every test of ``EXAMPLE`` in rank 0's JUnit XML passed (those for GPUs skipped here), and some ran."""
+    cases = [
+        c
+        for c in ET.parse(junit).getroot().iter("testcase")
+        if "tensor_parallel" in (c.get("classname") or "")
+    ]
+    ran = [c.get("name") for c in cases if c.find("skipped") is None]
+    failed = [c.get("name") for c in cases if c.find("failure") is not None or c.find("error") is not None]
+    assert ran and not failed, f"ran {ran}, failed {failed}"
+
+
 def _rank_output(log: Path, rank: int) -> str:
     files = sorted(log.glob(f"*/attempt_0/{rank}/stdout.log"))
     assert files, f"no output of local rank {rank} under {log}"
@@ -434,6 +534,9 @@ def test_torchrun_runs_the_suite_once_a_rank_with_one_verdict_and_one_report(tmp
     _wait([process], 300)
     outcomes = _outcomes(tmp_path / "junit.xml")  # rank 0's: the other rank writes neither file
     _check(outcomes, list(EXPECTED))
+    for name in ("test_tp_token_branch_on_one_rank", "test_tp_token_branch_with_float64"):
+        text = outcomes[name][1]
+        assert "collectives differ" not in text and "hang:" not in text and "stopped:" not in text, text
     # The rank that died is named by the one that lives, and the run stops there.
     died, text = outcomes["test_rank_dies"]
     assert died == "failed" and "rank 1 stopped answering" in text and "SIGTERM" in text, text
@@ -455,7 +558,12 @@ def test_two_nodes_give_the_verdicts_of_one(tmp_path: Path):
         "test_tp_passes",
         "test_tp_rank_branch",
         "test_tp_skips_a_collective",
+        "test_tp_token_branch_on_one_rank",
         "test_tp_passes_after_the_mismatches",
+        "test_tp_skipped_on_rank_1",
+        "test_tp_skipped_on_rank_0",
+        "test_tp_collected_on_rank_0_only",
+        "test_tp_passes_after_the_skips",
         "test_ddp_synced_capture_under_no_sync",
         "test_ddp_synced_outside",
     ]
@@ -497,3 +605,32 @@ def test_only_rank_0_writes_the_reports(pytester: pytest.Pytester, monkeypatch, 
     ranks.configure(config)
     assert ranks.writes_reports(config) is writes
     assert (config.option.xmlpath is not None) is writes
+
+
+@_NOT_NESTED
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_tensor_parallel_example_catches_every_bug_under_torchrun(tmp_path: Path, nodes: int):
+    """``examples/tensor_parallel`` under torchrun, one node of two ranks and two nodes of one: every bug
+    of it caught there, with no case left to spawned ranks (issue #68)."""
+    common = ["-m", "pytest", "examples/tensor_parallel", "-p", "no:cacheprovider", "-q"]
+    if nodes == 1:
+        args = [["--standalone", "--nproc-per-node=2", *common, f"--junitxml={tmp_path / 'node0.xml'}"]]
+    else:
+        port = _free_port()
+        args = [
+            [
+                "--nnodes=2",
+                f"--node-rank={node}",
+                "--nproc-per-node=1",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                *common,
+                f"--junitxml={tmp_path / f'node{node}.xml'}",
+            ]
+            for node in range(2)
+        ]
+    _wait([_launch(a, ROOT, tmp_path / f"logs{i}") for i, a in enumerate(args)], 240)
+    cases = list(ET.parse(tmp_path / "node0.xml").getroot().iter("testcase"))
+    ran = [c.get("name") for c in cases if c.find("skipped") is None]
+    failed = [c.get("name") for c in cases if c.find("failure") is not None or c.find("error") is not None]
+    assert any(str(n).startswith("test_bug_fails_rank_agreement[") for n in ran) and not failed, (ran, failed)

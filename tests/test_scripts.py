@@ -66,6 +66,7 @@ SMOKE: dict[str, Smoke] = {
     "benchmarks/startup.py": Smoke(("--runs", "1"), r"^with the plugin +median [\d.]+ s over 1 runs"),
     # Runs under torchrun alone (its ranks are the launcher's): the smoke reads its arguments.
     "benchmarks/collective_check.py": Smoke(("--help",), r"usage: collective_check.py"),
+    "benchmarks/scale_profile.py": Smoke(("--help",), r"usage: scale_profile.py"),
     "benchmarks/tp_scale.py": Smoke(
         # one rank (gloo still set up): two cost twice the CPU
         ("--shape", "small", "--backend", "emulate", "--world-size", "1", "--sizes", "1", "--bugs", ""),

@@ -11,40 +11,36 @@ group is broken:
   others. Every graph of rank 1 then holds one more row than rank 0's graph
   of the same descriptor: its padded batch differs, and so does the tensor
   its all-reduce carries. Each rank alone is consistent; together, NCCL
-  hangs or reads the wrong bytes, and gloo stops a rank ("Received data size
-  doesn't match expected size"). Caught by ``rank_agreement``, naming the
-  rank and the ``all_reduce`` it was in.
+  hangs or reads the wrong bytes, and gloo ends a rank ("Received data size
+  doesn't match expected size"). Named before any rank enters the
+  all-reduce: the ranks hold each collective to their peers' (issue #68).
 - ``SkippedCollective`` (twin: ``TPMLP``): rank 1 skips the all-reduce on
   batches of more than ``SKIP_ABOVE`` rows, as a fast path (``if num_tokens
   > N: skip the reduce, another layer will``) taken on one rank only. Rank 0
-  waits in ``all_reduce`` for a peer that never comes: on NCCL a hang, which
-  the harness's timeout names; on gloo rank 1's next all-reduce (of a smaller
-  batch) pairs with rank 0's, and the size mismatch stops rank 1 inside it.
-  Caught by ``rank_agreement``, naming the rank and the ``all_reduce``.
+  would wait in ``all_reduce`` for a peer that never comes (on NCCL a hang);
+  named at the collective rank 1 skipped, before rank 0 enters it.
 - ``RankBranch`` (twin: ``TPMLP``): the row-parallel bias is added by rank 0
   only, after the all-reduce (the author meant "add it once" but put the
   rank test on the wrong side of the sum). Each rank's graph matches its own
   eager forward, so every other check passes; the outputs that must be
   replicated differ across ranks. Caught by ``rank_agreement`` on rank 1.
 
-``verify_distributed(..., world_size=2, capture_sizes=[1, 2, 4],
-backend="emulate")`` prints (2026-11-30 20:33 UTC, torch 2.13.0+cpu, two
-gloo ranks on the CPU; first lines of each report):
+``python -m examples.tensor_parallel.show`` prints (2026-12-05 21:10 UTC,
+torch 2.13.0+cpu, two gloo ranks on the CPU; the first lines of each report):
 
-    RankBranch on emulate (2 ranks (gloo, cpu)) in train mode: 3/3 descriptors captured and verified (every descriptor), 38 real batches, 1 failure(s) in rank_agreement, 4 skipped; capture 18 ms, graph memory 2.0 KiB
-    FAIL rank_agreement         module rank 1
-         rank 1 disagrees with rank 0 at real batch 1 of the run: outputs that must be replicated differ (the output: values differ): a Python branch on the rank, or a collective missing on one rank's path (replicated=False if these outputs are sharded); rank 1 gave -0.2307678461074829, rank 0 gave -0.08559766411781311
-
-    SkippedCollective on emulate (2 ranks (gloo, cpu)) in train mode: 0/3 descriptors captured and verified (every descriptor), 0 real batches, 4 failure(s) in capture_safety, rank_agreement, 27 skipped; capture 0 ms, graph memory 0 B
-    FAIL rank_agreement         module rank 1
-         ranks ended without a report: rank 1 ended (killed by signal 6) without a report, in all_reduce of (2, 16) (its stderr says why) (finished: ranks [0]). A collective one rank issues and another does not (a branch on the rank, a different graph or padding per rank) waits forever, or fails on mismatched sizes
-
-    RankDependentPadding on emulate (2 ranks (gloo, cpu)) in train mode: 0/3 descriptors captured and verified (every descriptor), 0 real batches, 4 failure(s) in capture_safety, rank_agreement, 27 skipped; capture 0 ms, graph memory 0 B
+    RankDependentPadding: ... 2 failure(s) in rank_agreement, 1 skipped
     FAIL rank_agreement         module rank 0
-         ranks ended without a report: rank 0 ended (killed by signal 6) without a report, in all_reduce of (4, 16) (its stderr says why) (finished: ranks [1]). A collective one rank issues and another does not (a branch on the rank, a different graph or padding per rank) waits forever, or fails on mismatched sizes
+         rank 0 stopped: collectives differ between ranks at the 1st of learn: rank 0 issues all_reduce of (1, 16) float32 at examples/tensor_parallel/tp.py:104 in forward (the 1st collective of its forward 1); rank 1 issues all_reduce of (2, 16) float32 at examples/tensor_parallel/tp.py:104 in forward (the 1st collective of its forward 1): a collective given another shape or dtype on one rank (padding or sharding that depends on the rank). No rank entered it
 
-(The other rank's capture_safety failures that follow, "Connection reset by
-peer" in its collectives, are the consequence: its peer is gone.)
+    SkippedCollective: ... 2 failure(s) in rank_agreement, 1 skipped
+    FAIL rank_agreement         module rank 0
+         rank 0 stopped: collectives differ between ranks at the 2nd of learn: rank 0 issues all_reduce of (4, 16) float32 at examples/tensor_parallel/buggy.py:79 in forward (the 1st collective of its forward 2); rank 1 ended that step having issued 1: rank 1 ended a forward without issuing what rank 0 issues there: a collective one rank skips (a branch on the rank or on what only one rank holds). No rank entered it
+
+    RankBranch on emulate (2 ranks (gloo, cpu)) in train mode: 3/3 descriptors captured and verified (every descriptor), 18 real batches, 1 failure(s) in rank_agreement, 4 skipped
+    FAIL rank_agreement         module rank 1
+         rank 1 disagrees with rank 0 at real batch 1 of the run: outputs that must be replicated differ (the output: values differ): a Python branch on the rank, or a collective missing on one rank's path (replicated=False if these outputs are sharded)
+
+No process is ended by gloo, and the next verification runs on the same ranks.
 """
 
 from __future__ import annotations

@@ -115,8 +115,23 @@ def _is_collective(func: Any) -> bool:
 
 
 #: Set by the distributed harness in a rank's process: a context manager
-#: around each collective the replay issues, which says where a rank waits.
-collective_watch: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None
+#: around each collective the replay issues (its op and arguments), which says
+#: where a rank waits and holds the collective to the peers'; it gives whether
+#: the rank answers the collective alone (a failure's diagnosis), unissued.
+collective_watch: (
+    Callable[[str, tuple[Any, ...], dict[str, Any]], contextlib.AbstractContextManager[bool]] | None
+) = None
+#: Set by the distributed harness in a rank's process: called as each replay begins.
+replay_started: Callable[[], None] | None = None
+
+
+def _alone(func: Any, args: tuple[Any, ...]) -> Any:
+    """A collective's result on a rank alone: an in-place one (``c10d::allreduce_``) leaves its
+    tensors as they are, a functional one returns a copy of its input."""
+    if getattr(func, "namespace", None) == "c10d":
+        return (args[0], None) if args else None
+    first = args[0] if args else None
+    return first.clone() if isinstance(first, torch.Tensor) else first
 
 
 def _waited(func: Any, result: Any) -> Any:
@@ -161,8 +176,16 @@ class _Step:
     def __call__(self) -> None:
         if _is_collective(self.func):
             watch = collective_watch
-            with watch(str(self.func)) if watch is not None else contextlib.nullcontext():
-                result = _waited(self.func, self.func(*self.args, **self.kwargs))
+            with (
+                watch(str(self.func), self.args, self.kwargs)
+                if watch is not None
+                else contextlib.nullcontext(False)
+            ) as alone:
+                result = (
+                    _alone(self.func, self.args)
+                    if alone
+                    else _waited(self.func, self.func(*self.args, **self.kwargs))
+                )
         else:
             result = self.func(*self.args, **self.kwargs)
         if not self.targets:
@@ -424,6 +447,8 @@ class EmulatedGraph(CapturedGraph):
         return len(self._steps)
 
     def replay(self) -> None:
+        if replay_started is not None:
+            replay_started()
         with torch.no_grad():
             for step in self._steps:
                 step()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import peers
 from .report import StepCost
 
 __all__ = ["Meter", "StepCost", "peak_memory", "start_peak"]
@@ -45,8 +46,11 @@ class Meter:
             handle.remove()
 
     @contextlib.contextmanager
-    def step(self, name: str) -> Iterator[None]:
-        """Add the block's seconds, forwards and replays to step ``name``."""
+    def step(self, name: str, where: str = "") -> Iterator[None]:
+        """Add the block's seconds, forwards and replays to step ``name``; on a rank of several, the
+        block is a step of the verification its peers run in step (``peers.step``; ``where``: the
+        descriptor it runs on, in words)."""
+        peers.step(f"{name} at {where}" if where else name)
         started, forwards, replays = time.perf_counter(), self.forwards, self.replays()
         try:
             yield

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import faults
+from .. import faults, peers
 from ..errors import EagerFailure, InternalError, UsageError
 from ..guard import Violation, capturability_table, host_methods_watched
 from ..manager import GraphManager, tree
@@ -513,9 +513,10 @@ def _run(
     for desc in over(selected, progress, label=label, stage="checks", unit="descriptor"):
         for check in per_descriptor:
             if desc in blocked:
+                peers.step(f"{check.name} at {desc.label()}")  # the steps are the same on every rank
                 report.add([Outcome(check.name, desc, True, blocked[desc], skipped=True)])
             else:
-                with meter.step(check.name):
+                with meter.step(check.name, desc.label()):
                     outcome = guarded(check, desc, partial(check.run, ctx, desc))
                 report.add([_named(ctx, outcome)])
         # Nothing a descriptor kept outlives its checks: the eager run state reuses, the capture sample.
@@ -621,6 +622,8 @@ def guarded(check: Check, desc: BatchDescriptor | None, fn: Callable[[], Any]) -
         return check.outcome(fn(), desc)
     except MakeInputsError:
         raise  # the caller's make_inputs is wrong: told plainly, as verify's other bad arguments are
+    except peers.StepLeft as exc:  # a peer rank's check ended this step early: no forward pairs with ours
+        return Outcome(check.name, desc, True, str(exc), skipped=True)
     except Exception as exc:
         _raise_if_lost(exc)
         return could_not_run(check, desc, exc)
@@ -633,6 +636,8 @@ def _guarded_each(check: Check, ctx: VerifyContext, descs: list[BatchDescriptor]
         outcomes = [check.outcome(r, None) for r in results]
     except MakeInputsError:
         raise
+    except peers.StepLeft as exc:
+        return [Outcome(check.name, d, True, str(exc), skipped=True) for d in descs]
     except Exception as exc:
         _raise_if_lost(exc)
         return [could_not_run(check, d, exc) for d in descs]

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from .. import peers
 from ..observe import unit_roundoff
 from .compare import CHUNK, Difference, default_tolerance, first_difference, largest_difference, leaves
 
@@ -323,6 +324,11 @@ def across_shapes(
     (default 1)."""
     compute = compute_dtype(roundoff) if roundoff else None
     diff = first_difference(got, expected, rtol=rtol, atol=atol, compute=compute, figures=False)
+    measures = diff is not None and not diff.opaque and diff.index is not None and padded is not None
+    # On a rank of several, the floor's forward runs where any rank measures one (its collectives
+    # pair with the peers'), and counts only where this rank's comparison asked for it.
+    if peers.any_rank([measures])[0] and not measures and padded is not None:
+        padded()
     if diff is None:
         return Verdict(True, figures=_largest(got, expected))
     if diff.opaque or diff.index is None or padded is None:

@@ -9,11 +9,18 @@ through a store, never through the process group, so that a rank which never com
 collective, finished, raised) is found by looking, and no rank enters a collective its peers did
 not agree to. The group is then left as it was: the next verification runs on it.
 
-What is compared, per collective of a verification (its n-th): the operation, the shape and dtype
-of each tensor it is given, and which forward of the module it belongs to (its k-th, and the
-collective's place in it), so that a rank that skipped one and went on to the next forward is named
-at the one it skipped, not later when the counts run out. The line of the user's code that issued
-it is told, not compared.
+What is compared, per collective of a step of a verification (its n-th; a step is a check on a
+descriptor, or a stage, as ``pytest_cudagraph.peers`` says): the operation, the shape and dtype of
+each tensor it is given, and which forward of the step it belongs to (its k-th, a graph's replay
+counted as one, and the collective's place in it), so that a rank that skipped one and went on to
+the next forward is named at the one it skipped, not later when the counts run out. The line of the
+user's code that issued it is told, not compared.
+
+The harness's own forwards stay in step: a rank whose peer ended the step having run fewer
+forwards than it is running now (a check that failed there stopped early) leaves the step
+(``peers.StepLeft``) instead of waiting for a collective no peer will issue; a decision that runs
+forwards is taken by every rank alike (``any_rank``); and a failure's diagnosis runs alone, its
+collectives answered on its rank (``peers.alone``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..guard.tracker import raised_at, user_site
+from ..peers import StepLeft
 from .rank import RankStopped
 
 __all__ = ["Agreement", "CollectivesDiffer", "described"]
@@ -33,8 +41,8 @@ POLL = 0.002
 #: How often a waiting rank looks whether a peer finished its work (a peer that will never say).
 LOOK_FOR_GONE = 0.02
 
-#: Whether the ranks hold their collectives to each other (``benchmarks/collective_check.py`` turns it
-#: off to measure what it costs; nothing else does).
+#: Whether the ranks hold their collectives, steps and decisions to each other
+#: (``benchmarks/collective_check.py`` turns it off to measure what it costs; nothing else does).
 ENABLED = True
 
 
@@ -91,14 +99,46 @@ class Agreement:
     """One verification's collectives on this rank, held to its peers' (see the module's docstring).
 
     ``store``: keys the ranks share for this verification alone; ``finished(r)``: whether rank ``r``
-    ended this verification's work (it will issue no more); ``stopped()``: whether this rank is to
-    stop waiting (its time ran out: the caller's watchdog raises into it then, as it polls)."""
+    ended this verification's work (it will issue no more): True where it finished it, or why it
+    ended otherwise, in words ("its process ended (exit code 3)", "it skipped this test"). A rank whose time ran out is stopped by
+    the caller's watchdog, which raises into it as it polls."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, finished: Callable[[int], bool]) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, finished: Callable[[int], bool | str]) -> None:
         self.store, self.rank, self.world_size, self.finished = store, rank, world_size, finished
+        #: The step (its number from 1, its name) and, in it: the collectives issued, the forwards
+        #: (and replays) begun, the collectives of the current forward.
+        self.steps = 0
+        self.step_name = "the verification's start"
         self.issued = 0
         self.forwards = 0
         self.in_forward = 0
+        #: Decisions taken with the peers so far (``any_rank``).
+        self.decided = 0
+        self.closed = False
+        #: Where the rank says what it is doing (``rank.Where``'s): what it waits for, in full.
+        self.say: Callable[[str], None] = lambda text: None
+
+    @property
+    def peers(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank]
+
+    def step(self, name: str) -> None:
+        """A new step begins: the last one said done, with the forwards this rank ran in it."""
+        if not ENABLED:
+            return
+        self._done()
+        self.steps += 1
+        self.step_name = name
+        self.issued = self.forwards = self.in_forward = 0
+
+    def _done(self) -> None:
+        self.store.set(f"done/{self.steps}/{self.rank}", str(self.forwards))
+
+    def close(self) -> None:
+        """This rank's work ended (finished or stopped): its last step is done."""
+        if not self.closed:
+            self.closed = True
+            self._done()
 
     def forward_started(self) -> None:
         self.forwards += 1
@@ -110,58 +150,126 @@ class Agreement:
         first = (str(exc).strip().splitlines() or [""])[0]
         at = raised_at(exc)
         self.store.set(
-            f"raised/{self.forwards}/{self.rank}",
+            f"raised/{self.steps}/{self.forwards}/{self.rank}",
             f"{type(exc).__name__}: {first}" + (f" (at {at})" if at else ""),
         )
 
     def _raised(self, rank: int, forward: int) -> str:
-        """What rank ``rank``'s ``forward``-th forward raised ("" where it did not)."""
-        key = f"raised/{forward}/{rank}"
+        """What rank ``rank``'s ``forward``-th forward of this step raised ("" where it did not)."""
+        key = f"raised/{self.steps}/{forward}/{rank}"
         return self.store.get(key).decode() if self.store.check([key]) else ""
+
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        """Each flag set where any rank set it: said through the store, the peers waited for (a peer
+        that finished its work adds nothing)."""
+        if not ENABLED:
+            return list(flags)
+        self.decided += 1
+        self.store.set(f"any/{self.decided}/{self.rank}", "".join("1" if f else "0" for f in flags))
+        keys = {r: f"any/{self.decided}/{r}" for r in self.peers}
+        waiting = dict(keys)
+        while not self.store.check(list(waiting.values())):
+            for r in self._wait_a_while(waiting):
+                waiting.pop(r)
+        merged = list(flags)
+        for key in keys.values():
+            if self.store.check([key]):
+                theirs = self.store.get(key).decode()
+                merged = [m or (i < len(theirs) and theirs[i] == "1") for i, m in enumerate(merged)]
+        return merged
 
     def before(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Say what this rank issues next and wait for every peer to say the same; raise
-        ``CollectivesDiffer`` (naming each rank's) where one says otherwise or never will."""
+        ``CollectivesDiffer`` (naming each rank's) where one says otherwise or never will, and
+        ``peers.StepLeft`` where the peers ended the step before this forward."""
         if not ENABLED:
             return
         self.issued += 1
         self.in_forward += 1
         n = self.issued
         mine = _Said(described(name, args, kwargs), self.forwards, self.in_forward, user_site())
-        self.store.set(f"op/{n}/{self.rank}", mine.encode())
-        peers = [r for r in range(self.world_size) if r != self.rank]
-        keys = {r: f"op/{n}/{r}" for r in peers}
+        self.store.set(f"op/{self.steps}/{n}/{self.rank}", mine.encode())
+        self.say(f"waiting for its peers to issue {mine.told()} too, its {_nth(n)} of {self.step_name}")
+        peers = self.peers
+        keys = {r: f"op/{self.steps}/{n}/{r}" for r in peers}
+
         every = list(keys.values())
-        pause, looked = 0.0, time.monotonic()
-        # Polled, one round trip a look. A store's ``wait`` with a short timeout in a loop was tried:
-        # after one timed out, torchrun's TCPStore failed later requests (DistNetworkError) and the
-        # ranks could not rebuild their group. The pause grows from nothing (peers that are already
-        # there cost one look) to ``POLL``.
         while not self.store.check(every):
-            if time.monotonic() - looked > LOOK_FOR_GONE:
-                looked = time.monotonic()
-                gone = [r for r in peers if not self.store.check([keys[r]]) and self.finished(r)]
-                # Looked again: a peer may have said it just before it finished.
-                gone = [r for r in gone if not self.store.check([keys[r]])]
-                if gone:
-                    raise CollectivesDiffer(self._none_from(n, mine, gone[0]))
-            time.sleep(pause)
-            pause = min(POLL, pause * 2 or 0.0001)
+            # A peer that ended this step without saying this collective: it ran fewer forwards in it
+            # than this rank is running (its check stopped early: this rank leaves the step too), or
+            # it ran this forward without issuing it (the module's skip, named as such).
+            ended = [
+                r
+                for r in peers
+                if self.store.check([f"done/{self.steps}/{r}"]) and not self.store.check([keys[r]])
+            ]
+            if ended:
+                ran = int(self.store.get(f"done/{self.steps}/{ended[0]}").decode())
+                if ran < self.forwards:
+                    raise StepLeft(
+                        f"rank {ended[0]} ended {self.step_name} after {ran} forward(s) and replay(s), before this "
+                        f"rank's {_nth(self.forwards)} (its check stopped early there, as a failed check does), so "
+                        "no rank pairs with what this rank would run: not checked further on this rank"
+                    )
+                raise CollectivesDiffer(self._skipped_by(n, mine, ended[0]))
+            finished = self._wait_a_while(keys)
+            if finished:
+                raise CollectivesDiffer(self._none_from(n, mine, finished[0]))
         theirs = {r: _Said.decode(self.store.get(keys[r])) for r in peers}
         other = next((r for r in peers if theirs[r].key() != mine.key()), None)
         if other is not None:
             raise CollectivesDiffer(self._differ(n, mine, other, theirs[other]))
 
+    def _wait_a_while(self, keys: dict[int, str]) -> list[int]:
+        """Wait up to ``LOOK_FOR_GONE`` for ``keys`` (the caller then looks at the step's ends again);
+        the peers without their key that finished their work (they never will say it).
+
+        Polled, one round trip a look. A store's ``wait`` with a short timeout in a loop was tried:
+        after one timed out, torchrun's TCPStore failed later requests (DistNetworkError) and the
+        ranks could not rebuild their group. The pause grows from nothing (peers that are already
+        there cost one look) to ``POLL``."""
+        until = time.monotonic() + LOOK_FOR_GONE
+        pause = 0.0
+        every = list(keys.values())
+        while not self.store.check(every) and time.monotonic() < until:
+            time.sleep(pause)
+            pause = min(POLL, pause * 2 or 0.0001)
+        if self.store.check(every):
+            return []
+        finished = [r for r in keys if not self.store.check([keys[r]]) and self.finished(r)]
+        # Looked again: a peer may have said it just before it finished.
+        return [r for r in finished if not self.store.check([keys[r]])]
+
+    def _skipped_by(self, n: int, mine: _Said, peer: int) -> str:
+        """``peer`` ran this forward to its end (and ended the step) without issuing the collective."""
+        raised = self._raised(peer, mine.forward)
+        why = (
+            f"rank {peer} raised in its forward {mine.forward} before issuing what rank {self.rank} issues there: {raised}"
+            if raised
+            else f"rank {peer} ended a forward without issuing what rank {self.rank} issues there: a collective one "
+            "rank skips (a branch on the rank or on what only one rank holds)"
+        )
+        return (
+            f"collectives differ between ranks at the {_nth(n)} of {self.step_name}: rank {self.rank} issues "
+            f"{mine.told()}; rank {peer} ended that step having issued {n - 1}: {why}. No rank entered it"
+        )
+
     def _none_from(self, n: int, mine: _Said, peer: int) -> str:
         raised = self._raised(peer, mine.forward)
+        ended = self.finished(peer)
+        if isinstance(ended, str) and ended:
+            return (
+                f"rank {peer} will never issue what rank {self.rank} issues, {mine.told()} (its {_nth(n)} of "
+                f"{self.step_name}): rank {peer} {ended}, having issued {n - 1} there. No rank entered it"
+            )
         why = (
             f"rank {peer} raised in its forward {mine.forward} before it: {raised}"
             if raised
             else f"a collective one rank issues and another does not (skipped on rank {peer})"
         )
         return (
-            f"collectives differ between ranks: rank {self.rank} issues {mine.told()}, its {_nth(n)} of this "
-            f"verification; rank {peer} finished its work having issued {n - 1}: {why}. No rank entered it"
+            f"collectives differ between ranks: rank {self.rank} issues {mine.told()}, its {_nth(n)} of "
+            f"{self.step_name}; rank {peer} finished having issued {n - 1} there: {why}. No rank entered it"
         )
 
     def _differ(self, n: int, mine: _Said, peer: int, theirs: _Said) -> str:
@@ -180,6 +288,6 @@ class Agreement:
         else:
             why = "a collective given another shape or dtype on one rank (padding or sharding that depends on the rank)"
         return (
-            f"collectives differ between ranks at the {_nth(n)} of this verification: rank {self.rank} issues "
+            f"collectives differ between ranks at the {_nth(n)} of {self.step_name}: rank {self.rank} issues "
             f"{mine.told()}; rank {peer} issues {theirs.told()}: {why}. No rank entered it"
         )

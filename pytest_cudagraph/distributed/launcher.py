@@ -126,6 +126,8 @@ class Ranks:
                     dog.working = False
             except RankStopped as exc:  # raised between run_rank's end and the flag
                 result = RankResult(self.rank, error=str(exc))
+            if result.error is not None and where.now and (STOPPING or "time ran out" in result.error):
+                result.error = f"{result.error.rstrip()} (it was {where.now})"
             try:
                 self.store.set(f"{label}/result/{self.rank}", portable(result))
                 verdict = self._wait(label, deadline, timeout, backend)
@@ -146,19 +148,50 @@ class Ranks:
 
         from .agree import Agreement
 
-        return Agreement(
-            PrefixStore(f"{label}/", self.store),
-            self.rank,
-            self.world_size,
-            lambda r: self._has(f"{label}/result/{r}"),
-        )
+        def finished(r: int) -> bool | str:
+            if self._has(f"{label}/result/{r}"):
+                return True
+            skipped = self.skipped(_test_of(label), r)
+            return f"skipped this test ({skipped})" if skipped else False
+
+        return Agreement(PrefixStore(f"{label}/", self.store), self.rank, self.world_size, finished)
+
+    # -- tests one rank skips --------------------------------------------------------------------
+    def say_skipped(self, test: str, why: str) -> None:
+        """This rank skipped ``test`` (``why``: pytest's reason and where): its peers' verifications
+        of it name that instead of waiting for this rank."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"skipped/{test}/{self.rank}", why)
+
+    def skipped(self, test: str, rank: int) -> str:
+        """Why rank ``rank`` skipped ``test``; "" where it did not (yet)."""
+        key = f"skipped/{test}/{rank}"
+        return self.store.get(key).decode() if self._has(key) else ""
+
+    def say_done(self, test: str, ran: bool) -> None:
+        """This rank is done with ``test``: it ran it (``ran``), or skipped it."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"done/{test}/{self.rank}", "ran" if ran else "skipped")
+
+    def ran_where_skipped(self, test: str, timeout: float) -> list[int]:
+        """The peers that ran ``test``, which this rank skipped: waited for until each is done with it
+        (a peer's verification of it ends at once, naming this rank's skip)."""
+        keys = {r: f"done/{test}/{r}" for r in range(self.world_size) if r != self.rank}
+        deadline = time.monotonic() + timeout
+        while not self.store.check(list(keys.values())) and time.monotonic() < deadline:
+            time.sleep(POLL)
+        return [r for r, key in keys.items() if self._has(key) and self.store.get(key).decode() == "ran"]
 
     def _wait(self, label: str, deadline: float, timeout: float, backend: str) -> Verdict:
-        keys = [f"{label}/result/{r}" for r in range(self.world_size)]
+        test = _test_of(label)
         while True:
             if self._has(f"{label}/verdict"):
                 return self._read(label)
-            if self.store.check(keys) or time.monotonic() >= deadline or STOPPING:
+            # Every rank's result, or why it will give none (it skipped this test).
+            done = all(
+                self._has(f"{label}/result/{r}") or self.skipped(test, r) for r in range(self.world_size)
+            )
+            if done or time.monotonic() >= deadline or STOPPING:
                 return self.propose(label, timeout, backend)
             time.sleep(POLL)
 
@@ -166,8 +199,14 @@ class Ranks:
         """The verdict as this rank sees the store now; the first rank's proposal is everyone's."""
         present, missing = [], {}
         for r in range(self.world_size):
+            skipped = self.skipped(_test_of(label), r)
             if self._has(f"{label}/result/{r}"):
                 present.append(r)
+            elif skipped:
+                missing[r] = (
+                    f"rank {r} skipped this test ({skipped}) where its peers ran it: the ranks' verifications pair "
+                    "up test by test, so a skip that depends on the rank skips the test on every rank or on none"
+                )
             elif self._has(f"{label}/where/{r}"):
                 where = self.store.get(f"{label}/where/{r}").decode()
                 missing[r] = (
@@ -183,7 +222,9 @@ class Ranks:
         proposal = pickle.dumps(Verdict(tuple(present), missing))
         agreed = self.store.compare_set(f"{label}/verdict", "", proposal)
         verdict: Verdict = pickle.loads(agreed)
-        if verdict.missing and agreed == proposal and self.base is not None:
+        # A rank that skipped the test entered no collective: the group is as it was.
+        broken = [r for r in verdict.missing if not self.skipped(_test_of(label), r)]
+        if broken and agreed == proposal and self.base is not None:
             self.store.add("generation", 1)  # every rank rebuilds the group at its next verification
         return verdict
 
@@ -220,8 +261,8 @@ class Ranks:
         _init_group(self)
 
     # -- the ranks' collections ----------------------------------------------------------------
-    def same_tests(self, nodeids: list[str], timeout: float) -> str | None:
-        """None when every rank collected ``nodeids``; else what differs, in words."""
+    def collections(self, nodeids: list[str], timeout: float) -> dict[int, list[str]] | str:
+        """Every rank's collected tests (this rank's are ``nodeids``), or why not all are known."""
         self.store.set(f"collected/{self.rank}", "\n".join(nodeids))
         keys = [f"collected/{r}" for r in range(self.world_size)]
         deadline = time.monotonic() + timeout
@@ -230,11 +271,33 @@ class Ranks:
                 late = [r for r in range(self.world_size) if not self._has(keys[r])]
                 return f"rank(s) {late} did not finish collecting within {timeout:g} s"
             time.sleep(POLL)
-        for r in range(self.world_size):
-            theirs = [t for t in self.store.get(keys[r]).decode().split("\n") if t]
+        return {
+            r: [t for t in self.store.get(keys[r]).decode().split("\n") if t] for r in range(self.world_size)
+        }
+
+    def same_tests(self, nodeids: list[str], timeout: float) -> str | None:
+        """None when every rank collected ``nodeids``; else what differs, in words."""
+        found = self.collections(nodeids, timeout)
+        if isinstance(found, str):
+            return found
+        for r, theirs in found.items():
             if theirs != nodeids:
                 return _collection_difference(self.rank, nodeids, r, theirs)
         return None
+
+    def order_differs(self, found: dict[int, list[str]], nodeids: list[str]) -> str | None:
+        """None where the tests every rank collected run in one order on every rank; else how not."""
+        common = set.intersection(*(set(ids) for ids in found.values()))
+        mine = [t for t in nodeids if t in common]
+        for r, theirs in found.items():
+            if [t for t in theirs if t in common] != mine:
+                return f"ranks {self.rank} and {r} collected the same tests in another order"
+        return None
+
+
+def _test_of(label: str) -> str:
+    """The test a verification's label belongs to (``NODEID#n``: its n-th verification)."""
+    return label.rsplit("#", 1)[0]
 
 
 def _doing(now: str) -> str:
@@ -280,7 +343,7 @@ class _Watchdog(threading.Thread):
         with contextlib.suppress(Exception):
             verdict = self.ranks.propose(self.label, self.timeout, self.backend)
             if self.ranks.rank not in verdict.present and self.working:
-                _raise_in(self.main, RankStopped)
+                _stop(self.main)
         # A rank stuck in a call that returns to Python only at the group's own timeout (or never).
         grace = max(10.0, self.ranks.group_timeout or self.timeout)
         if self._done.wait(grace) or not self.working:
@@ -291,6 +354,32 @@ class _Watchdog(threading.Thread):
         )
         sys.stderr.flush()
         os._exit(1)
+
+
+#: Set while the watchdog asks the main thread to stop (``_stop``); the signal's handler reads it.
+_STOP_ASKED: list[bool] = []
+#: The signal that interrupts the main thread where it waits in a call (``time.sleep``, a lock).
+_INTERRUPT = "SIGUSR1"
+
+
+def _stop(thread: int | None) -> None:
+    """Stop the main thread (``thread``) with ``RankStopped``: by a signal where the harness holds
+    one, which also ends a wait in a call (``time.sleep`` returns to Python only when its time is
+    up; an exception raised into the thread waits for that), else when it next runs Python."""
+    import signal
+
+    number = getattr(signal, _INTERRUPT, None)
+    if thread is not None and number is not None and signal.getsignal(number) is _interrupted:
+        _STOP_ASKED.append(True)
+        signal.pthread_kill(thread, number)
+    else:
+        _raise_in(thread, RankStopped)
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    if _STOP_ASKED:
+        _STOP_ASKED.clear()
+        raise RankStopped("this rank's time ran out while its own code ran or waited: stopped there")
 
 
 def _raise_in(thread: int | None, exc: type[BaseException]) -> None:
@@ -419,8 +508,10 @@ def stop_on_sigterm() -> None:
         STOPPING.append("SIGTERM")
         raise RankStopped("the launcher stopped this rank (SIGTERM): another rank ended; its output says why")
 
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
-        signal.SIG_DFL,
-        None,
-    ):
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, handler)
+    number = getattr(signal, _INTERRUPT, None)
+    if number is not None and signal.getsignal(number) in (signal.SIG_DFL, None):
+        signal.signal(number, _interrupted)

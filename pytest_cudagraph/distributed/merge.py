@@ -99,6 +99,7 @@ def merged(
         finished = sorted(set(range(world_size)) - set(hung))
         stuck = any("still running" in why for why in hung.values())
         what = "hang" if stuck else "ranks ended without a report"
+        own_code = any("not at a collective" in why for why in hung.values())
         report.add(
             [
                 Outcome(
@@ -106,9 +107,15 @@ def merged(
                     None,
                     False,
                     f"{what}: {'; '.join(hung[r] for r in sorted(hung))}"
-                    f"{f' (finished: ranks {finished})' if finished else ''}. A collective one rank issues and another "
-                    "does not (a branch on the rank, a different graph or padding per rank) waits forever, or fails "
-                    "on mismatched sizes",
+                    f"{f' (finished: ranks {finished})' if finished else ''}. "
+                    + (
+                        "A rank whose own code does not return holds its peers at their next collective"
+                        if own_code
+                        else "A rank's process that ends stops the launch (the launcher ends every rank)"
+                        if any("stopped answering" in why for why in hung.values())
+                        else "A collective one rank issues and another does not (a branch on the rank, a different "
+                        "graph or padding per rank) waits forever, or fails on mismatched sizes"
+                    ),
                     Finding(),
                     rank=min(hung),
                 )
@@ -203,8 +210,12 @@ def _disagree(
 
 
 def still_running(rank: int, timeout: float, where: str, backend: str) -> str:
-    """Why a rank has no result when the time ran out: where it was."""
-    return (
-        f"rank {rank} still running after {timeout:g} s, "
-        f"{where or 'before its first collective'}{async_note(where, backend)}"
-    )
+    """Why a rank has no result when the time ran out: where it was, and what that means."""
+    said = f"rank {rank} still running after {timeout:g} s, {where or 'before its first collective'}"
+    note = async_note(where, backend)
+    if note or (
+        where.startswith(("in ", "waiting for its peers")) and not where.startswith("in its forward")
+    ):
+        return said + note
+    # Past its last collective (or before its first): its own code has not returned.
+    return f"{said}, not at a collective: its own code runs or waits there (a loop, a sleep, a lock, a host-side wait)"

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import peers
+
 __all__ = [
     "COLLECTIVES",
     "RankResult",
@@ -94,20 +96,43 @@ class Where:
         self.now = ""
         #: Holds each collective to the peers' before it runs (an ``agree.Agreement``; None: not held).
         self.agreement = agreement
+        if agreement is not None:
+            agreement.say = self._say
         write("")
 
     @contextlib.contextmanager
-    def inside(self, name: str) -> Iterator[None]:
-        """``in NAME`` while the collective runs, ``after NAME`` once it returned."""
+    def inside(self, name: str, held: Callable[[], object] | None = None) -> Iterator[None]:
+        """``in NAME`` while the collective runs, ``after NAME`` once it returned; ``held``: what holds
+        it to the peers' first (the rank waits for them to issue it too, not yet in it)."""
         self.depth += 1
-        if self.depth == 1:
-            self._say(f"in {name}")
+        entered = False
         try:
+            if self.depth == 1:
+                if held is not None:  # it says what it waits for, in full (``Agreement.before``)
+                    held()
+                self._say(f"in {name}{self._context()}")
+            entered = True
             yield
         finally:
             self.depth -= 1
-            if self.depth == 0:
-                self._say(f"after {name}")
+            if self.depth == 0 and entered:  # one held back by its peers never ran: it says so still
+                self._say(f"after {name}{self._context()}")
+
+    def forward_started(self) -> None:
+        """A forward (or a replay) of the step began: said, for a rank that stops in it before its
+        first collective there."""
+        agreement = self.agreement
+        if agreement is not None and self.depth == 0:
+            self._say(
+                f"in its forward {agreement.forwards} of {agreement.step_name}, before a collective of it"
+            )
+
+    def _context(self) -> str:
+        """Which step of the verification and which forward of it, where the collectives are held."""
+        agreement = self.agreement
+        if agreement is None or not agreement.steps:
+            return ""
+        return f" ({agreement.step_name}, its forward {agreement.forwards})"
 
     def _say(self, text: str) -> None:
         self.now = text
@@ -135,12 +160,14 @@ def _install_watch() -> None:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not _current:
                 return original(*args, **kwargs)
+            if peers.alone_now():  # a failure's diagnosis on this rank alone: no peer issues it
+                return _alone(name, args, kwargs)
             where = _current[-1]
             first = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape")), None)
             shape = f" of {tuple(first.shape)}" if first is not None else ""
-            with where.inside(f"{name}{shape}"):
-                if where.agreement is not None and where.depth == 1:
-                    where.agreement.before(name, args, kwargs)
+            agreement = where.agreement
+            held = functools.partial(agreement.before, name, args, kwargs) if agreement is not None else None
+            with where.inside(f"{name}{shape}", held):
                 return original(*args, **kwargs)
 
         return wrapper
@@ -154,11 +181,31 @@ def _install_watch() -> None:
         if getattr(distributed_c10d, name, None) is original:
             setattr(distributed_c10d, name, wrapper)
 
-    # The emulator's replay issues the captured collectives again, below dist.*.
-    def replayed(op: str) -> contextlib.AbstractContextManager[Any]:
-        return _current[-1].inside(f"{op} (replayed)") if _current else contextlib.nullcontext()
+    # The emulator's replay issues the captured collectives again, below dist.*: each is held to the
+    # peers' as an eager one is, and a replay counts as a forward of its step.
+    @contextlib.contextmanager
+    def replayed(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[bool]:
+        if not _current or peers.alone_now():
+            yield peers.alone_now()
+            return
+        where = _current[-1]
+        short = op.split(".")[1] if op.count(".") >= 1 else op
+        agreement = where.agreement
+        held = (
+            functools.partial(agreement.before, f"{short} (replayed)", args, kwargs)
+            if agreement is not None
+            else None
+        )
+        with where.inside(f"{op} (replayed)", held):
+            yield False
+
+    def replay_started() -> None:
+        if _current and _current[-1].agreement is not None and not peers.alone_now():
+            _current[-1].agreement.forward_started()
+            _current[-1].forward_started()
 
     emulate.collective_watch = replayed
+    emulate.replay_started = replay_started
     dist._cudagraph_watched = True  # type: ignore[attr-defined]
 
 
@@ -167,10 +214,15 @@ def watching(where: Where) -> Iterator[Where]:
     """The collectives this process issues while the block runs are told to ``where``."""
     _install_watch()
     _current.append(where)
+    agreement = where.agreement
     try:
-        yield where
+        with peers.joined(agreement) if agreement is not None else contextlib.nullcontext():
+            yield where
     finally:
         _current.remove(where)
+        if agreement is not None:
+            with contextlib.suppress(Exception):  # a store gone with its host: the verdict says so
+                agreement.close()
 
 
 @contextlib.contextmanager
@@ -240,9 +292,43 @@ class VerifyWork:
             )
 
 
+def _alone(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A collective answered by this rank as if it were the only one (``peers.alone``): a reduction or
+    a broadcast leaves its tensor as it is (the sum of one shard), a gather fills every place with
+    this rank's tensor; any other is not answered."""
+    tensors = [a for a in (*args, *kwargs.values()) if hasattr(a, "shape") or isinstance(a, list)]
+    if name in ("all_reduce", "reduce", "broadcast", "barrier"):
+        pass
+    elif name == "all_gather" and len(tensors) >= 2 and isinstance(tensors[0], list):
+        for out in tensors[0]:
+            out.copy_(tensors[1])
+    elif name == "all_gather_into_tensor" and len(tensors) >= 2:
+        out, mine = tensors[0], tensors[1]
+        out.copy_(mine.repeat(out.shape[0] // max(mine.shape[0], 1), *([1] * (mine.dim() - 1))))
+    else:
+        raise RuntimeError(
+            f"{name} cannot be answered by one rank alone, as a failure's diagnosis on one rank needs: "
+            "the failure stands undiagnosed"
+        )
+    if kwargs.get("async_op"):
+        return _Done()
+    return None
+
+
+class _Done:
+    """The work of a collective answered alone: complete."""
+
+    def wait(self, *_: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 def _forward_started(*_: Any) -> None:
-    if _current and _current[-1].agreement is not None:
+    if _current and _current[-1].agreement is not None and not peers.alone_now():
         _current[-1].agreement.forward_started()
+        _current[-1].forward_started()
 
 
 def _forward_ended(*_: Any) -> None:

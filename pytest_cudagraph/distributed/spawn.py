@@ -62,12 +62,13 @@ def rank_main(
 
         from .agree import Agreement
 
-        where.agreement = Agreement(
+        where.agreement = agreement = Agreement(
             PrefixStore("pytest-cudagraph-ops/", _get_default_store()),
             rank,
             world_size,
-            lambda r: (out / f"rank{r}.pkl").exists(),
+            lambda r: _ended(out, r),
         )
+        agreement.say = where._say
         with watching(where):
             result = run_rank(rank, world_size, device, work)
     except BaseException as exc:  # joining the group failed: the rank says so
@@ -86,6 +87,15 @@ def rank_main(
         if dist.is_initialized():
             dist.destroy_process_group()
     os._exit(0)  # no interpreter teardown: a peer that hangs must not hold this rank
+
+
+def _ended(folder: Path, rank: int) -> bool | str:
+    """Whether spawned rank ``rank`` ended its work: True where it wrote its result, why where its
+    process ended without one (the parent says so in ``rank{r}.ended``), False while it works."""
+    if (folder / f"rank{rank}.pkl").exists():
+        return True
+    ended = folder / f"rank{rank}.ended"
+    return ended.read_text() if ended.exists() else False
 
 
 def launch(
@@ -111,6 +121,11 @@ def launch(
     processes = context.processes
 
     def waiting() -> bool:  # a rank alive without a result (finished ranks wait for the release)
+        for r, p in enumerate(processes):
+            ended = folder / f"rank{r}.ended"
+            if not p.is_alive() and not (folder / f"rank{r}.pkl").exists() and not ended.exists():
+                # Its peers, waiting for it at a collective, learn at once that it never comes.
+                ended.write_text(f"ended ({_how(p.exitcode)}): its process is gone")
         return any(p.is_alive() and not (folder / f"rank{r}.pkl").exists() for r, p in enumerate(processes))
 
     while time.monotonic() < deadline and waiting():
@@ -126,10 +141,8 @@ def launch(
         elif process.is_alive():
             missing[rank] = still_running(rank, timeout, where, backend)
         else:
-            code = process.exitcode
-            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             missing[rank] = (
-                f"rank {rank} ended ({how}) without a report, "
+                f"rank {rank} ended ({_how(process.exitcode)}) without a report, "
                 f"{where or 'before its first collective'} (its stderr says why)"
             )
     (folder / "release").write_text("")
@@ -143,6 +156,10 @@ def launch(
             process.kill()
             process.join(5)
     return results, missing
+
+
+def _how(code: int | None) -> str:
+    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
 def _write(path: Path, result: RankResult) -> None:

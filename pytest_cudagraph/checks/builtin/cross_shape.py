@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ... import peers
 from ...plan import Batch, BatchDescriptor
 from .. import causes
 from ..compare import Difference, first_difference
@@ -90,19 +91,17 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 eager = shared.output if shared is not None else ctx.eager(padded_inputs, desc)
                 at_padded = ctx.manager.cut_output(desc, eager, batch)
                 diff = first_difference(got, at_padded)
-                verdict = Verdict(
-                    diff is None,
-                    diff,
-                    ""
-                    if diff is None
-                    else _attributes_held(ctx, desc, batch, padded_inputs, got, state0)
-                    or _not_the_program(ctx, desc, diff),
-                )
-                if verdict.passed:
+                if diff is None:
                     if shared is not None:
                         ctx.padding_base[desc] = (batch, inputs, clone_tree(got))
                     continue
-                return _real_batch_failure(ctx, desc, batch, inputs, verdict, totals, against_real=False)
+                # A failure's diagnosis: on a rank of several, on this rank alone (no peer runs it).
+                with peers.alone():
+                    why = _attributes_held(ctx, desc, batch, padded_inputs, got, state0) or _not_the_program(
+                        ctx, desc, diff
+                    )
+                    verdict = Verdict(False, diff, why)
+                    return _real_batch_failure(ctx, desc, batch, inputs, verdict, totals, against_real=False)
             # As users run the module without graphs: a capture-only path
             # (code that asks whether it is captured) is held to eager too.
             expected = ctx.eager_real(clone_tree(inputs), batch, captured_path=False)
@@ -133,12 +132,13 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
         _tally(totals, verdict)
         if verdict.passed:
             continue
-        cause = _held_value(ctx, desc, inputs, batch, state0) or _capture_path(
-            ctx, inputs, batch, state0, got, expected, None if ctx.batch_invariant else padded, rows
-        )
-        if cause:
-            verdict.why = f"{cause}. What the check saw: {verdict.why}"
-        return _real_batch_failure(ctx, desc, batch, inputs, verdict, totals, against_real=True)
+        with peers.alone():  # a failure's diagnosis: on a rank of several, on this rank alone
+            cause = _held_value(ctx, desc, inputs, batch, state0) or _capture_path(
+                ctx, inputs, batch, state0, got, expected, None if ctx.batch_invariant else padded, rows
+            )
+            if cause:
+                verdict.why = f"{cause}. What the check saw: {verdict.why}"
+            return _real_batch_failure(ctx, desc, batch, inputs, verdict, totals, against_real=True)
     return Outcome("real_batches", desc, True, figures=totals)
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ... import faults
+from ... import faults, peers
 from ...manager import output_rows
 from ...manager.types import OutCut, cut_to_real
 from ...observe import unit_roundoff
@@ -289,7 +289,10 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
         # its floor is measured there, and a computation that the module's own precision rounds
         # away (a scale of 1.001 on bf16 logits) is seen there whatever the fast route saw.
         anchor = max(work, key=lambda q: (q.batch.num_tokens, q.desc.num_tokens))
-        asked = [q for q in work if unsettled[id(q)] or q is anchor]
+        # On a rank of several, a batch any rank's fast route left open goes to float64 on every rank:
+        # the float64 forwards' collectives pair with the peers'.
+        wanted = peers.any_rank([bool(unsettled[id(q)]) or q is anchor for q in work])
+        asked = [q for q, want in zip(work, wanted, strict=True) if want]
         deep = _float64(ctx, runs, ref, asked)
         if isinstance(deep, str):
             return [_skipped(desc, deep) for desc in descs]
@@ -320,9 +323,11 @@ def padded_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> list[Ou
                 if bad is not None:
                     if len(diagnosed) < DIAGNOSED:
                         # The diagnosis compares the two runs with a third: made again, from the same
-                        # state and seed (they were not kept while the other batches ran).
-                        expected, got = runs.real(q), runs.padded(q)
-                        failed = _failure(ctx, runs, q, bad, expected, got, limits, floors, roundoff)
+                        # state and seed (they were not kept while the other batches ran); on a rank of
+                        # several, on this rank alone (no peer runs it).
+                        with peers.alone():
+                            expected, got = runs.real(q), runs.padded(q)
+                            failed = _failure(ctx, runs, q, bad, expected, got, limits, floors, roundoff)
                         del expected, got
                         diagnosed.append(desc.label())
                     else:

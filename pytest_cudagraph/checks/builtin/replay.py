@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ... import faults
+from ... import faults, peers
 from ...plan import Batch, BatchDescriptor
 from .. import causes
 from ..compare import first_difference, leaves, same_print, tree_print
@@ -35,7 +35,8 @@ def _compare_padded(
     where they agree is kept as ``determinism``'s first replay (``ctx.first_replay``)."""
     with ctx.preserved_state() as state0:
         padded = ctx.load(desc, inputs, batch)
-        if not fresh and _matches_the_warm_up(ctx, desc):
+        # On a rank of several, the replay and eager below are skipped only where every rank skips them.
+        if not fresh and not peers.any_rank([not _matches_the_warm_up(ctx, desc)])[0]:
             # Where it left its inputs as loaded, the state check takes this "eager run" as it would
             # take the one below: the inputs as they were, no state written.
             ctx.exact_eager[desc] = (padded, state0, ctx.snapshot())
@@ -76,70 +77,74 @@ def _compare_padded(
             return Outcome(check, desc, True, figures={"real_batch": batch.shape()})
         if diff.opaque:
             return opaque_output(check, desc, diff, batch)
-        # Why they differ, from here on: eager again from the same state and seed, the module's plain
-        # Python values read around it (read only now: walking the module tree on every comparison
-        # that passes costs more, at real size, than the comparison does).
-        ctx.restore(state0)
-        before = python_values(ctx.module)
-        ctx.seed_all(ctx.seed)
-        again = ctx.eager(padded, desc)
-        after = python_values(ctx.module)
-        changed = [k for k in after if before.get(k, object()) != after[k]]
-        differs = first_difference(again, eager) is not None
-        draws = ctx.host_draws() if changed or differs else []
-        if draws:
-            return Outcome(
-                check,
-                desc,
-                False,
-                f"{causes.host_numbers(draws)} ({where_of(diff)}; the rng check names it)",
-                finding_of(diff, batch),
-            )
-        if changed:
-            name = changed[0]
-            return Outcome(
-                check,
-                desc,
-                False,
-                causes.python_state_per_forward(name, before.get(name), after[name], where_of(diff)),
-                finding_of(diff, batch),
-            )
-        uninitialized = ctx.uninitialized()
-        if uninitialized:
-            return Outcome(check, desc, False, f"{uninitialized} ({where_of(diff)})", finding_of(diff, batch))
-        unconfirmed = ""
-        attributes = ctx.python.changed_since_capture(desc)
-        if attributes:
-            # Put back to what the graph holds, does eager give the graph's result? Then that is why.
-            confirmed, attributes = explaining(ctx, desc, padded, state0, graph, attributes)
-            said = causes.attributes_changed(desc.label(), attributes, confirmed=confirmed)
-            if confirmed:
-                return Outcome(check, desc, False, f"{said} ({where_of(diff)})", finding_of(diff, batch))
-            unconfirmed = f". {said}"
-        if differs:
-            return Outcome(
-                check,
-                desc,
-                False,
-                "eager differs from itself on the same inputs, state and seed: the module is nondeterministic "
-                "(state outside registered buffers, or nondeterministic kernels), so replay cannot be compared "
-                "bit for bit",
-                finding_of(diff, batch),
-            )
-    submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=False)
-    what = (
-        "with fresh inputs after capture, replay differs from eager: values or tensors computed at capture "
-        "were frozen into the graph"
-        if fresh
-        else "replay differs from eager on the inputs the graph was captured with"
-    )
-    return Outcome(
-        check,
-        desc,
-        False,
-        f"{what} ({where_of(diff)}){unconfirmed}",
-        finding_of(diff, batch, submodule, segment),
-    )
+        # A failure's diagnosis: on a rank of several, on this rank alone (no peer runs it).
+        with peers.alone():
+            # Why they differ, from here on: eager again from the same state and seed, the module's plain
+            # Python values read around it (read only now: walking the module tree on every comparison
+            # that passes costs more, at real size, than the comparison does).
+            ctx.restore(state0)
+            before = python_values(ctx.module)
+            ctx.seed_all(ctx.seed)
+            again = ctx.eager(padded, desc)
+            after = python_values(ctx.module)
+            changed = [k for k in after if before.get(k, object()) != after[k]]
+            differs = first_difference(again, eager) is not None
+            draws = ctx.host_draws() if changed or differs else []
+            if draws:
+                return Outcome(
+                    check,
+                    desc,
+                    False,
+                    f"{causes.host_numbers(draws)} ({where_of(diff)}; the rng check names it)",
+                    finding_of(diff, batch),
+                )
+            if changed:
+                name = changed[0]
+                return Outcome(
+                    check,
+                    desc,
+                    False,
+                    causes.python_state_per_forward(name, before.get(name), after[name], where_of(diff)),
+                    finding_of(diff, batch),
+                )
+            uninitialized = ctx.uninitialized()
+            if uninitialized:
+                return Outcome(
+                    check, desc, False, f"{uninitialized} ({where_of(diff)})", finding_of(diff, batch)
+                )
+            unconfirmed = ""
+            attributes = ctx.python.changed_since_capture(desc)
+            if attributes:
+                # Put back to what the graph holds, does eager give the graph's result? Then that is why.
+                confirmed, attributes = explaining(ctx, desc, padded, state0, graph, attributes)
+                said = causes.attributes_changed(desc.label(), attributes, confirmed=confirmed)
+                if confirmed:
+                    return Outcome(check, desc, False, f"{said} ({where_of(diff)})", finding_of(diff, batch))
+                unconfirmed = f". {said}"
+            if differs:
+                return Outcome(
+                    check,
+                    desc,
+                    False,
+                    "eager differs from itself on the same inputs, state and seed: the module is nondeterministic "
+                    "(state outside registered buffers, or nondeterministic kernels), so replay cannot be compared "
+                    "bit for bit",
+                    finding_of(diff, batch),
+                )
+        submodule, segment = locate_divergence(ctx, desc, inputs, batch, against_real=False)
+        what = (
+            "with fresh inputs after capture, replay differs from eager: values or tensors computed at capture "
+            "were frozen into the graph"
+            if fresh
+            else "replay differs from eager on the inputs the graph was captured with"
+        )
+        return Outcome(
+            check,
+            desc,
+            False,
+            f"{what} ({where_of(diff)}){unconfirmed}",
+            finding_of(diff, batch, submodule, segment),
+        )
 
 
 def _matches_the_warm_up(ctx: VerifyContext, desc: BatchDescriptor) -> bool:

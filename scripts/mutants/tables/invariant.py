@@ -60,8 +60,8 @@ INVARIANT: list[Mutant] = [
     Mutant(
         "fast-route-no-float64-anchor",
         SIZE,
-        "        asked = [q for q in work if unsettled[id(q)] or q is anchor]",
-        "        asked = [q for q in work if unsettled[id(q)]]",
+        "        wanted = peers.any_rank([bool(unsettled[id(q)]) or q is anchor for q in work])",
+        "        wanted = peers.any_rank([bool(unsettled[id(q)]) for q in work])",
         (_t("test_an_error_that_neither_bits_nor_ops_show_is_caught_at_the_largest_batch"),),
         "float64 is asked only where the fast route leaves a batch open: an error bf16 rounds away passes",
     ),

@@ -154,7 +154,7 @@ UNIFORM_DECODE: list[Mutant] = [
     Mutant(
         "suite-capture-path-unnamed",
         S,
-        "or _capture_path(\n            ctx, inputs, batch, state0, got, expected, None if ctx.batch_invariant else padded, rows\n        )",
+        "or _capture_path(\n                ctx, inputs, batch, state0, got, expected, None if ctx.batch_invariant else padded, rows\n            )",
         'or ""',
         ("tests/test_verdicts.py",),
         "a module that computes something else under capture is blamed on the padded batch size (the floor of "

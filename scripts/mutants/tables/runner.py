@@ -110,6 +110,48 @@ DISTRIBUTED: list[Mutant] = [
         (f"{_TD}::test_collectives_in_another_order_are_named",),
         "collectives in another order are told as another shape",
     ),
+    # -- the harness's own forwards in step across ranks; every way a rank leaves, named (issue #68) --
+    Mutant(
+        "agree-step-left-never",
+        _AGREE,
+        "                if ran < self.forwards:",
+        "                if False:",
+        (f"{_TD}::test_a_bug_on_one_rank_is_named_by_the_check_that_sees_it_there",),
+        "a peer whose check stopped early is taken for one that skipped a collective: a bug on one rank is "
+        "told as collectives that differ",
+    ),
+    Mutant(
+        "peers-any-rank-local",
+        "pytest_cudagraph/peers.py",
+        "    if _PEERS and not _ALONE[0]:\n        return _PEERS[-1].any_rank(",
+        "    if False:\n        return _PEERS[-1].any_rank(",
+        (f"{_TD}::test_a_bug_on_one_rank_is_named_by_the_check_that_sees_it_there",),
+        "each rank decides alone where forwards follow: a batch one rank sends to float64 parts the ranks",
+    ),
+    Mutant(
+        "peers-diagnosis-issued",
+        "pytest_cudagraph/peers.py",
+        "    return _ALONE[0] > 0",
+        "    return False",
+        (f"{_TD}::test_a_bug_on_one_rank_is_named_by_the_check_that_sees_it_there",),
+        "a failure's diagnosis issues its collectives to a group whose other ranks do not run it",
+    ),
+    Mutant(
+        "spawn-ended-rank-not-told",
+        "pytest_cudagraph/distributed/spawn.py",
+        '                ended.write_text(f"ended ({_how(p.exitcode)}): its process is gone")',
+        "                pass",
+        (f"{_TD}::test_a_rank_whose_process_ends_is_named_at_once_and_the_session_goes_on",),
+        "a spawned rank whose process ended is named only when the timeout runs out",
+    ),
+    Mutant(
+        "launcher-skip-kept-a-skip",
+        "pytest_cudagraph/plugin/ranks.py",
+        '            if ran:\n                report.outcome = "failed"',
+        '            if False:\n                report.outcome = "failed"',
+        ("tests/test_launcher.py::test_torchrun_runs_the_suite_once_a_rank_with_one_verdict_and_one_report",),
+        "a test rank 0 skips where its peers ran it stays a skip in the reports rank 0 writes",
+    ),
     # -- verify_distributed and the emulator's collectives ------------------------------------
     Mutant(
         "distributed-rank-peaks-dropped",
