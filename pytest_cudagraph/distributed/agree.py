@@ -112,7 +112,7 @@ class Agreement:
         self.issued = 0
         self.forwards = 0
         self.in_forward = 0
-        #: Decisions taken with the peers so far (``any_rank``).
+        #: Decisions taken with the peers in the step so far (``any_rank``).
         self.decided = 0
         self.closed = False
         #: Where the rank says what it is doing (``rank.Where``'s): what it waits for, in full.
@@ -129,7 +129,7 @@ class Agreement:
         self._done()
         self.steps += 1
         self.step_name = name
-        self.issued = self.forwards = self.in_forward = 0
+        self.issued = self.forwards = self.in_forward = self.decided = 0
 
     def _done(self) -> None:
         self.store.set(f"done/{self.steps}/{self.rank}", str(self.forwards))
@@ -164,13 +164,19 @@ class Agreement:
         that finished its work adds nothing)."""
         if not ENABLED:
             return list(flags)
+        # Keyed by the step: a peer whose check stopped early in it (and took fewer decisions there)
+        # is not waited for, and never pairs one of its later decisions with this one.
         self.decided += 1
-        self.store.set(f"any/{self.decided}/{self.rank}", "".join("1" if f else "0" for f in flags))
-        keys = {r: f"any/{self.decided}/{r}" for r in self.peers}
+        here = f"any/{self.steps}/{self.decided}"
+        self.store.set(f"{here}/{self.rank}", "".join("1" if f else "0" for f in flags))
+        keys = {r: f"{here}/{r}" for r in self.peers}
         waiting = dict(keys)
         while not self.store.check(list(waiting.values())):
             for r in self._wait_a_while(waiting):
                 waiting.pop(r)
+            for r in [r for r in waiting if self.store.check([f"done/{self.steps}/{r}"])]:
+                if not self.store.check([waiting[r]]):
+                    waiting.pop(r)
         merged = list(flags)
         for key in keys.values():
             if self.store.check([key]):
