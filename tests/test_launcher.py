@@ -158,9 +158,17 @@ def test_ranks_that_collected_other_tests_are_told_apart(mine, theirs, words):
 def test_a_rank_checks_the_tests_of_every_rank():
     store = _Store()
     store.set("collected/1", "a\nb")
-    assert _ranks(store, 0).same_tests(["a", "b"], 5) is None
+    zero = _ranks(store, 0)
+    found = zero.collections(["a", "b"], 5)
+    assert found == {0: ["a", "b"], 1: ["a", "b"]} and zero.order_differs(found, ["a", "b"]) is None
+    # A test one rank lacks is no difference of order (it fails on the ranks that have it) ...
     store.set("collected/1", "a")
-    assert "rank 0 has b" in (_ranks(store, 0).same_tests(["a", "b"], 5) or "")
+    found = zero.collections(["a", "b"], 5)
+    assert found[1] == ["a"] and zero.order_differs(found, ["a", "b"]) is None
+    # ... tests they share, in another order, are.
+    store.set("collected/1", "b\na")
+    said = zero.order_differs(zero.collections(["a", "b"], 5), ["a", "b"])
+    assert said == "ranks 0 and 1 collected the same tests in another order", said
 
 
 # -- torchrun: one host, two ranks; two launches of one rank each ----------------------------------

@@ -172,11 +172,9 @@ class Agreement:
         keys = {r: f"{here}/{r}" for r in self.peers}
         waiting = dict(keys)
         while not self.store.check(list(waiting.values())):
-            for r in self._wait_a_while(waiting):
+            ended, finished = self._wait_a_while(waiting)
+            for r in (*ended, *finished):
                 waiting.pop(r)
-            for r in [r for r in waiting if self.store.check([f"done/{self.steps}/{r}"])]:
-                if not self.store.check([waiting[r]]):
-                    waiting.pop(r)
         merged = list(flags)
         for key in keys.values():
             if self.store.check([key]):
@@ -201,14 +199,10 @@ class Agreement:
 
         every = list(keys.values())
         while not self.store.check(every):
+            ended, finished = self._wait_a_while(keys)
             # A peer that ended this step without saying this collective: it ran fewer forwards in it
             # than this rank is running (its check stopped early: this rank leaves the step too), or
             # it ran this forward without issuing it (the module's skip, named as such).
-            ended = [
-                r
-                for r in peers
-                if self.store.check([f"done/{self.steps}/{r}"]) and not self.store.check([keys[r]])
-            ]
             if ended:
                 ran = int(self.store.get(f"done/{self.steps}/{ended[0]}").decode())
                 if ran < self.forwards:
@@ -218,7 +212,6 @@ class Agreement:
                         "no rank pairs with what this rank would run: not checked further on this rank"
                     )
                 raise CollectivesDiffer(self._skipped_by(n, mine, ended[0]))
-            finished = self._wait_a_while(keys)
             if finished:
                 raise CollectivesDiffer(self._none_from(n, mine, finished[0]))
         theirs = {r: _Said.decode(self.store.get(keys[r])) for r in peers}
@@ -226,9 +219,9 @@ class Agreement:
         if other is not None:
             raise CollectivesDiffer(self._differ(n, mine, other, theirs[other]))
 
-    def _wait_a_while(self, keys: dict[int, str]) -> list[int]:
-        """Wait up to ``LOOK_FOR_GONE`` for ``keys`` (the caller then looks at the step's ends again);
-        the peers without their key that finished their work (they never will say it).
+    def _wait_a_while(self, keys: dict[int, str]) -> tuple[list[int], list[int]]:
+        """Wait up to ``LOOK_FOR_GONE`` for ``keys`` (the caller then looks again); the peers without
+        their key that never will say it: (those that ended this step, those that finished their work).
 
         Polled, one round trip a look. A store's ``wait`` with a short timeout in a loop was tried:
         after one timed out, torchrun's TCPStore failed later requests (DistNetworkError) and the
@@ -240,11 +233,14 @@ class Agreement:
         while not self.store.check(every) and time.monotonic() < until:
             time.sleep(pause)
             pause = min(POLL, pause * 2 or 0.0001)
-        if self.store.check(every):
-            return []
-        finished = [r for r in keys if not self.store.check([keys[r]]) and self.finished(r)]
-        # Looked again: a peer may have said it just before it finished.
-        return [r for r in finished if not self.store.check([keys[r]])]
+        absent = [r for r in keys if not self.store.check([keys[r]])]
+        ended = [r for r in absent if self.store.check([f"done/{self.steps}/{r}"])]
+        finished = [r for r in absent if r not in ended and self.finished(r)]
+        # Looked again: a peer may have said it just before it ended or finished.
+        return (
+            [r for r in ended if not self.store.check([keys[r]])],
+            [r for r in finished if not self.store.check([keys[r]])],
+        )
 
     def _skipped_by(self, n: int, mine: _Said, peer: int) -> str:
         """``peer`` ran this forward to its end (and ended the step) without issuing the collective."""

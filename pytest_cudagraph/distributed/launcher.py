@@ -275,23 +275,14 @@ class Ranks:
             r: [t for t in self.store.get(keys[r]).decode().split("\n") if t] for r in range(self.world_size)
         }
 
-    def same_tests(self, nodeids: list[str], timeout: float) -> str | None:
-        """None when every rank collected ``nodeids``; else what differs, in words."""
-        found = self.collections(nodeids, timeout)
-        if isinstance(found, str):
-            return found
-        for r, theirs in found.items():
-            if theirs != nodeids:
-                return _collection_difference(self.rank, nodeids, r, theirs)
-        return None
-
     def order_differs(self, found: dict[int, list[str]], nodeids: list[str]) -> str | None:
         """None where the tests every rank collected run in one order on every rank; else how not."""
         common = set.intersection(*(set(ids) for ids in found.values()))
         mine = [t for t in nodeids if t in common]
         for r, theirs in found.items():
-            if [t for t in theirs if t in common] != mine:
-                return f"ranks {self.rank} and {r} collected the same tests in another order"
+            shared = [t for t in theirs if t in common]
+            if shared != mine:
+                return _collection_difference(self.rank, mine, r, shared)
         return None
 
 

@@ -95,10 +95,16 @@ class Where:
         self.depth = 0
         self.now = ""
         #: Holds each collective to the peers' before it runs (an ``agree.Agreement``; None: not held).
-        self.agreement = agreement
+        self.agreement: Any = None
         if agreement is not None:
-            agreement.say = self._say
+            self.hold(agreement)
         write("")
+
+    def hold(self, agreement: Any) -> None:
+        """Hold this rank's collectives to its peers' through ``agreement``, which says here what
+        the rank waits for."""
+        self.agreement = agreement
+        agreement.say = self._say
 
     @contextlib.contextmanager
     def inside(self, name: str, held: Callable[[], object] | None = None) -> Iterator[None]:
@@ -119,10 +125,13 @@ class Where:
                 self._say(f"after {name}{self._context()}")
 
     def forward_started(self) -> None:
-        """A forward (or a replay) of the step began: said, for a rank that stops in it before its
-        first collective there."""
+        """A forward (or a replay) of the step began: counted by the agreement, and said, for a rank
+        that stops in it before its first collective there."""
         agreement = self.agreement
-        if agreement is not None and self.depth == 0:
+        if agreement is None or peers.alone_now():  # a forward run alone is no forward of the step
+            return
+        agreement.forward_started()
+        if self.depth == 0:
             self._say(
                 f"in its forward {agreement.forwards} of {agreement.step_name}, before a collective of it"
             )
@@ -200,8 +209,7 @@ def _install_watch() -> None:
             yield False
 
     def replay_started() -> None:
-        if _current and _current[-1].agreement is not None and not peers.alone_now():
-            _current[-1].agreement.forward_started()
+        if _current:
             _current[-1].forward_started()
 
     emulate.collective_watch = replayed
@@ -326,8 +334,7 @@ class _Done:
 
 
 def _forward_started(*_: Any) -> None:
-    if _current and _current[-1].agreement is not None and not peers.alone_now():
-        _current[-1].agreement.forward_started()
+    if _current:
         _current[-1].forward_started()
 
 

@@ -62,13 +62,14 @@ def rank_main(
 
         from .agree import Agreement
 
-        where.agreement = agreement = Agreement(
-            PrefixStore("pytest-cudagraph-ops/", _get_default_store()),
-            rank,
-            world_size,
-            lambda r: _ended(out, r),
+        where.hold(
+            Agreement(
+                PrefixStore("pytest-cudagraph-ops/", _get_default_store()),
+                rank,
+                world_size,
+                lambda r: _ended(out, r),
+            )
         )
-        agreement.say = where._say
         with watching(where):
             result = run_rank(rank, world_size, device, work)
     except BaseException as exc:  # joining the group failed: the rank says so

@@ -97,8 +97,10 @@ DISTRIBUTED: list[Mutant] = [
     Mutant(
         "agree-raise-not-told",
         _AGREE,
-        "            raised = self._raised(ahead, forward)\n",
-        "            raised = ''\n",
+        '        """``peer`` ran this forward to its end (and ended the step) without issuing the collective."""\n'
+        "        raised = self._raised(peer, mine.forward)\n",
+        '        """``peer`` ran this forward to its end (and ended the step) without issuing the collective."""\n'
+        "        raised = ''\n",
         (f"{_TD}::test_a_rank_that_raises_in_forward_is_named_and_no_rank_hangs",),
         "a rank that raised before its collective is told as one that skipped it: the cause is lost",
     ),
