@@ -24,6 +24,15 @@ from examples.buggy.common import D, token_inputs
 from examples.buggy.device_solver import InvertsInForward, InvertsWithoutCheck
 from examples.buggy.dynamic_rope import DynamicNTKRotary, StaticRotary
 from examples.buggy.expert_load import HashRoutedLoad, MaskedHashRoutedLoad, id_inputs
+from examples.buggy.forward_context import (
+    CountsStepsInDict,
+    CountsStepsOnDevice,
+    ReadsCopiedTemperature,
+    ReadsReplacedTemperature,
+    ReadsTokenCount,
+    TakesTokenCount,
+    context_inputs,
+)
 from examples.buggy.host_seed import DeviceOffsetSampler, HostOffsetSampler
 from examples.buggy.host_sync import HostSync, HostSyncFixed
 from examples.buggy.host_value import CountsOnDevice, WritesPythonCount
@@ -74,6 +83,7 @@ INPUTS = {
     "id_inputs": id_inputs,
     "spec_inputs": spec_inputs,
     "seq_len_inputs": seq_len_inputs,
+    "context_inputs": context_inputs,
 }
 
 
@@ -232,5 +242,34 @@ PAIRS = [
         r"FULL-T(\d+)-R\d+ holds max_seq_len=(\d+), this batch has max_seq_len=(?!\2)\d+, and the graph's result "
         r"depends on it.* Pass it as a tensor input .*, or give it one value for every size",
         inputs="seq_len_inputs",
+    ),
+    # State forward reads from outside the module (issue #69): a forward context the runner fills each
+    # step, named by where it lives, the line that read it and both values.
+    Pair(
+        "real_batches",
+        ReadsTokenCount,
+        TakesTokenCount,
+        r"Python value\(s\) forward reads from outside the module changed since FULL-T\d+-R\d+ was captured "
+        r"\(FORWARD_CONTEXT\['meta'\]\.num_actual_tokens \(a module-level dict of examples\.buggy\.forward_context, "
+        r"read at \S*examples/buggy/forward_context\.py:\d+ in ReadsTokenCount\.forward\): (\d+) at capture, "
+        r"(?!\1)\d+ now\).* with it put back eager gives the graph's result",
+        inputs="context_inputs",
+    ),
+    Pair(
+        "fresh_inputs",
+        ReadsReplacedTemperature,
+        ReadsCopiedTemperature,
+        r"FORWARD_CONTEXT\['temperature'\] \(a module-level dict of examples\.buggy\.forward_context, read at "
+        r"\S*examples/buggy/forward_context\.py:\d+ in ReadsReplacedTemperature\.forward\) holds another tensor "
+        r"than when FULL-T\d+-R\d+ was captured .* copy into the captured tensor instead",
+        inputs="context_inputs",
+    ),
+    Pair(
+        "replay_matches_eager",
+        CountsStepsInDict,
+        CountsStepsOnDevice,
+        r"Python state changes on every forward \(STEPS\['step'\] \(a module-level dict of "
+        r"examples\.buggy\.forward_context, read at \S*examples/buggy/forward_context\.py:\d+ in "
+        r"CountsStepsInDict\.forward\): (\d+) -> (?!\1)\d+\)",
     ),
 ]

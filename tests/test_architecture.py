@@ -193,6 +193,9 @@ def _cycles(graph: dict[str, set[str]], limit: int = 50) -> list[list[str]]:
     """Every circle of imports (each from its first module in sorted order), at most ``limit``."""
     circles: list[list[str]] = []
     nodes = sorted(graph)
+    # A circle lies within one strongly connected component: the walk below stays in start's, which
+    # keeps it linear where there is no circle (every simple path of the whole graph is exponential).
+    component = _components(graph)
     for start in nodes:
         # circles through start whose other modules sort after it: each circle found once
         stack: list[tuple[str, list[str]]] = [(start, [start])]
@@ -201,9 +204,48 @@ def _cycles(graph: dict[str, set[str]], limit: int = 50) -> list[list[str]]:
             for w in sorted(graph.get(v, ()), reverse=True):
                 if w == start:
                     circles.append([*path, start])
-                elif w > start and w not in path:
+                elif w > start and w not in path and component.get(w) == component[start]:
                     stack.append((w, [*path, w]))
     return sorted(circles)
+
+
+def _components(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each node's strongly connected component, numbered (Kosaraju's two walks, without recursion)."""
+    nodes = sorted(set(graph) | {w for targets in graph.values() for w in targets})
+    order: list[str] = []
+    seen: set[str] = set()
+    for root in nodes:
+        if root in seen:
+            continue
+        seen.add(root)
+        stack = [(root, iter(sorted(graph.get(root, ()))))]
+        while stack:
+            v, it = stack[-1]
+            w = next(it, None)
+            if w is None:
+                stack.pop()
+                order.append(v)
+            elif w not in seen:
+                seen.add(w)
+                stack.append((w, iter(sorted(graph.get(w, ())))))
+    reverse: dict[str, set[str]] = {v: set() for v in nodes}
+    for v, targets in graph.items():
+        for w in targets:
+            reverse[w].add(v)
+    component: dict[str, int] = {}
+    for root in reversed(order):
+        if root in component:
+            continue
+        component[root] = len(component)
+        todo = [root]
+        number = component[root]
+        while todo:
+            v = todo.pop()
+            for w in reverse[v]:
+                if w not in component:
+                    component[w] = number
+                    todo.append(w)
+    return component
 
 
 def test_every_module_has_one_layer() -> None:

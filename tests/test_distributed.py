@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import time
 
@@ -425,6 +426,61 @@ def test_a_bug_on_one_rank_is_named_by_the_check_that_sees_it_there(checks, name
     assert re.search(r"tests/test_distributed.py:\d+ in forward", named), named
     said = report.format()
     assert "collectives differ" not in said and "hang:" not in said and "stopped:" not in said, said
+
+
+class CountBranch(RowParallel):
+    """Scales its output on batches of 4 tokens, a count read before the all-reduce and branched on two
+    lines after it: every rank the same, so every rank diagnoses the failure alone (issue #69's point 6).
+    The twin branches on a count every batch has (scaled at every size): correct."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        y = self.down(torch.relu(self.up(x)))
+        dist.all_reduce(y)
+        scale = 2.0
+        if num_tokens == 4 or self.branch_on == 0:
+            y = y * scale
+        return y
+
+
+def build_count_branch(rank: int, world_size: int) -> nn.Module:
+    return CountBranch(rank, world_size).eval()
+
+
+def build_count_branch_twin(rank: int, world_size: int) -> nn.Module:
+    return CountBranch(rank, world_size, branch_on=0).eval()
+
+
+def _line_of(text: str) -> int:
+    """The line of ``CountBranch.forward`` that holds ``text``, read from this file."""
+    lines, start = inspect.getsourcelines(CountBranch.forward)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+@pytest.mark.parametrize("bug", [True, False], ids=["bug", "twin"])
+def test_a_branch_after_a_collective_is_placed_by_the_users_calls_as_in_one_process(bug):
+    build_it = build_count_branch if bug else build_count_branch_twin
+    kw = {**KW, "checks": ["real_batches"]}
+    report = verify_distributed(build_it, make_inputs, world_size=2, backend="emulate", timeout=60, **kw)
+    if not bug:
+        assert report.ok, report.format()
+        return
+    failed = [o for o in report.failures if o.check == "real_batches"]
+    assert {o.rank for o in failed} == {0, 1}, report.format()
+    here = "tests/test_distributed.py"
+    reduce, branch = _line_of("dist.all_reduce(y)"), _line_of("if num_tokens == 4")
+    for outcome in failed:
+        named = outcome.finding.describe() if outcome.finding else ""
+        # The harness's own reads of the collective's tensor (answered on the rank alone) are no call
+        # of the user's: nothing is said to be called at the all-reduce's line, which calls no torch
+        # function, as one process (no collective there) says nothing of it.
+        assert f"{here}:{reduce} in forward" not in named, named
+        last = re.search(rf"after their last common call, \S+ at {here}:(\d+) in forward", named)
+        calls = [int(n) for n in re.findall(rf"calls \S+ at {here}:(\d+) in forward", named)]
+        assert last is not None and calls, named
+        # As one process says it: after the user's last call before the branch (the MLP's line), and
+        # before the lines that differ after it.
+        assert int(last.group(1)) == _line_of("y = self.down(") and branch < min(calls), named
 
 
 class Exits(RowParallel):

@@ -67,6 +67,8 @@ SMOKE: dict[str, Smoke] = {
     # Runs under torchrun alone (its ranks are the launcher's): the smoke reads its arguments.
     "benchmarks/collective_check.py": Smoke(("--help",), r"usage: collective_check.py"),
     "benchmarks/scale_profile.py": Smoke(("--help",), r"usage: scale_profile.py"),
+    # Five quick verifications of tiny (transformers' import included, about 10 s): run by hand, with a GPU.
+    "benchmarks/outside_cost.py": Smoke(("--help",), r"usage: outside_cost.py"),
     "benchmarks/tp_scale.py": Smoke(
         # one rank (gloo still set up): two cost twice the CPU
         ("--shape", "small", "--backend", "emulate", "--world-size", "1", "--sizes", "1", "--bugs", ""),

@@ -94,10 +94,19 @@ def python_state_per_forward(name: str, before: Any, after: Any, where: str) -> 
     )
 
 
-def attributes_changed(label: str, changed: Mapping[str, tuple[Any, Any]], *, confirmed: bool) -> str:
+def attributes_changed(
+    label: str,
+    changed: Mapping[str, tuple[Any, Any]],
+    *,
+    confirmed: bool,
+    outside: Mapping[str, str] | None = None,
+) -> str:
     """Python attributes of the module that something other than forward changed since ``label`` was
     captured (make_inputs, a weight refit, a scheduler). ``confirmed``: put back to their values at
-    capture, eager gives the graph's result."""
+    capture, eager gives the graph's result. ``outside``: those of ``changed`` that forward reads from
+    outside the module, each with what it is and the line that read it (``Outside.describe``)."""
+    if outside:
+        return _outside_changed(label, changed, outside, confirmed=confirmed)
     values = ", ".join(f"{n}: {short(a)} at capture, {short(b)} now" for n, (a, b) in changed.items())
     if confirmed:
         return (
@@ -111,3 +120,51 @@ def attributes_changed(label: str, changed: Mapping[str, tuple[Any, Any]], *, co
         "forward; the graph holds the capture-time value, but putting it back does not give eager the "
         "graph's result, so it is not known to be the cause"
     )
+
+
+def _outside_changed(
+    label: str, changed: Mapping[str, tuple[Any, Any]], outside: Mapping[str, str], *, confirmed: bool
+) -> str:
+    """Values forward reads from outside the module (a forward context, a module-level dict, a class
+    attribute) that changed since ``label`` was captured: a Python value the graph holds as it was, a
+    tensor put in place of the one it reads."""
+    from .outside import HeldTensor
+
+    replaced = {
+        n: v for n, v in changed.items() if isinstance(v[0], HeldTensor) and isinstance(v[1], HeldTensor)
+    }
+    values = {n: v for n, v in changed.items() if n not in replaced}
+    said = []
+    if values:
+        listed = "; ".join(
+            f"{outside.get(n, n)}: {short(a)} at capture, {short(b)} now" for n, (a, b) in values.items()
+        )
+        said.append(
+            f"Python value(s) forward reads from outside the module changed since {label} was captured "
+            f"({listed}); the graph holds the capture-time value"
+        )
+    for n, (a, b) in replaced.items():
+        said.append(
+            f"{outside.get(n, n)} holds another tensor than when {label} was captured ({a!r} then, {b!r} "
+            "now): the graph reads the tensor it captured, never one put in its place"
+        )
+    text = "; ".join(said)
+    if not confirmed:
+        return (
+            f"{text}, but putting it back does not give eager the graph's result, so it is not known to be "
+            "the cause"
+        )
+    fixes = []
+    if replaced:
+        first = next(iter(replaced))
+        fixes.append(
+            f"copy into the captured tensor instead ({first}.copy_(new)), so that every replay reads the "
+            "step's values"
+        )
+    if values:
+        fixes.append(
+            "keep such a value in a tensor the runner copies into each step (a persistent buffer, as "
+            "vLLM's attention metadata builders keep theirs for graphs), or pass it to forward as a "
+            "tensor input"
+        )
+    return f"{text}; with it put back eager gives the graph's result. Fix: {'; and '.join(fixes)}"

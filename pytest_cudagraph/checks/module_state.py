@@ -18,6 +18,7 @@ from ..observe import ForwardObserver, fingerprint, restoring
 from ..plan.validate import did_you_mean
 from .compare import Difference, first_difference
 from .floor import across_shapes, given
+from .outside import MISSING, Outside, same
 
 __all__ = ["ModuleState", "ScratchRegion", "Snapshot", "clone_tree", "python_values"]
 
@@ -132,6 +133,9 @@ class ModuleState:
         #: order first seen: graphs captured before keep reading the old memory (address_stability).
         self.rebound_outside: dict[str, None] = {}
         self.observer.on_outside_rebinds.append(self._rebound_outside)
+        #: What forward reads from outside the module and its inputs (a forward context, a module-level
+        #: dict, a class attribute): found in learn_writes' first pass.
+        self.outside = Outside(module)
 
     def _rebound_outside(self, names: list[str]) -> None:
         for name in names:
@@ -159,6 +163,11 @@ class ModuleState:
     def _python_now(self) -> dict[str, Any]:
         values = {}
         for dotted in self.python_written:
+            if dotted in self.outside:
+                value = self.outside.value(dotted)
+                if value is not MISSING:
+                    values[dotted] = value
+                continue
             path, _, attr = dotted.rpartition(".")
             with contextlib.suppress(AttributeError):
                 owner = self.module.get_submodule(path) if path else self.module
@@ -170,7 +179,11 @@ class ModuleState:
         # A Python counter or offset goes back too: left alone, two eager runs "from one state"
         # differ, and a module with Python state reads as random.
         for dotted, value in getattr(snap, "python", {}).items():
-            _set_python_value(self.module, dotted, value)
+            if dotted in self.outside:
+                with contextlib.suppress(LookupError, KeyError, AttributeError, TypeError, IndexError):
+                    self.outside.set(dotted, value)
+            else:
+                _set_python_value(self.module, dotted, value)
         if not snap:
             return
         with torch.no_grad():
@@ -196,10 +209,21 @@ class ModuleState:
         there cannot be undone."""
         before = {name: fingerprint(t) for name, t in self._state_items()}
         python_before = python_values(self.module)
+        outside_between: dict[str, Any] = {}
         with restoring(self.observer):
-            for forward in forwards:
+            for i, forward in enumerate(forwards):
                 self.seed_all(self.seed)
-                forward()
+                if i:
+                    forward()
+                    continue
+                # The first pass also finds what forward reads from outside the module; a second one
+                # shows which of those values forward itself moves (a counter in a module-level dict).
+                with self.outside.watching():
+                    forward()
+                outside_between = self.outside.leaves()
+                if outside_between and len(forwards) == 1:
+                    self.seed_all(self.seed)
+                    forward()
         python_after = python_values(self.module)
         self.python_written = [
             name
@@ -209,6 +233,20 @@ class ModuleState:
         for name in self.python_written:
             if name in python_before:
                 _set_python_value(self.module, name, python_before[name])
+        if outside_between:
+            outside_after = self.outside.leaves()
+            moved = [
+                name
+                for name, value in outside_between.items()
+                if name in outside_after
+                and not same(value, outside_after[name])
+                and self.outside.read_by_forward(name)
+            ]
+            for name in moved:
+                # Put back to the value after the first pass (the one before it was not yet known).
+                with contextlib.suppress(LookupError, KeyError, AttributeError, TypeError, IndexError):
+                    self.outside.set(name, outside_between[name])
+            self.python_written += moved
         self._unwritten = {}
         self._addresses = {}
         for name, t in self._state_items():

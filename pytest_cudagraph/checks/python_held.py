@@ -1,6 +1,8 @@
 """The plain Python values a graph holds from its capture, which a replay keeps when they change
 after it: the module tree's attributes (``python_values``: a float lr, a scale kept on the module)
-as each captured graph saw them, and the Python inputs of ``make_inputs`` that change with the
+and what forward reads from outside the module (``outside.Outside``: a forward context's
+``num_actual_tokens``, a tensor a runner puts in a module-level dict) as each captured graph saw
+them, and the Python inputs of ``make_inputs`` that change with the
 batch (layout kind ``value``: a max_seq_len, a temperature) as each graph holds them. One per
 verification, composed by ``VerifyContext`` (``ctx.python``); the checks that name a value a graph
 froze (``replay_matches_eager``, ``real_batches``, ``padded_size``) ask it."""
@@ -15,6 +17,7 @@ from ..manager import GraphManager
 from ..manager.layout import call_make_inputs, same_value
 from ..plan import BatchDescriptor
 from .module_state import ModuleState, _set_python_value, python_values
+from .outside import same
 
 __all__ = ["PythonHeld"]
 
@@ -48,9 +51,79 @@ class PythonHeld:
                 self._slots.append((dotted, owner.__dict__, attr))
         return {dotted: held[attr] for dotted, held, attr in self._slots if attr in held}
 
+    def outside_now(self) -> dict[str, Any]:
+        """What forward reads from outside the module now, by the name code spells it with (those
+        forward itself moves left out: they are ``python_written``)."""
+        outside, written = self.state.outside, self.state.python_written
+        return {
+            name: value
+            for name, value in outside.leaves().items()
+            if name not in written and outside.read_by_forward(name)
+        }
+
     def captured(self, desc: BatchDescriptor) -> None:
         """``desc`` is being captured: the values its graph holds are those of now."""
-        self.at_capture[desc] = self.now()
+        self.at_capture[desc] = {**self.now(), **self.outside_now()}
+
+    def describe(self, name: str) -> str:
+        """``name`` for a message: what forward reads from outside the module says where it lives and
+        the line that read it; a module attribute is its dotted name."""
+        outside = self.state.outside
+        return outside.describe(name) if name in outside and name not in self._module_names() else name
+
+    def described(self, names: Iterator[str] | list[str] | Mapping[str, Any]) -> dict[str, str]:
+        """Those of ``names`` forward reads from outside the module, each described (``describe``)."""
+        return {name: self.describe(name) for name in names if self.outside(name)}
+
+    def written_now(self) -> dict[str, Any]:
+        """The values forward itself moves on every call that it reads from outside the module, now."""
+        return {
+            name: self.state.outside.value(name) for name in self.state.python_written if self.outside(name)
+        }
+
+    @contextlib.contextmanager
+    def as_made(self, values: Mapping[str, Any]) -> Iterator[None]:
+        """What forward reads from outside the module set to ``values`` (``outside_now`` of a batch,
+        taken when make_inputs made it) in the block, put back after: a batch run after others were
+        made reads its own forward context, not the last one's. A value no longer there is left."""
+        outside = self.state.outside
+        undo = []
+        for name, value in values.items():
+            with contextlib.suppress(LookupError, KeyError, AttributeError, TypeError, IndexError):
+                undo.append(outside.set(name, value))
+        try:
+            yield
+        finally:
+            for step in reversed(undo):
+                step()
+
+    def outside_moving(self, desc: BatchDescriptor | None = None) -> dict[str, tuple[Any, Any]]:
+        """What forward reads from outside the module that moves from batch to batch (make_inputs
+        sets it per step): name -> (at ``desc``'s capture, or at the first capture kept where
+        ``desc``'s was not, and now), for the values that differ between two captures or between a
+        capture and now."""
+        kept = [self.at_capture[desc]] if desc in self.at_capture else list(self.at_capture.values())
+        if not kept:
+            return {}
+        now = self.outside_now()
+        moving: dict[str, tuple[Any, Any]] = {}
+        for name, value in now.items():
+            if not self.outside(name):
+                continue
+            seen = [k[name] for k in kept if name in k]
+            if seen and any(not same(v, value) for v in seen):
+                moving[name] = (seen[0], value)
+            elif len(self.at_capture) > 1 and len({repr(k.get(name)) for k in self.at_capture.values()}) > 1:
+                moving[name] = (seen[0] if seen else None, value)
+        return moving
+
+    def outside(self, name: str) -> bool:
+        """Whether ``name`` is a value forward reads from outside the module (not an attribute of it)."""
+        return name in self.state.outside and name not in self._module_names()
+
+    def _module_names(self) -> set[str]:
+        self.now()
+        return {dotted for dotted, _, _ in self._slots or ()}
 
     def changed_since_capture(self, desc: BatchDescriptor) -> dict[str, tuple[Any, Any]]:
         """The module's Python values that differ now from when ``desc`` was captured, other than those
@@ -59,26 +132,32 @@ class PythonHeld:
         captured = self.at_capture.get(desc)
         if not captured:
             return {}
-        now = self.now()
+        now = {**self.now(), **self.outside_now()}
         written = self.state.python_written
         return {
             name: (value, now[name])
             for name, value in captured.items()
-            if name in now and name not in written and not same_value(value, now[name])
+            if name in now and name not in written and not same(value, now[name])
         }
 
     @contextlib.contextmanager
     def set(self, values: Mapping[str, Any]) -> Iterator[None]:
         """The module's Python values set to ``values`` (dotted name -> value) in the block, put back after."""
         kept = self.now()
-        for name, value in values.items():
-            _set_python_value(self.module, name, value)
+        undo = []
         try:
+            for name, value in values.items():
+                if self.outside(name):
+                    undo.append(self.state.outside.set(name, value))
+                else:
+                    _set_python_value(self.module, name, value)
             yield
         finally:
             for name in values:
                 if name in kept:
                     _set_python_value(self.module, name, kept[name])
+            for step in reversed(undo):
+                step()
 
     # -- make_inputs' Python inputs ----------------------------------------------------------
     def inputs_at(self, desc: BatchDescriptor) -> dict[str, Any]:
@@ -106,5 +185,15 @@ class PythonHeld:
         }
 
     def _make(self, desc: BatchDescriptor) -> dict[str, Any]:
-        """make_inputs at ``desc``'s own shape (its token count and the requests its graph is captured with)."""
-        return call_make_inputs(self.manager.make_inputs, desc.num_tokens, self.manager.capture_reqs(desc))
+        """make_inputs at ``desc``'s own shape (its token count and the requests its graph is captured
+        with), for its values alone: what it sets outside the module (a forward context it fills) is
+        put back, for the batch being run was made before and reads its own."""
+        outside = self.state.outside
+        before = outside.leaves() if outside.places() else {}
+        made = call_make_inputs(self.manager.make_inputs, desc.num_tokens, self.manager.capture_reqs(desc))
+        if before:
+            for name, value in outside.leaves().items():
+                if name in before and not same(before[name], value):
+                    with contextlib.suppress(LookupError, KeyError, AttributeError, TypeError, IndexError):
+                        outside.set(name, before[name])
+        return made

@@ -90,6 +90,9 @@ class Queued:
     #: The fast route's two forwards, where they ran already (quick mode's sizes it did not capture:
     #: the forward that learns how the output is cut is the padded one), not yet read.
     fast: Any = None
+    #: What forward reads from outside the module as make_inputs left it for this batch (a forward
+    #: context filled per step): put back around the batch's runs, which come after other batches'.
+    outside: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -115,7 +115,8 @@ class Where:
         try:
             if self.depth == 1:
                 if held is not None:  # it says what it waits for, in full (``Agreement.before``)
-                    held()
+                    with _unseen():
+                        held()
                 self._say(f"in {name}{self._context()}")
             entered = True
             yield
@@ -153,6 +154,16 @@ class Where:
 _current: list[Where] = []
 
 
+def _unseen() -> contextlib.AbstractContextManager[None]:
+    """The harness's own work around a collective (reading its tensors' shapes and dtypes, holding it
+    to the peers', answering it alone) hidden from torch function modes: it is no call of the user's,
+    and a mode that records a forward's calls (``checks.divergence``: where two runs part) would name
+    it at the user's line of the collective, the first frame outside torch and this package."""
+    import torch
+
+    return torch._C.DisableTorchFunction()
+
+
 def _install_watch() -> None:
     """Wrap ``torch.distributed``'s collectives once per process; each wrapper tells the current
     ``Where`` (if any) that the rank is in it."""
@@ -170,10 +181,12 @@ def _install_watch() -> None:
             if not _current:
                 return original(*args, **kwargs)
             if peers.alone_now():  # a failure's diagnosis on this rank alone: no peer issues it
-                return _alone(name, args, kwargs)
+                with _unseen():
+                    return _alone(name, args, kwargs)
             where = _current[-1]
-            first = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape")), None)
-            shape = f" of {tuple(first.shape)}" if first is not None else ""
+            with _unseen():
+                first = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape")), None)
+                shape = f" of {tuple(first.shape)}" if first is not None else ""
             agreement = where.agreement
             held = functools.partial(agreement.before, name, args, kwargs) if agreement is not None else None
             with where.inside(f"{name}{shape}", held):

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ...plan import Batch, BatchDescriptor
+from ...plan.validate import short
 from ..compare import Difference, first_difference
 from ..report import Finding, Outcome
 from ..verify_context import VerifyContext, clone_tree
@@ -111,6 +112,23 @@ def python_hint(ctx: VerifyContext) -> str:
     )
 
 
+def outside_hint(ctx: VerifyContext, desc: BatchDescriptor) -> str:
+    """Where forward reads values from outside the module that move from batch to batch (a forward
+    context make_inputs fills per step), which a graph holds at its capture: the likelier cause of
+    what a check of the graph saw. ``""`` where none moves."""
+    moving = ctx.python.outside_moving(desc)
+    if not moving:
+        return ""
+    listed = "; ".join(
+        f"{ctx.python.describe(n)}: {short(a)} at capture, {short(b)} now"
+        for n, (a, b) in list(moving.items())[:3]
+    )
+    return (
+        f". Forward reads values from outside the module that move from batch to batch ({listed}), which a "
+        "graph holds at its capture: fresh_inputs and real_batches say whether that is the cause"
+    )
+
+
 #: At most this many changed attributes are each put back alone, to name only those that matter.
 _ONE_BY_ONE = 8
 
@@ -133,8 +151,11 @@ def explaining(
     def eager_with(values: dict[str, tuple[Any, Any]]) -> bool:
         ctx.restore(state0)
         ctx.seed_all(ctx.seed)
-        with ctx.python.set({name: at for name, (at, _) in values.items()}):
-            held = cut(ctx.eager(clone_tree(padded), desc))
+        try:
+            with ctx.python.set({name: at for name, (at, _) in values.items()}):
+                held = cut(ctx.eager(clone_tree(padded), desc))
+        except LookupError:  # a tensor held at capture is gone: it cannot be put back
+            return False
         return first_difference(graph, held) is None
 
     if not eager_with(changed):

@@ -85,9 +85,11 @@ def real_batches(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 padded_inputs = (
                     shared.padded if shared is not None else ctx.load(desc, clone_tree(inputs), batch)
                 )
-                reference.queue(
+                queued = reference.queue(
                     desc, batch, inputs, padded_inputs, ctx.manager.output_dims(desc), first=i == 0
                 )
+                if queued is not None:
+                    queued.outside = ctx.python.outside_now()
                 eager = shared.output if shared is not None else ctx.eager(padded_inputs, desc)
                 at_padded = ctx.manager.cut_output(desc, eager, batch)
                 diff = first_difference(got, at_padded)
@@ -160,7 +162,11 @@ def _attributes_held(
         ctx, desc, padded, state0, got, changed, cut=lambda out: ctx.manager.cut_output(desc, out, batch)
     )
     ctx.restore(state0)
-    return causes.attributes_changed(desc.label(), changed, confirmed=True) if confirmed else ""
+    if not confirmed:
+        return ""
+    return causes.attributes_changed(
+        desc.label(), changed, confirmed=True, outside=ctx.python.described(changed)
+    )
 
 
 def _not_the_program(ctx: VerifyContext, desc: BatchDescriptor, diff: Difference) -> str:
@@ -307,8 +313,9 @@ REAL_BATCHES = Check(
     "outputs cut wrongly; a module that computes something else when it is captured (attention metadata "
     "planned per request count and shared by decode graphs of several query lengths), named as such when "
     "eager on its capture path differs from eager as users run it; a Python number among the inputs that "
-    "decides the result (each graph holds its capture's), and Python attributes changed since capture, "
-    "each named with its values",
+    "decides the result (each graph holds its capture's), Python attributes changed since capture, "
+    "each named with its values, and what forward reads from outside the module (a forward context) "
+    "that changed since capture, named where it lives with the line that read it",
     applies="no real batch dispatches to the descriptor; the module draws random numbers, told by its use "
     "of a generator or by host numbers handed to a kernel that move on every call (the `rng` check covers them). With the float64 reference it runs each descriptor's "
     "smallest real batch only: its largest, a batch of the graph's own size, is what `fresh_inputs` holds; "

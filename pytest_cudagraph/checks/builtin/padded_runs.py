@@ -65,12 +65,14 @@ class _Runs:
     def real(self, q: Queued, *, captured_path: bool = False, noise: float = 0.0) -> Any:
         ctx = self.ctx
         inputs = _on(q.inputs, ctx.manager.device)
-        return self._raised(lambda: ctx.eager_real(inputs, q.batch, captured_path=captured_path), noise)
+        with ctx.python.as_made(q.outside):
+            return self._raised(lambda: ctx.eager_real(inputs, q.batch, captured_path=captured_path), noise)
 
     def padded(self, q: Queued) -> Any:
         ctx = self.ctx
         padded = _on(q.padded, ctx.manager.device)
-        return self._raised(lambda: cut_to_real(ctx.eager(padded, q.desc), q.out_dims, q.batch))
+        with ctx.python.as_made(q.outside):
+            return self._raised(lambda: cut_to_real(ctx.eager(padded, q.desc), q.out_dims, q.batch))
 
     def under_invariant(self, run: Callable[[], Any]) -> Callable[[Invariance], Any]:
         """``run`` as ``fast_pair`` takes it: from the state and seed, under ``invariant``."""
@@ -92,10 +94,11 @@ class _Runs:
         ctx = self.ctx
         inputs = _on(q.inputs, ctx.manager.device)
         padded = _on(q.padded, ctx.manager.device)
-        return fast_pair(
-            self.under_invariant(lambda: ctx.eager_real(inputs, q.batch, captured_path=True)),
-            self.under_invariant(lambda: cut_to_real(ctx.eager(padded, q.desc), q.out_dims, q.batch)),
-        )
+        with ctx.python.as_made(q.outside):
+            return fast_pair(
+                self.under_invariant(lambda: ctx.eager_real(inputs, q.batch, captured_path=True)),
+                self.under_invariant(lambda: cut_to_real(ctx.eager(padded, q.desc), q.out_dims, q.batch)),
+            )
 
 
 def _limits(floors: dict[str, float], roundoff: float) -> dict[str, float]:

@@ -217,6 +217,7 @@ def queue_every_size(ctx: VerifyContext, descs: Sequence[BatchDescriptor]) -> li
         item = ref.queue(desc, batch, inputs, padded, dims, first=True)
         if item is not None:
             item.fast = fast
+            item.outside = ctx.python.outside_now()
         queued.append(desc)
     return queued
 

@@ -14,7 +14,7 @@ from ..compare import first_difference
 from ..registry import Check
 from ..report import REASON_LIMIT, Outcome
 from ..verify_context import VerifyContext, clone_tree
-from .common import batch_norm_hint, finding_of, quantization_fix, where_of
+from .common import batch_norm_hint, finding_of, outside_hint, quantization_fix, where_of
 
 # Finite fills are what padded rows hold in an engine: zeros, stale rows of an
 # earlier batch, hidden states of pad tokens. NaN and inf are a strictness on
@@ -324,6 +324,7 @@ def padding_isolation(ctx: VerifyContext, desc: BatchDescriptor) -> Outcome:
                 False,
                 f"real rows change when padded rows of {filled} hold {label} instead of {instead}: padding "
                 f"leaks into real rows ({where_of(diff)}){strict}{batch_norm_hint(ctx)}"
+                f"{outside_hint(ctx, desc)}"
                 + (
                     f"; the forward quantizes to {' and '.join(ctx.observer.quantized)} (fix below)"
                     if quantized

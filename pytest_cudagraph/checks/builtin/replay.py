@@ -83,10 +83,10 @@ def _compare_padded(
             # Python values read around it (read only now: walking the module tree on every comparison
             # that passes costs more, at real size, than the comparison does).
             ctx.restore(state0)
-            before = python_values(ctx.module)
+            before = {**python_values(ctx.module), **ctx.python.written_now()}
             ctx.seed_all(ctx.seed)
             again = ctx.eager(padded, desc)
-            after = python_values(ctx.module)
+            after = {**python_values(ctx.module), **ctx.python.written_now()}
             changed = [k for k in after if before.get(k, object()) != after[k]]
             differs = first_difference(again, eager) is not None
             draws = ctx.host_draws() if changed or differs else []
@@ -104,7 +104,9 @@ def _compare_padded(
                     check,
                     desc,
                     False,
-                    causes.python_state_per_forward(name, before.get(name), after[name], where_of(diff)),
+                    causes.python_state_per_forward(
+                        ctx.python.describe(name), before.get(name), after[name], where_of(diff)
+                    ),
                     finding_of(diff, batch),
                 )
             uninitialized = ctx.uninitialized()
@@ -117,7 +119,9 @@ def _compare_padded(
             if attributes:
                 # Put back to what the graph holds, does eager give the graph's result? Then that is why.
                 confirmed, attributes = explaining(ctx, desc, padded, state0, graph, attributes)
-                said = causes.attributes_changed(desc.label(), attributes, confirmed=confirmed)
+                said = causes.attributes_changed(
+                    desc.label(), attributes, confirmed=confirmed, outside=ctx.python.described(attributes)
+                )
                 if confirmed:
                     return Outcome(check, desc, False, f"{said} ({where_of(diff)})", finding_of(diff, batch))
                 unconfirmed = f". {said}"
@@ -345,7 +349,8 @@ REPLAY_MATCHES_EAGER = Check(
     "very inputs that left them as they were, is the eager side, held by a print of its bits (two sums of its "
     "bit patterns, plain and weighted by position); a replay with another print is compared with an eager "
     "run of its own on the path a capture takes, which says where and why they differ",
-    catches="Python state changed by every forward (named: `inner.calls: 3 -> 4`); Python attributes that "
+    catches="Python state changed by every forward, the module's or outside it (named: `inner.calls: 3 -> 4`, "
+    "`STEPS['step'] (a module-level dict of ..., read at ...): 12 -> 13`); Python attributes that "
     "something other than forward changed since capture (a refit in make_inputs, a scheduler), named with "
     "their values at capture and now where, put back, they give eager the graph's result; host numbers "
     "that seed a kernel (named, as `rng` names them); nondeterministic eager (said so instead)",
@@ -362,7 +367,10 @@ FRESH_INPUTS = Check(
     "after it on a module in which nothing but graph memory can change a replay, the graphs' free memory is "
     "poisoned (its first way) before this replay, which `determinism` takes as its first",
     catches="tensors computed at warm-up and memoised (by identity, say), stale buffers, values frozen at "
-    "capture",
+    "capture; what forward reads from outside the module (a forward context, a module-level dict, a class "
+    "attribute, a closure cell, a ContextVar, a thread-local) that changed since capture, named where it "
+    "lives with the line that read it and both values, and a tensor put there in place of the captured "
+    "one, named as replaced",
     applies="never: where no input can be changed (no tensor input, or only integers of one value), the "
     "check fails saying it could not run",
 )

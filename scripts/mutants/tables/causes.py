@@ -3,9 +3,11 @@ attributes changed outside forward, where two runs first differ, the reference's
 
 from __future__ import annotations
 
-from ..common import CX, PH, PR, PS, Mutant, S, pair, twin
+from ..common import CX, MS, PH, PR, PS, RP, Mutant, S, pair, twin
 
 CAUSE_TESTS = "tests/test_causes.py"
+OUTSIDE_TESTS = "tests/test_outside_state.py"
+OUT = "pytest_cudagraph/checks/outside.py"
 
 CAUSES: list[Mutant] = [
     # -- issue #57: every failure names its true cause ----------------------------------------------------
@@ -118,5 +120,76 @@ CAUSES: list[Mutant] = [
         "return True",
         ("examples/buggy/test_gallery.py::test_python_scalar_drawn_per_batch_is_held_per_graph_and_named",),
         "a temperature drawn per batch is told to take one value for every size",
+    ),
+    # -- issue #69: state forward reads from outside the module ---------------------------------------------
+    Mutant(
+        "outside-not-held-at-capture",
+        PH,
+        "self.at_capture[desc] = {**self.now(), **self.outside_now()}",
+        "self.at_capture[desc] = self.now()",
+        (pair("ReadsTokenCount"), pair("ReadsReplacedTemperature")),
+        "what forward reads from a forward context is not kept at capture: its change goes unnamed",
+    ),
+    Mutant(
+        "outside-tensor-by-shape",
+        OUT,
+        "    if isinstance(a, HeldTensor) or isinstance(b, HeldTensor):\n        return bool(a == b)",
+        "    if isinstance(a, HeldTensor) or isinstance(b, HeldTensor):\n        return True",
+        (pair("ReadsReplacedTemperature"),),
+        "a tensor put in place of the captured one counts as the same: a replaced tensor goes unnamed",
+    ),
+    Mutant(
+        "outside-written-not-learned",
+        MS,
+        "            self.python_written += moved",
+        "            self.python_written += []",
+        (pair("CountsStepsInDict"),),
+        "a counter forward moves in a module-level dict is not put back: eager is called nondeterministic",
+    ),
+    Mutant(
+        "outside-batch-context-not-put-back",
+        PH,
+        "                undo.append(outside.set(name, value))",
+        "                pass",
+        (
+            f"{OUTSIDE_TESTS}::test_each_batch_runs_with_its_own_forward_context_and_padding_names_the_held_value",
+        ),
+        "padded_size's float64 runs read the last batch's forward context: eager blamed for the padded size",
+    ),
+    Mutant(
+        "outside-site-of-a-local-is-its-use",
+        OUT,
+        "                locals_[ins.argval] = (current, at)",
+        '                locals_[ins.argval] = (current, "")',
+        (pair("ReadsTokenCount"),),
+        "a value read into a local is named without the line that read it",
+    ),
+    Mutant(
+        "outside-read-anything",
+        OUT,
+        "p == place.name and (steps[: len(s)] == s or s[: len(steps)] == steps)",
+        "p == place.name",
+        (f"{OUTSIDE_TESTS}::test_only_what_forward_takes_from_a_place_counts_as_read",),
+        "every field of a forward context is taken as read where forward reads one",
+    ),
+    Mutant(
+        "outside-floor-printed-for-draws",
+        RP,
+        "        if anew:\n",
+        "        if False:\n",
+        (
+            f"{OUTSIDE_TESTS}::test_a_host_counter_in_plain_arithmetic_is_named_with_its_values_and_no_floor_is_printed",
+        ),
+        "the summary prints a float64 floor for a module that draws anew on every call",
+    ),
+    Mutant(
+        "outside-padding-hint-unsaid",
+        S,
+        "    moving = ctx.python.outside_moving(desc)\n    if not moving:",
+        "    moving = ctx.python.outside_moving(desc)\n    if True:",
+        (
+            f"{OUTSIDE_TESTS}::test_each_batch_runs_with_its_own_forward_context_and_padding_names_the_held_value",
+        ),
+        "padding_isolation blames the padding alone where a graph holds a forward context's count",
     ),
 ]

@@ -111,8 +111,8 @@ PADDED_SIZE: list[Mutant] = [
     Mutant(
         "reference-never-queued",
         FN,
-        "                reference.queue(\n",
-        "                (lambda *a, **k: None)(\n",
+        "                queued = reference.queue(\n",
+        "                queued = (lambda *a, **k: None)(\n",
         (*REFERENCE_TESTS, pair("BatchStatistics")),
         "real_batches leaves nothing to the reference: padded_size compares no batch",
     ),

@@ -77,6 +77,15 @@ _AGREE = "pytest_cudagraph/distributed/agree.py"
 _TD = "tests/test_distributed.py"
 
 DISTRIBUTED: list[Mutant] = [
+    Mutant(
+        "rank-alone-answer-seen",
+        "pytest_cudagraph/distributed/rank.py",
+        "                with _unseen():\n                    return _alone(name, args, kwargs)\n",
+        "                return _alone(name, args, kwargs)\n",
+        (f"{_TD}::test_a_branch_after_a_collective_is_placed_by_the_users_calls_as_in_one_process[bug]",),
+        "a collective answered alone reads its tensors where the diagnosis records the forward's calls: a "
+        "branch after an all-reduce is placed by a shape read said to be at the all-reduce's line",
+    ),
     # -- each collective held to the other ranks' before any enters it (issue #68) -------------
     Mutant(
         "agree-shapes-not-compared",
