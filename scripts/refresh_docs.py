@@ -237,7 +237,7 @@ BLOCKS: dict[str, Block] = {
     ),
     "readme-test-it": Block(
         "README.md",
-        ("python", "-m", "pytest"),
+        ("python", "-m", "pytest", "-n", "2"),
         _readme_test_it,
         "The counts it gives on {cores} CPU cores with `OMP_NUM_THREADS={threads}` ({when}, {versions}; the "
         "`cuda` tests skip; written by `scripts/refresh_docs.py`):",

@@ -74,7 +74,7 @@ def test_the_readme_commands_are_what_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     run_it = 'python -m pip install -e ".[examples]" && python -m pytest --cudagraph-verify examples/'
-    test_it = 'python -m pip install -e ".[test]" && python -m pytest'
+    test_it = 'python -m pip install -e ".[test]" && python -m pytest -n 2'
     for command in (run_it, test_it):
         assert f"```bash\n{command}\n```" in readme
         # As the README has it: alone on its line, or its output kept by tee.
