@@ -270,9 +270,7 @@ def test_a_host_counter_in_plain_arithmetic_is_named_with_its_values_and_no_floo
     assert "nondeterministic" not in said, said
     summary = said.splitlines()[0]
     assert "float64 reference" in summary, summary
-    assert "no floor or limit (the module draws anew: NOISE['offset'] moves on every call)" in summary, (
-        summary
-    )
+    assert "no floor or limit (forward moves Python state on every call: NOISE['offset'])" in summary, summary
     assert not re.search(r"floor \d", summary), summary
 
 

@@ -566,12 +566,11 @@ def _tell_draws_anew(ctx: VerifyContext, report: VerifyReport) -> None:
     move, Python state forward moves), a float64 floor across shapes is one number among many draws:
     padded_size's figures say why, and the summary prints none (``VerifyReport._reference``)."""
     if ctx.python_written:
-        moved = ctx.python_written[:3]
-        why = f"{', '.join(moved)} move{'s' if len(moved) == 1 else ''} on every call"
+        why = f"forward moves Python state on every call: {', '.join(ctx.python_written[:3])}"
     elif ctx.observer.random_ops:
-        why = "it draws random numbers"
+        why = "the module draws random numbers on every call"
     elif ctx._host_draws:
-        why = "it hands a kernel host numbers that move on every call"
+        why = "a kernel is handed host numbers that move on every call"
     else:
         return
     for outcome in report.outcomes:

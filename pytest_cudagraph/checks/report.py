@@ -338,10 +338,8 @@ class VerifyReport:
         peak = f", peak {format_bytes(self.reference_peak_memory)}" if self.reference_peak_memory else ""
         anew = next((f["draws_anew"] for f in ran if f.get("draws_anew")), "")
         if anew:
-            # A floor measured on a module that draws anew on every call is one draw's: none is printed.
-            return (
-                f"; {ran[0]['reference']} reference: no floor or limit (the module draws anew: {anew}){peak}"
-            )
+            # A floor measured on a module that computes anew on every call is one call's: none is printed.
+            return f"; {ran[0]['reference']} reference: no floor or limit ({anew}){peak}"
         stood = list(dict.fromkeys(name for f in ran for name in f.get("stood_in", ())))
         through = f" (references standing in for {', '.join(stood)})" if stood else ""
         # Which route the cross-shape verdicts took: batches settled bit for bit in the module's own
