@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ..manager.layout import same_value
+
 __all__ = ["HeldTensor", "Outside", "Place"]
 
 #: Whether verifications track what forward reads from outside the module (the cost benchmark,
@@ -175,15 +177,11 @@ def _leaves(value: Any, steps: tuple[Step, ...], out: dict[tuple[Step, ...], Any
 
 
 def same(a: Any, b: Any) -> bool:
-    """Whether a leaf holds the same now as before: a tensor the same storage and shape; a value equal."""
+    """Whether a leaf holds the same now as before: a tensor the same storage and shape; a value equal
+    (``same_value``: NaN the same as NaN)."""
     if isinstance(a, HeldTensor) or isinstance(b, HeldTensor):
         return bool(a == b)
-    if a is b:
-        return True
-    try:
-        return bool(a == b) or bool(isinstance(a, float) and isinstance(b, float) and a != a and b != b)
-    except Exception:
-        return False
+    return same_value(a, b)
 
 
 def _qualname(code: types.CodeType) -> str:
