@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from examples.buggy.common import D
+from examples.buggy.common import Base, D
 from examples.buggy.forward_context import ReadsTokenCount, context_inputs
 from pytest_cudagraph.checks import verify
 from pytest_cudagraph.checks.outside import Outside
@@ -60,50 +60,30 @@ def get_scale() -> float:
     return SCALES["scale"]
 
 
-class _ClassScale(nn.Module):
+class _ClassScale(Base):
     scale = 1.0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) * self.scale
 
 
-class _ThroughGetter(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-
+class _ThroughGetter(Base):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = get_scale()
         return self.lin(x) * scale
 
 
-class _ContextVarScale(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-
+class _ContextVarScale(Base):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) * SCALE_VAR.get()
 
 
-class _ThreadLocalScale(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-
+class _ThreadLocalScale(Base):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) * LOCAL.scale
 
 
-class _NamespaceScale(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-
+class _NamespaceScale(Base):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) * NAMESPACE.scale
 
@@ -111,11 +91,7 @@ class _NamespaceScale(nn.Module):
 def _closure_scale() -> tuple[nn.Module, dict[str, float]]:
     box = {"scale": 1.0}
 
-    class _ClosureScale(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(D, D)
-
+    class _ClosureScale(Base):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.lin(x) * box["scale"]
 
@@ -237,12 +213,8 @@ def test_each_batch_runs_with_its_own_forward_context_and_padding_names_the_held
 NOISE = {"seed": 1234, "offset": 0}
 
 
-class _HashNoise(nn.Module):
+class _HashNoise(Base):
     """A seed and an offset from a module-level dict, in plain torch arithmetic (no kernel sees them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         NOISE["offset"] += 1
